@@ -1,0 +1,146 @@
+"""Settings shared by every component, read from the environment with embedded defaults.
+
+Every knob has a default that works on a fresh Debian host, so `aenv serve` needs no config
+file. Environment variables (``AGENTENV_*``) override the defaults; tests point ``home`` at a
+temporary directory and keep the shared build ``cache``.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+ENVD_PORT = 49983
+
+# The guest side of every network slot is identical, so a snapshot taken in one slot restores
+# into any other. Link-local space keeps it clear of every routed and RFC 1918 network.
+DEFAULT_GUEST_CIDR = "169.254.0.0/30"
+# Host-side slot addresses come from the benchmarking range (RFC 2544), never RFC 1918.
+DEFAULT_SLOT_CIDR = "198.18.0.0/15"
+DEFAULT_GUEST_MAC = "02:ae:00:00:00:02"
+
+
+class ConfigError(ValueError):
+    """A setting has a value the platform cannot use."""
+
+
+def _env_path(name: str, default: Path) -> Path:
+    raw = os.environ.get(name)
+    return Path(raw).expanduser() if raw else default
+
+
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError as exc:
+        raise ConfigError(f"{name}={raw!r} is not an integer") from exc
+
+
+def _env_opt_path(name: str) -> Path | None:
+    raw = os.environ.get(name)
+    return Path(raw).expanduser() if raw else None
+
+
+@dataclass(frozen=True)
+class NetworkPlan:
+    """Address plan for network slots."""
+
+    guest_cidr: ipaddress.IPv4Network = field(
+        default_factory=lambda: ipaddress.IPv4Network(DEFAULT_GUEST_CIDR)
+    )
+    slot_cidr: ipaddress.IPv4Network = field(
+        default_factory=lambda: ipaddress.IPv4Network(DEFAULT_SLOT_CIDR)
+    )
+    guest_mac: str = DEFAULT_GUEST_MAC
+
+    @property
+    def gateway_ip(self) -> ipaddress.IPv4Address:
+        """Address of the tap inside each slot's namespace (the guest's default route)."""
+        return self.guest_cidr.network_address + 1
+
+    @property
+    def guest_ip(self) -> ipaddress.IPv4Address:
+        return self.guest_cidr.network_address + 2
+
+    @property
+    def max_slots(self) -> int:
+        # One /30 per slot: host end, namespace end.
+        return self.slot_cidr.num_addresses // 4
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Where things live and how sandboxes are shaped."""
+
+    home: Path
+    cache: Path
+    kernel: Path | None = None
+    initramfs: Path | None = None
+    accel: str | None = None
+    pvm_kernel: Path | None = None
+    qemu_binary: str = "qemu-system-x86_64"
+    network: NetworkPlan = field(default_factory=NetworkPlan)
+    default_cpu: int = 1
+    default_memory_mb: int = 512
+    min_memory_mb: int = 128
+    max_memory_mb: int = 16384
+    max_cpu: int = 8
+    slot_pool_low: int = 0
+    slot_pool_high: int = 0
+    boot_timeout_s: float = 120.0
+
+    @classmethod
+    def from_env(cls) -> Settings:
+        net = NetworkPlan()
+        if raw := os.environ.get("AGENTENV_GUEST_CIDR"):
+            net = replace(net, guest_cidr=_parse_net("AGENTENV_GUEST_CIDR", raw, 30))
+        if raw := os.environ.get("AGENTENV_SLOT_CIDR"):
+            net = replace(net, slot_cidr=_parse_net("AGENTENV_SLOT_CIDR", raw, 30))
+        accel = os.environ.get("AGENTENV_ACCEL") or None
+        if accel is not None and accel not in ("kvm", "pvm", "tcg"):
+            raise ConfigError(f"AGENTENV_ACCEL={accel!r}: expected kvm, pvm or tcg")
+        return cls(
+            home=_env_path("AGENTENV_HOME", Path("/var/lib/agentenv")),
+            cache=_env_path("AGENTENV_CACHE", Path.home() / ".cache" / "agentenv"),
+            kernel=_env_opt_path("AGENTENV_KERNEL"),
+            initramfs=_env_opt_path("AGENTENV_INITRAMFS"),
+            accel=accel,
+            pvm_kernel=_env_opt_path("AGENTENV_PVM_KERNEL"),
+            qemu_binary=os.environ.get("AGENTENV_QEMU", "qemu-system-x86_64"),
+            network=net,
+            slot_pool_low=_env_int("AGENTENV_SLOT_POOL_LOW", 0),
+            slot_pool_high=_env_int("AGENTENV_SLOT_POOL_HIGH", 0),
+            boot_timeout_s=float(_env_int("AGENTENV_BOOT_TIMEOUT", 120)),
+        )
+
+    # Layout of the data dir. Components create what they use.
+    @property
+    def layers_dir(self) -> Path:
+        return self.home / "layers"
+
+    @property
+    def sandboxes_dir(self) -> Path:
+        return self.home / "sandboxes"
+
+    @property
+    def templates_file(self) -> Path:
+        return self.home / "templates.json"
+
+    @property
+    def run_dir(self) -> Path:
+        return self.home / "run"
+
+
+def _parse_net(name: str, raw: str, max_prefix: int) -> ipaddress.IPv4Network:
+    try:
+        net = ipaddress.IPv4Network(raw, strict=True)
+    except ValueError as exc:
+        raise ConfigError(f"{name}={raw!r} is not an IPv4 network: {exc}") from exc
+    if net.prefixlen > max_prefix:
+        raise ConfigError(f"{name}={raw!r} is too small (need /{max_prefix} or larger)")
+    return net
