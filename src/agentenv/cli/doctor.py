@@ -1,0 +1,93 @@
+"""`aenv doctor`: the accelerator choice with its reason, and each missing prerequisite as a
+one-line fix."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from rich.console import Console
+
+from agentenv.config import Settings
+
+# (command, Debian package that provides it)
+_TOOLS = [
+    ("qemu-system-x86_64", "qemu-system-x86"),
+    ("qemu-img", "qemu-utils"),
+    ("ip", "iproute2"),
+    ("nft", "nftables"),
+    ("mkfs.ext4", "e2fsprogs"),
+    ("debootstrap", "debootstrap"),
+    ("lz4", "lz4"),
+    ("cpio", "cpio"),
+]
+
+
+@dataclass
+class Finding:
+    ok: bool
+    what: str
+    fix: str = ""
+
+
+def _checks(settings: Settings) -> list[Finding]:
+    found: list[Finding] = []
+    found.append(
+        Finding(os.geteuid() == 0, "running as root", "run aenv as root (netns, taps, cgroups)")
+    )
+    for command, package in _TOOLS:
+        path = shutil.which(command)
+        found.append(
+            Finding(
+                path is not None, f"{command}: {path or 'missing'}", f"apt-get install {package}"
+            )
+        )
+    busybox = Path("/bin/busybox")
+    found.append(Finding(busybox.exists(), "static busybox", "apt-get install busybox-static"))
+    tun = Path("/dev/net/tun")
+    found.append(Finding(tun.exists(), "/dev/net/tun", "modprobe tun"))
+    for controller in ("memory", "cpu", "pids"):
+        v1 = Path("/sys/fs/cgroup") / controller
+        v2 = Path("/sys/fs/cgroup/cgroup.controllers")
+        ok = v1.is_dir() or (v2.exists() and controller in v2.read_text().split())
+        found.append(
+            Finding(
+                ok, f"cgroup controller {controller}", f"mount the {controller} cgroup controller"
+            )
+        )
+    found.extend(_artifact_checks(settings))
+    return found
+
+
+def _artifact_checks(settings: Settings) -> list[Finding]:
+    from agentenv.template.catalog import TemplateCatalog, TemplateNotFound
+
+    try:
+        template = TemplateCatalog(settings).get("base")
+    except TemplateNotFound:
+        return [Finding(False, "template base", "run `aenv setup`")]
+    return [Finding(True, f"template base: {len(template.layers)} layer(s)")]
+
+
+def run_doctor(settings: Settings, console: Console) -> int:
+    from agentenv.vmm.accel import detect
+
+    choice = detect(settings)
+    console.print(f"accelerator: [bold]{choice.name}[/bold] — {choice.reason}")
+    for warning in choice.warnings:
+        console.print(f"[yellow]warning:[/yellow] {warning}")
+    console.print(f"data dir: {settings.home}   build cache: {settings.cache}")
+    missing = 0
+    for finding in _checks(settings):
+        if finding.ok:
+            console.print(f"  [green]ok[/green]   {finding.what}", highlight=False)
+        else:
+            missing += 1
+            console.print(f"  [red]fix[/red]  {finding.what}: {finding.fix}", highlight=False)
+    if missing:
+        console.print(f"{missing} prerequisite(s) missing; `aenv setup` installs and builds them.")
+        return 1
+    console.print("all prerequisites present")
+    return 0

@@ -1,0 +1,106 @@
+"""The `aenv` command line: host setup, diagnosis, the server and the sandbox client commands.
+
+Heavy imports happen inside the commands so `aenv --help` and client commands start fast.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import typer
+from rich.console import Console
+
+from agentenv.config import Settings
+
+app = typer.Typer(
+    name="aenv",
+    help="agentenv: microVM sandboxes for AI agents, driven by the E2B SDK.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+kernel_app = typer.Typer(help="Guest kernels.", no_args_is_help=True)
+app.add_typer(kernel_app, name="kernel")
+
+console = Console(stderr=True)
+
+
+@app.command()
+def setup(
+    skip_packages: bool = typer.Option(
+        False, "--skip-packages", help="Do not install missing Debian packages."
+    ),
+) -> None:
+    """Install host packages and build (or reuse from cache) the guest kernel, tools layer and
+    the `base` template. Safe to run again: a second run is a cache hit."""
+    from agentenv.cli.progress import step_progress
+    from agentenv.hostdeps import ensure_host_packages
+    from agentenv.template.artifacts import ensure_all
+    from agentenv.template.rootfs import ensure_base
+
+    settings = Settings.from_env()
+    started = time.monotonic()
+    with step_progress(console) as progress:
+        installed = [] if skip_packages else ensure_host_packages(progress)
+        artifacts = ensure_all(settings, progress)
+        template = ensure_base(settings, progress)
+    elapsed = time.monotonic() - started
+    if installed:
+        console.print(f"installed packages: {' '.join(installed)}")
+    console.print(f"kernel: {artifacts.kernel} ({artifacts.kernel_kind})")
+    console.print(f"tools layer: {artifacts.tools_image}")
+    console.print(
+        f"template {template.name}: {len(template.layers)} layer(s), {template.size_mb} MB"
+    )
+    console.print(f"setup finished in {elapsed:.1f} s")
+
+
+@kernel_app.command("build")
+def kernel_build() -> None:
+    """Compile the minimal microVM kernel from Debian's linux-source (about 10 minutes on 2
+    cores). Once built it is preferred over Debian's cloud kernel."""
+    from agentenv.cli.progress import step_progress
+    from agentenv.template.kernel import build_custom
+
+    settings = Settings.from_env()
+    with step_progress(console) as progress:
+        path = build_custom(settings, progress)
+    console.print(f"kernel: {path}")
+
+
+@app.command()
+def doctor() -> None:
+    """Show which accelerator sandboxes use and why, and every missing prerequisite."""
+    from agentenv.cli.doctor import run_doctor
+
+    raise typer.Exit(run_doctor(Settings.from_env(), console))
+
+
+def _register_optional() -> None:
+    # The control plane registers `serve` and the client commands; the foundation works
+    # without it, so a missing module is not an error here.
+    try:
+        from agentenv.cli.client import client_app
+    except ImportError:
+        return
+    app.add_typer(client_app)
+
+
+_register_optional()
+
+
+def main() -> None:
+    """Entry point: every failure becomes one readable line and a non-zero exit."""
+    try:
+        app()
+    except KeyboardInterrupt:
+        console.print("interrupted")
+        sys.exit(130)
+    except Exception as exc:
+        if os.environ.get("AGENTENV_DEBUG"):
+            raise
+        message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        console.print(f"[red]error:[/red] {message}", highlight=False)
+        sys.exit(1)
