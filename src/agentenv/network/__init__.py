@@ -1,1 +1,16 @@
-"""agentenv.network"""
+"""Network slots: per-sandbox namespace, tap, veth and nftables, and a pool of them."""
+
+from agentenv.network.errors import NetworkError, NoFreeSlot
+from agentenv.network.pool import SlotPool
+from agentenv.network.slot import Slot, cleanup_stale, create_slot, destroy_slot, slot_for
+
+__all__ = [
+    "NetworkError",
+    "NoFreeSlot",
+    "Slot",
+    "SlotPool",
+    "cleanup_stale",
+    "create_slot",
+    "destroy_slot",
+    "slot_for",
+]

@@ -1,0 +1,122 @@
+"""nftables rule sets for a slot's namespace and for the host, applied with `nft -f -`.
+
+The `nft` CLI is used rather than a netlink binding: its rule language is stable and
+readable, and one `nft -f -` call applies a whole table atomically.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+
+from agentenv.network.errors import NetworkError
+
+TABLE = "agentenv"
+HOST_PREFIX = "ae-h"
+
+
+async def run_in_netns(netns: str | None, script: str, stdin: str = "") -> None:
+    """Run a shell snippet, inside `netns` when given; raise NetworkError on failure."""
+    argv = ["sh", "-ec", script]
+    if netns is not None:
+        argv = ["nsenter", f"--net=/run/netns/{netns}", "--", *argv]
+    proc = await asyncio.create_subprocess_exec(
+        *argv,
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    _, err = await proc.communicate(stdin.encode())
+    if proc.returncode != 0:
+        where = f"netns {netns}" if netns else "host"
+        lines = err.decode(errors="replace").strip().splitlines()
+        raise NetworkError(f"{where}: {lines[-1] if lines else 'command failed'}")
+
+
+def slot_ruleset(
+    *,
+    veth: str,
+    tap: str,
+    slot_ip: ipaddress.IPv4Address,
+    guest_ip: ipaddress.IPv4Address,
+    blocked: list[ipaddress.IPv4Network],
+) -> str:
+    """Rules inside one slot's namespace.
+
+    The host reaches every guest port at the slot address (DNAT). The guest's own new
+    connections may leave through the veth (masqueraded to the slot address), but never to
+    another slot, the host-side range or the namespace itself.
+    """
+    block = ", ".join(str(n) for n in blocked)
+    return f"""
+table inet {TABLE}
+delete table inet {TABLE}
+table inet {TABLE} {{
+  chain prerouting {{
+    type nat hook prerouting priority dstnat; policy accept;
+    iifname "{veth}" ip daddr {slot_ip} dnat ip to {guest_ip}
+  }}
+  chain postrouting {{
+    type nat hook postrouting priority srcnat; policy accept;
+    iifname "{tap}" oifname "{veth}" masquerade
+  }}
+  chain forward {{
+    type filter hook forward priority filter; policy drop;
+    ct state established,related accept
+    ct state invalid drop
+    iifname "{veth}" oifname "{tap}" ip daddr {guest_ip} accept
+    iifname "{tap}" ip daddr {{ {block} }} drop
+    iifname "{tap}" oifname "{veth}" meta nfproto ipv4 accept
+  }}
+  chain input {{
+    type filter hook input priority filter; policy accept;
+    iifname "{tap}" ct state new drop
+  }}
+}}
+"""
+
+
+def host_ruleset() -> str:
+    """Host-side rules shared by all slots: slots may not open connections to the host itself
+    or to each other; replies to the host's own connections pass."""
+    return f"""
+table inet {TABLE}
+delete table inet {TABLE}
+table inet {TABLE} {{
+  chain input {{
+    type filter hook input priority filter; policy accept;
+    iifname "{HOST_PREFIX}*" ct state established,related accept
+    iifname "{HOST_PREFIX}*" drop
+  }}
+  chain forward {{
+    type filter hook forward priority filter; policy accept;
+    iifname "{HOST_PREFIX}*" oifname "{HOST_PREFIX}*" drop
+  }}
+  chain postrouting {{
+    type nat hook postrouting priority srcnat; policy accept;
+    iifname "{HOST_PREFIX}*" oifname != "{HOST_PREFIX}*" masquerade
+  }}
+}}
+"""
+
+
+async def apply_host_rules() -> None:
+    await run_in_netns(None, "nft -f -", host_ruleset())
+
+
+async def host_table_exists() -> bool:
+    proc = await asyncio.create_subprocess_exec(
+        "nft",
+        "list",
+        "table",
+        "inet",
+        TABLE,
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.DEVNULL,
+    )
+    return await proc.wait() == 0
+
+
+async def remove_host_rules() -> None:
+    if await host_table_exists():
+        await run_in_netns(None, f"nft delete table inet {TABLE}")

@@ -1,0 +1,230 @@
+"""One network slot: a namespace holding the guest's tap, joined to the host by a veth pair.
+
+Slot `i` owns the /30 at `slot_cidr + 4*i`: `.1` is the host end (`ae-h{i}`), `.2` the
+namespace end (`ae-n{i}`) and the address the host uses to reach the guest. Inside, every slot
+looks the same (tap0, gateway 169.254.0.1, guest 169.254.0.2, one MAC), so a VM snapshotted in
+one slot runs unchanged in any other.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import ipaddress
+import os
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from pyroute2 import AsyncIPRoute, netns
+from pyroute2.netlink.exceptions import NetlinkError
+
+from agentenv.config import NetworkPlan
+from agentenv.network import nft
+from agentenv.network.errors import NetworkError, NoFreeSlot
+
+NETNS_PREFIX = "ae-s"
+HOST_VETH_PREFIX = nft.HOST_PREFIX
+NS_VETH_PREFIX = "ae-n"
+TAP = "tap0"
+# Host-wide: slot creation and the shared host nft table are coordinated across processes.
+LOCK_FILE = Path("/run/agentenv-network.lock")
+
+
+@dataclass(frozen=True)
+class Slot:
+    index: int
+    netns: str
+    host_veth: str
+    ns_veth: str
+    tap: str
+    host_ip: ipaddress.IPv4Address
+    slot_ip: ipaddress.IPv4Address
+    guest_ip: ipaddress.IPv4Address
+    gateway_ip: ipaddress.IPv4Address
+    guest_mac: str
+    guest_prefixlen: int
+
+    @property
+    def netns_path(self) -> Path:
+        return Path("/run/netns") / self.netns
+
+
+def slot_for(plan: NetworkPlan, index: int) -> Slot:
+    if not 0 <= index < plan.max_slots:
+        raise NoFreeSlot(f"slot {index} is outside {plan.slot_cidr} ({plan.max_slots} slots)")
+    base = plan.slot_cidr.network_address + 4 * index
+    return Slot(
+        index=index,
+        netns=f"{NETNS_PREFIX}{index}",
+        host_veth=f"{HOST_VETH_PREFIX}{index}",
+        ns_veth=f"{NS_VETH_PREFIX}{index}",
+        tap=TAP,
+        host_ip=base + 1,
+        slot_ip=base + 2,
+        guest_ip=plan.guest_ip,
+        gateway_ip=plan.gateway_ip,
+        guest_mac=plan.guest_mac,
+        guest_prefixlen=plan.guest_cidr.prefixlen,
+    )
+
+
+@contextlib.asynccontextmanager
+async def host_lock() -> AsyncIterator[None]:
+    fd = os.open(LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        await asyncio.to_thread(fcntl.flock, fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _existing_indexes() -> set[int]:
+    out: set[int] = set()
+    for name in netns.listnetns():
+        if name.startswith(NETNS_PREFIX) and name[len(NETNS_PREFIX) :].isdigit():
+            out.add(int(name[len(NETNS_PREFIX) :]))
+    return out
+
+
+def _claim_netns(plan: NetworkPlan, start: int) -> Slot:
+    """Create the namespace of the lowest free index; O_EXCL on its mount point makes the
+    claim atomic against other processes."""
+    taken = _existing_indexes()
+    for index in range(start, plan.max_slots):
+        if index in taken:
+            continue
+        slot = slot_for(plan, index)
+        try:
+            netns.create(slot.netns)
+        except FileExistsError:
+            continue
+        return slot
+    raise NoFreeSlot(f"no free slot left in {plan.slot_cidr}")
+
+
+async def _link_index(ipr: AsyncIPRoute, name: str) -> int:
+    found = await ipr.link_lookup(ifname=name)
+    if not found:
+        raise NetworkError(f"link {name} vanished")
+    return int(found[0])
+
+
+async def create_slot(plan: NetworkPlan, index: int | None = None) -> Slot:
+    """Build a slot (lowest free index unless `index` is given); nothing is left on failure."""
+    async with host_lock():
+        if index is None:
+            slot = _claim_netns(plan, 0)
+        else:
+            slot = slot_for(plan, index)
+            try:
+                netns.create(slot.netns)
+            except FileExistsError as exc:
+                raise NetworkError(f"slot {index} is already in use") from exc
+        try:
+            await _build(plan, slot)
+            await nft.apply_host_rules()
+        except BaseException:
+            await _teardown(slot)
+            raise
+    return slot
+
+
+def _disable_ipv6(ifname: str) -> None:
+    # Slots are IPv4 only; a link-local v6 address would be one more path to police.
+    v6 = Path(f"/proc/sys/net/ipv6/conf/{ifname}/disable_ipv6")
+    if v6.exists():
+        v6.write_text("1")
+
+
+async def _build(plan: NetworkPlan, slot: Slot) -> None:
+    try:
+        async with AsyncIPRoute() as ipr:
+            await ipr.link(
+                "add",
+                ifname=slot.host_veth,
+                kind="veth",
+                peer={"ifname": slot.ns_veth, "net_ns_fd": slot.netns},
+            )
+            idx = await _link_index(ipr, slot.host_veth)
+            _disable_ipv6(slot.host_veth)
+            await ipr.addr("add", index=idx, address=str(slot.host_ip), prefixlen=30)
+            await ipr.link("set", index=idx, state="up")
+        async with AsyncIPRoute(netns=slot.netns) as ipr:
+            await ipr.link("set", index=await _link_index(ipr, "lo"), state="up")
+            idx = await _link_index(ipr, slot.ns_veth)
+            await ipr.addr("add", index=idx, address=str(slot.slot_ip), prefixlen=30)
+            await ipr.link("set", index=idx, state="up")
+            await ipr.link("add", ifname=slot.tap, kind="tuntap", mode="tap")
+            tap = await _link_index(ipr, slot.tap)
+            await ipr.addr(
+                "add", index=tap, address=str(slot.gateway_ip), prefixlen=slot.guest_prefixlen
+            )
+            await ipr.link("set", index=tap, state="up")
+            await ipr.route("add", dst="0.0.0.0/0", gateway=str(slot.host_ip))
+    except NetlinkError as exc:
+        raise NetworkError(f"slot {slot.index}: netlink: {exc}") from exc
+    rules = nft.slot_ruleset(
+        veth=slot.ns_veth,
+        tap=slot.tap,
+        slot_ip=slot.slot_ip,
+        guest_ip=slot.guest_ip,
+        blocked=[plan.slot_cidr],
+    )
+    # ip_forward is per namespace; the guest's traffic is routed, not bridged.
+    await nft.run_in_netns(
+        slot.netns,
+        "echo 1 > /proc/sys/net/ipv4/ip_forward\n"
+        "echo 1 > /proc/sys/net/ipv6/conf/all/disable_ipv6\n"
+        "nft -f -",
+        rules,
+    )
+
+
+async def reset_slot(slot: Slot) -> None:
+    """Forget the previous guest's connections before a slot is reused."""
+    await nft.run_in_netns(
+        slot.netns, "if command -v conntrack >/dev/null; then conntrack -F 2>/dev/null; fi; true"
+    )
+
+
+async def _teardown(slot: Slot) -> None:
+    # Deleting the host end removes its peer; the namespace takes the tap with it.
+    with contextlib.suppress(NetlinkError):
+        async with AsyncIPRoute() as ipr:
+            found = await ipr.link_lookup(ifname=slot.host_veth)
+            if found:
+                await ipr.link("del", index=found[0])
+    if slot.netns_path.exists():
+        netns.remove(slot.netns)
+    if not _host_veths():
+        await nft.remove_host_rules()
+
+
+def _host_veths() -> list[str]:
+    return [
+        n
+        for n in os.listdir("/sys/class/net")
+        if n.startswith(HOST_VETH_PREFIX) and n[len(HOST_VETH_PREFIX) :].isdigit()
+    ]
+
+
+async def destroy_slot(slot: Slot) -> None:
+    async with host_lock():
+        await _teardown(slot)
+
+
+async def cleanup_stale(plan: NetworkPlan) -> list[int]:
+    """Remove every slot left by a crashed server (namespaces `ae-s*`, links `ae-h*`, the host
+    table). Call it only when no live server on this host owns slots."""
+    indexes = _existing_indexes()
+    for name in _host_veths():
+        indexes.add(int(name[len(HOST_VETH_PREFIX) :]))
+    async with host_lock():
+        for i in sorted(indexes):
+            if i < plan.max_slots:
+                await _teardown(slot_for(plan, i))
+        if not _host_veths():
+            await nft.remove_host_rules()
+    return sorted(indexes)

@@ -1,0 +1,85 @@
+"""Shared fixtures: per-session state dir on the shared artifact cache, and the leak check.
+
+The leak check runs around every test. It records what agentenv-owned host resources exist
+before the test and fails the test if new ones are still there afterwards: QEMU processes
+started from this session, network namespaces, `ae-*`/tap links, nftables tables, mounts,
+sandbox cgroups and files under the sandboxes dir.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from agentenv.config import Settings
+from agentenv.vmm import cgroup
+
+
+@pytest.fixture(scope="session")
+def agentenv_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("agentenv-home")
+
+
+@pytest.fixture
+def settings(agentenv_home: Path, monkeypatch: pytest.MonkeyPatch) -> Settings:
+    monkeypatch.setenv("AGENTENV_HOME", str(agentenv_home))
+    return replace(Settings.from_env(), home=agentenv_home)
+
+
+def _descendant_qemus(home: Path) -> set[str]:
+    """QEMU processes that are ours: children of this process or using our state dir."""
+    me = os.getpid()
+    found: set[str] = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+            cmd = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if "qemu-system" not in cmd:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        if ppid == me or str(home) in cmd:
+            found.add(f"{entry} {cmd[:120]}")
+    return found
+
+
+def _snapshot(home: Path) -> dict[str, set[str]]:
+    netns = set(os.listdir("/run/netns")) if os.path.isdir("/run/netns") else set()
+    links = {n for n in os.listdir("/sys/class/net") if n.startswith(("ae-", "tap"))}
+    tables = subprocess.run(
+        ["nft", "list", "tables"], capture_output=True, text=True, check=False
+    ).stdout.splitlines()
+    mounts = {
+        line.split()[1]
+        for line in Path("/proc/self/mounts").read_text().splitlines()
+        if "agentenv" in line or "/run/netns/" in line or str(home) in line
+    }
+    sandboxes = home / "sandboxes"
+    files = {str(p) for p in sandboxes.rglob("*")} if sandboxes.is_dir() else set()
+    return {
+        "qemu processes": _descendant_qemus(home),
+        "network namespaces": {n for n in netns if n.startswith("ae-")},
+        "links": links,
+        "nft tables": {t for t in tables if "agentenv" in t},
+        "mounts": mounts,
+        "cgroups": {str(p) for p in cgroup.stale()},
+        "sandbox files": files,
+    }
+
+
+@pytest.fixture(autouse=True)
+def leak_check(agentenv_home: Path) -> Iterator[None]:
+    before = _snapshot(agentenv_home)
+    yield
+    after = _snapshot(agentenv_home)
+    leaks = {k: sorted(after[k] - before[k]) for k in after if after[k] - before[k]}
+    if leaks:
+        pytest.fail(f"test left resources behind: {leaks}", pytrace=False)

@@ -1,0 +1,141 @@
+"""Network slots built for real: namespaces, veths, taps and nftables on this host."""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import json
+import subprocess
+
+import pytest
+
+from agentenv.config import NetworkPlan
+from agentenv.network import (
+    NetworkError,
+    NoFreeSlot,
+    SlotPool,
+    cleanup_stale,
+    create_slot,
+    destroy_slot,
+    slot_for,
+)
+from agentenv.network.slot import NETNS_PREFIX
+
+
+def sh(*argv: str) -> str:
+    return subprocess.run(argv, capture_output=True, text=True, check=True).stdout
+
+
+def ns_links(netns: str) -> dict[str, dict[str, object]]:
+    data = json.loads(sh("ip", "-j", "-n", netns, "addr"))
+    return {d["ifname"]: d for d in data}
+
+
+def test_address_plan_is_per_slot_outside_and_identical_inside() -> None:
+    plan = NetworkPlan()
+    s0, s5 = slot_for(plan, 0), slot_for(plan, 5)
+    assert (str(s0.host_ip), str(s0.slot_ip)) == ("198.18.0.1", "198.18.0.2")
+    assert (str(s5.host_ip), str(s5.slot_ip)) == ("198.18.0.21", "198.18.0.22")
+    assert (s0.guest_ip, s0.gateway_ip, s0.guest_mac) == (s5.guest_ip, s5.gateway_ip, s5.guest_mac)
+    assert str(s0.guest_ip) == "169.254.0.2"
+    last = slot_for(plan, plan.max_slots - 1)
+    assert str(last.slot_ip) == "198.19.255.254"
+    with pytest.raises(NoFreeSlot):
+        slot_for(plan, plan.max_slots)
+
+
+async def test_create_and_destroy_slot() -> None:
+    plan = NetworkPlan()
+    slot = await create_slot(plan)
+    try:
+        assert slot.netns in sh("ip", "netns", "list")
+        links = ns_links(slot.netns)
+        assert set(links) == {"lo", slot.ns_veth, "tap0"}
+        addrs = {a["local"] for a in links["tap0"]["addr_info"]}  # type: ignore[attr-defined]
+        assert addrs == {"169.254.0.1"}
+        ns_addrs = {a["local"] for a in links[slot.ns_veth]["addr_info"]}  # type: ignore[attr-defined]
+        assert str(slot.slot_ip) in ns_addrs
+        host = json.loads(sh("ip", "-j", "addr", "show", "dev", slot.host_veth))[0]
+        assert {a["local"] for a in host["addr_info"]} == {str(slot.host_ip)}
+        rules = sh("ip", "netns", "exec", slot.netns, "nft", "list", "table", "inet", "agentenv")
+        assert f"ip daddr {slot.slot_ip} dnat ip to 169.254.0.2" in rules
+        assert "masquerade" in rules
+        assert "agentenv" in sh("nft", "list", "tables")
+        fwd = sh("ip", "netns", "exec", slot.netns, "cat", "/proc/sys/net/ipv4/ip_forward")
+        assert fwd.strip() == "1"
+    finally:
+        await destroy_slot(slot)
+    assert slot.netns not in sh("ip", "netns", "list")
+    assert slot.host_veth not in sh("ip", "-br", "link")
+    assert "agentenv" not in sh("nft", "list", "tables")
+
+
+async def test_two_slots_get_distinct_addresses_and_same_inside() -> None:
+    plan = NetworkPlan()
+    a = await create_slot(plan)
+    try:
+        b = await create_slot(plan)
+        try:
+            assert a.index != b.index and a.slot_ip != b.slot_ip
+            for s in (a, b):
+                tap = ns_links(s.netns)["tap0"]["addr_info"]
+                assert [x["local"] for x in tap] == ["169.254.0.1"]  # type: ignore[index]
+            with pytest.raises(NetworkError, match="already in use"):
+                await create_slot(plan, a.index)
+        finally:
+            await destroy_slot(b)
+        # The host table stays while a slot remains.
+        assert "agentenv" in sh("nft", "list", "tables")
+    finally:
+        await destroy_slot(a)
+    assert "agentenv" not in sh("nft", "list", "tables")
+
+
+async def test_custom_plan_is_honoured() -> None:
+    plan = NetworkPlan(slot_cidr=ipaddress.IPv4Network("198.19.128.0/29"))
+    assert plan.max_slots == 2
+    a = await create_slot(plan)
+    b = await create_slot(plan)
+    try:
+        assert {str(a.slot_ip), str(b.slot_ip)} == {"198.19.128.2", "198.19.128.6"}
+        with pytest.raises(NoFreeSlot):
+            await create_slot(plan)
+    finally:
+        await destroy_slot(a)
+        await destroy_slot(b)
+
+
+async def test_cleanup_stale_removes_leftovers() -> None:
+    plan = NetworkPlan()
+    slot = await create_slot(plan)
+    # Simulate a crash: the slot is forgotten without teardown.
+    removed = await cleanup_stale(plan)
+    assert slot.index in removed
+    assert not any(n.startswith(NETNS_PREFIX) for n in sh("ip", "netns", "list").split())
+    assert "agentenv" not in sh("nft", "list", "tables")
+
+
+async def test_pool_watermarks() -> None:
+    pool = SlotPool(NetworkPlan(), low=1, high=2)
+    await pool.start()
+    try:
+        assert pool.idle == 2
+        s1 = await pool.acquire()
+        s2 = await pool.acquire()
+        assert pool.idle == 0 and {s1.index, s2.index} == {s.index for s in pool.busy}
+        # Falling below `low` starts a refill up to `high`.
+        for _ in range(100):
+            if pool.idle == 2:
+                break
+            await asyncio.sleep(0.02)
+        assert pool.idle == 2
+        await pool.release(s1)  # pool is full: destroyed
+        assert s1.netns not in sh("ip", "netns", "list")
+    finally:
+        await pool.close()
+    assert pool.idle == 0
+
+
+def test_pool_rejects_bad_watermarks() -> None:
+    with pytest.raises(ValueError, match="watermarks"):
+        SlotPool(NetworkPlan(), low=3, high=1)
