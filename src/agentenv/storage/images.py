@@ -96,6 +96,8 @@ async def create_upper(backing: Path, dest: Path, size_mb: int | None = None) ->
 
 def create_overlay_sync(backing: Path, dest: Path) -> None:
     """A new upper for sealing: same size as its backing, created before QEMU opens it."""
+    if dest.exists():
+        raise ImageError(f"{dest} already exists")
     base = info(backing)
     _run(
         [

@@ -1,0 +1,86 @@
+"""The VMM interface: what the orchestrator needs from a virtual machine monitor.
+
+The shapes follow what both QEMU microvm and Firecracker can do (a kernel boot source,
+virtio block drives, one tap-backed NIC, a balloon, snapshots), so a Firecracker driver can
+implement this protocol later without changes above it.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+
+@dataclass(frozen=True)
+class BootSource:
+    kernel: Path
+    initrd: Path | None
+    cmdline: str
+
+
+@dataclass(frozen=True)
+class Drive:
+    """A virtio block device; the guest sees drives as vda, vdb, ... in list order."""
+
+    id: str
+    path: Path
+    read_only: bool
+    fmt: str = "qcow2"
+
+
+@dataclass(frozen=True)
+class NetIface:
+    tap: str
+    mac: str
+
+
+@dataclass(frozen=True)
+class MachineSpec:
+    vcpus: int
+    memory_mb: int
+    # Guest RAM in this file (shared mapping) so its memory can be snapshotted without a copy.
+    mem_file: Path | None = None
+    balloon: bool = True
+
+
+class VMStatus(enum.Enum):
+    CREATED = "created"
+    RUNNING = "running"
+    PAUSED = "paused"
+    STOPPED = "stopped"
+
+
+class VMM(Protocol):
+    """One guest. `start()` returns once the monitor answers (not when the guest is up)."""
+
+    @property
+    def pid(self) -> int | None: ...
+
+    async def start(self) -> None: ...
+
+    async def wait_exit(self) -> int:
+        """Wait for the VMM process to end; returns its exit status."""
+        ...
+
+    async def stop(self, grace_s: float = 5.0) -> None:
+        """Ask the guest to power off; kill it if it has not within `grace_s` seconds."""
+        ...
+
+    async def kill(self) -> None: ...
+
+    async def pause(self) -> None: ...
+
+    async def resume(self) -> None: ...
+
+    async def status(self) -> VMStatus: ...
+
+    async def seal_disk(self, drive_id: str, new_upper: Path) -> Path:
+        """Make the drive's current upper read-only and send writes to `new_upper` (a fresh
+        qcow2 created over it); returns the path of the now read-only layer."""
+        ...
+
+    async def snapshot_create(self, state_path: Path) -> None: ...
+
+    async def snapshot_load(self, state_path: Path) -> None: ...

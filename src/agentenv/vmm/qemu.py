@@ -1,0 +1,354 @@
+"""QEMU `-M microvm` driver over QMP: one process per guest, in a netns and a cgroup."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import time
+from pathlib import Path
+
+from qemu.qmp import QMPClient
+
+from agentenv.storage.images import create_overlay_sync
+from agentenv.vmm.accel import AccelChoice
+from agentenv.vmm.base import BootSource, Drive, MachineSpec, NetIface, VMStatus
+from agentenv.vmm.cgroup import Cgroup, Limits
+from agentenv.vmm.errors import VMMError, VMStartError
+
+log = logging.getLogger(__name__)
+
+# sun_path holds 108 bytes; deep temporary dirs can exceed it.
+_MAX_SOCK_PATH = 100
+_SOCK_FALLBACK_DIR = Path("/run/agentenv-qmp")
+QMP_CONNECT_TIMEOUT_S = 10.0
+# QEMU itself (TCG code cache, device state, page tables) on top of the guest's RAM.
+MEMORY_OVERHEAD_MB = 192
+PIDS_LIMIT = 256
+
+_STATUS = {
+    "running": VMStatus.RUNNING,
+    "paused": VMStatus.PAUSED,
+    "suspended": VMStatus.PAUSED,
+    "postmigrate": VMStatus.PAUSED,
+    "finish-migrate": VMStatus.PAUSED,
+    "save-vm": VMStatus.PAUSED,
+    "restore-vm": VMStatus.PAUSED,
+    "inmigrate": VMStatus.CREATED,
+    "prelaunch": VMStatus.CREATED,
+    "shutdown": VMStatus.STOPPED,
+    "guest-panicked": VMStatus.STOPPED,
+    "internal-error": VMStatus.STOPPED,
+    "io-error": VMStatus.PAUSED,
+    "watchdog": VMStatus.PAUSED,
+    "debug": VMStatus.PAUSED,
+}
+
+
+def cgroup_limits(machine: MachineSpec) -> Limits:
+    return Limits(
+        memory_bytes=(machine.memory_mb + MEMORY_OVERHEAD_MB) * 1024 * 1024,
+        cpus=float(machine.vcpus),
+        pids=PIDS_LIMIT,
+    )
+
+
+class QemuVM:
+    """A microvm guest. Every file it makes lives in `workdir` (serial log, QEMU's stderr,
+    QMP socket); `kill()`/`stop()` release the process, the cgroup and the socket, also after
+    a start that failed half way."""
+
+    def __init__(
+        self,
+        *,
+        name: str,
+        workdir: Path,
+        machine: MachineSpec,
+        boot: BootSource,
+        drives: list[Drive],
+        accel: AccelChoice,
+        net: NetIface | None = None,
+        netns: str | None = None,
+        cgroup: bool = True,
+        qemu_binary: str = "qemu-system-x86_64",
+    ) -> None:
+        self.name = name
+        self.workdir = workdir
+        self.machine = machine
+        self.boot = boot
+        self.drives = drives
+        self.accel = accel
+        self.net = net
+        self.netns = netns
+        self.qemu_binary = qemu_binary
+        self.serial_log = workdir / "serial.log"
+        self.stderr_log = workdir / "qemu.stderr"
+        sock = workdir / "qmp.sock"
+        if len(str(sock)) > _MAX_SOCK_PATH:
+            sock = _SOCK_FALLBACK_DIR / f"{name}.sock"
+        self.qmp_socket = sock
+        self.cgroup = Cgroup(name) if cgroup else None
+        self._proc: asyncio.subprocess.Process | None = None
+        self._qmp: QMPClient | None = None
+        self._top: dict[str, str] = {d.id: f"{d.id}-0" for d in drives}
+        self._seals: dict[str, int] = {d.id: 0 for d in drives}
+        self._paths: dict[str, Path] = {d.id: d.path for d in drives}
+        self._exit_code: int | None = None
+        self._cleaned = False
+        self.started_at: float | None = None
+
+    # -- argv -------------------------------------------------------------------------------
+
+    def argv(self) -> list[str]:
+        m = self.machine
+        machine_opts = "microvm,x-option-roms=off,pit=off,pic=off,rtc=on"
+        args = [self.qemu_binary]
+        if m.mem_file is not None:
+            machine_opts += ",memory-backend=mem"
+            args += [
+                "-object",
+                f"memory-backend-file,id=mem,size={m.memory_mb}M,mem-path={m.mem_file},share=on",
+            ]
+        args += ["-M", machine_opts, *self.accel.qemu_args]
+        args += ["-smp", str(m.vcpus), "-m", f"{m.memory_mb}M"]
+        args += ["-nodefaults", "-no-user-config", "-display", "none", "-no-reboot"]
+        args += ["-serial", f"file:{self.serial_log}"]
+        args += ["-qmp", f"unix:{self.qmp_socket},server=on,wait=off"]
+        args += ["-kernel", str(self.boot.kernel)]
+        if self.boot.initrd is not None:
+            args += ["-initrd", str(self.boot.initrd)]
+        words = self.boot.cmdline.split()
+        words += [w for w in self.accel.cmdline if w not in words]
+        cmdline = " ".join(words)
+        if cmdline:
+            args += ["-append", cmdline]
+        for d in self.drives:
+            node = {
+                "driver": d.fmt,
+                "node-name": f"{d.id}-0",
+                "read-only": d.read_only,
+                "file": {
+                    "driver": "file",
+                    "filename": str(d.path),
+                    "read-only": d.read_only,
+                },
+            }
+            args += ["-blockdev", json.dumps(node, separators=(",", ":"))]
+            args += ["-device", f"virtio-blk-device,drive={d.id}-0,id={d.id}"]
+        if self.net is not None:
+            args += [
+                "-netdev",
+                f"tap,id=n0,ifname={self.net.tap},script=no,downscript=no",
+                "-device",
+                f"virtio-net-device,netdev=n0,mac={self.net.mac}",
+            ]
+        if m.balloon:
+            args += ["-device", "virtio-balloon-device,free-page-reporting=on,deflate-on-oom=on"]
+        return args
+
+    def _launch_argv(self) -> list[str]:
+        argv = self.argv()
+        if self.netns is not None:
+            argv = ["nsenter", f"--net=/run/netns/{self.netns}", "--", *argv]
+        if self.cgroup is not None:
+            # The shell joins the cgroup and then execs, so QEMU never runs outside it and
+            # keeps the PID we track.
+            argv = ["sh", "-c", self.cgroup.join_script() + 'exec "$@"', "sh", *argv]
+        return argv
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    @property
+    def pid(self) -> int | None:
+        return None if self._proc is None else self._proc.pid
+
+    @property
+    def exit_code(self) -> int | None:
+        """QEMU's exit status once it has ended (also when nobody awaited it)."""
+        return None if self._proc is None else self._proc.returncode
+
+    def _check_inputs(self) -> None:
+        files = [self.boot.kernel, *(d.path for d in self.drives)]
+        if self.boot.initrd is not None:
+            files.append(self.boot.initrd)
+        for f in files:
+            if not f.is_file():
+                raise VMStartError(f"{self.name}: {f} does not exist")
+        if self.netns is not None and not Path(f"/run/netns/{self.netns}").exists():
+            raise VMStartError(f"{self.name}: network namespace {self.netns} does not exist")
+        if self.machine.vcpus < 1 or self.machine.memory_mb < 16:
+            raise VMStartError(f"{self.name}: bad machine shape {self.machine}")
+
+    async def start(self) -> None:
+        if self._proc is not None:
+            raise VMMError(f"{self.name} was already started")
+        self._check_inputs()
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        if self.qmp_socket.parent != self.workdir:
+            self.qmp_socket.parent.mkdir(parents=True, exist_ok=True)
+        self.qmp_socket.unlink(missing_ok=True)
+        try:
+            if self.cgroup is not None:
+                self.cgroup.create(cgroup_limits(self.machine))
+            with self.stderr_log.open("wb") as err:
+                self._proc = await asyncio.create_subprocess_exec(
+                    *self._launch_argv(),
+                    stdin=asyncio.subprocess.DEVNULL,
+                    stdout=err,
+                    stderr=err,
+                    start_new_session=True,
+                )
+            self.started_at = time.monotonic()
+            await self._connect_qmp()
+        except BaseException:
+            await self.kill()
+            raise
+
+    async def _connect_qmp(self) -> None:
+        assert self._proc is not None
+        deadline = time.monotonic() + QMP_CONNECT_TIMEOUT_S
+        while True:
+            if self._proc.returncode is not None:
+                raise VMStartError(f"{self.name}: qemu exited: {self._stderr_tail()}")
+            if self.qmp_socket.exists():
+                qmp = QMPClient(self.name)
+                try:
+                    await qmp.connect(str(self.qmp_socket))
+                except (OSError, ConnectionError, Exception) as exc:
+                    if time.monotonic() > deadline:
+                        raise VMStartError(f"{self.name}: QMP connect failed: {exc}") from exc
+                else:
+                    self._qmp = qmp
+                    return
+            if time.monotonic() > deadline:
+                raise VMStartError(f"{self.name}: QMP did not come up: {self._stderr_tail()}")
+            await asyncio.sleep(0.005)
+
+    def _stderr_tail(self) -> str:
+        try:
+            lines = self.stderr_log.read_text(errors="replace").strip().splitlines()
+        except OSError:
+            return "no output"
+        return lines[-1] if lines else "no output"
+
+    async def wait_exit(self) -> int:
+        if self._proc is None:
+            raise VMMError(f"{self.name} was never started")
+        code = await self._proc.wait()
+        self._exit_code = code
+        await self._cleanup()
+        return code
+
+    async def stop(self, grace_s: float = 5.0) -> None:
+        """Power button first; then QEMU's own `quit`; SIGKILL as the last resort."""
+        if self._proc is None or self._proc.returncode is not None:
+            await self._cleanup()
+            return
+        with contextlib.suppress(Exception):
+            await self._execute("system_powerdown")
+            async with asyncio.timeout(grace_s):
+                await self._proc.wait()
+        if self._proc.returncode is None:
+            with contextlib.suppress(Exception):
+                await self._execute("quit")
+                async with asyncio.timeout(2.0):
+                    await self._proc.wait()
+        await self.kill()
+
+    async def kill(self) -> None:
+        proc = self._proc
+        if proc is not None and proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, signal.SIGKILL)
+            await proc.wait()
+        await self._cleanup()
+
+    async def _cleanup(self) -> None:
+        if self._cleaned or (self._proc is not None and self._proc.returncode is None):
+            return
+        self._cleaned = True
+        if self._qmp is not None:
+            with contextlib.suppress(Exception):
+                await self._qmp.disconnect()
+            self._qmp = None
+        self.qmp_socket.unlink(missing_ok=True)
+        if self.cgroup is not None:
+            await asyncio.to_thread(self.cgroup.remove)
+
+    # -- QMP operations ---------------------------------------------------------------------
+
+    async def _execute(self, cmd: str, args: dict[str, object] | None = None) -> object:
+        if self._qmp is None:
+            raise VMMError(f"{self.name} is not running")
+        try:
+            return await self._qmp.execute(cmd, args)
+        except Exception as exc:
+            raise VMMError(f"{self.name}: QMP {cmd} failed: {exc}") from exc
+
+    async def pause(self) -> None:
+        await self._execute("stop")
+
+    async def resume(self) -> None:
+        await self._execute("cont")
+
+    async def status(self) -> VMStatus:
+        if self._proc is None:
+            return VMStatus.CREATED
+        if self._proc.returncode is not None or self._qmp is None:
+            return VMStatus.STOPPED
+        reply = await self._execute("query-status")
+        assert isinstance(reply, dict)
+        return _STATUS.get(str(reply.get("status")), VMStatus.RUNNING)
+
+    async def seal_disk(self, drive_id: str, new_upper: Path) -> Path:
+        if drive_id not in self._top:
+            raise VMMError(f"{self.name} has no drive {drive_id!r}")
+        old_path = self._paths[drive_id]
+        await asyncio.to_thread(create_overlay_sync, old_path, new_upper)
+        n = self._seals[drive_id] + 1
+        node = f"{drive_id}-{n}"
+        try:
+            await self._execute(
+                "blockdev-add",
+                {
+                    "driver": "qcow2",
+                    "node-name": node,
+                    "file": {"driver": "file", "filename": str(new_upper)},
+                    # The overlay's backing is the live node, attached by blockdev-snapshot.
+                    "backing": None,
+                },
+            )
+            try:
+                await self._execute(
+                    "blockdev-snapshot", {"node": self._top[drive_id], "overlay": node}
+                )
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    await self._execute("blockdev-del", {"node-name": node})
+                raise
+        except BaseException:
+            await asyncio.to_thread(new_upper.unlink, True)
+            raise
+        self._seals[drive_id] = n
+        self._top[drive_id] = node
+        self._paths[drive_id] = new_upper
+        # QEMU now opens the old upper read-only; the file mode keeps everyone else honest.
+        await asyncio.to_thread(old_path.chmod, 0o444)
+        return old_path
+
+    def disk_path(self, drive_id: str) -> Path:
+        """The file that currently takes the drive's writes."""
+        return self._paths[drive_id]
+
+    async def snapshot_create(self, state_path: Path) -> None:
+        raise NotImplementedError(
+            "memory snapshots are not implemented yet (planned: x-ignore-shared migration)"
+        )
+
+    async def snapshot_load(self, state_path: Path) -> None:
+        raise NotImplementedError(
+            "memory snapshots are not implemented yet (planned: x-ignore-shared migration)"
+        )
