@@ -83,3 +83,11 @@ def leak_check(agentenv_home: Path) -> Iterator[None]:
     leaks = {k: sorted(after[k] - before[k]) for k in after if after[k] - before[k]}
     if leaks:
         pytest.fail(f"test left resources behind: {leaks}", pytrace=False)
+
+
+@pytest.fixture(scope="session")
+def guest_artifacts() -> object:
+    """Kernel, initramfs and tools layer from the shared cache (built once if missing)."""
+    from agentenv.template.artifacts import ensure_all
+
+    return ensure_all(Settings.from_env(), None)
