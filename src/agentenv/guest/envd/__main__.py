@@ -1,0 +1,60 @@
+"""`python -m agentenv.guest.envd [--host H] [--port P] [--default-user U] [--guest]`."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from . import ENVD_PORT, ENVD_VERSION
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m agentenv.guest.envd",
+        description=f"envd {ENVD_VERSION}: the in-sandbox daemon the E2B SDK talks to.",
+    )
+    parser.add_argument("--host", default="0.0.0.0", help="address to listen on")
+    parser.add_argument("--port", type=int, default=ENVD_PORT, help="port to listen on")
+    parser.add_argument(
+        "--default-user", default="user", help="user for requests that name none (default: user)"
+    )
+    parser.add_argument(
+        "--guest",
+        action="store_true",
+        help="running inside a sandbox: /init may set the clock, hostname and RNG",
+    )
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning"])
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(
+        stream=sys.stderr,
+        level=args.log_level.upper(),
+        format="envd %(levelname)s %(message)s",
+    )
+    # Imported only now: the guest runs Python under emulation, where imports are slow and
+    # `--help` should not pay for them.
+    import uvicorn
+
+    from .app import Envd
+    from .state import EnvdState
+
+    app = Envd(EnvdState(default_user=args.default_user, guest=args.guest))
+    uvicorn.run(
+        app,
+        host=args.host,
+        port=args.port,
+        http="h11",
+        loop="asyncio",
+        lifespan="on",
+        log_level=args.log_level,
+        access_log=False,
+        timeout_keep_alive=75,
+    )
+
+
+if __name__ == "__main__":
+    main()

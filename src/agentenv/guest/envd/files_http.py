@@ -1,0 +1,266 @@
+"""`GET /files` (download) and `POST /files` (multipart or raw upload), streamed both ways.
+
+Uploads go straight from the request body to the destination file in bounded chunks, so a
+1 GiB file needs no more memory than a small one; a failed upload removes the file it created.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import logging
+import os
+import stat
+import zlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from python_multipart.multipart import MultipartParser, parse_options_header
+from starlette.requests import Request
+from starlette.responses import FileResponse, JSONResponse, Response
+
+from . import paths
+from .entries import write_metadata
+from .errors import EnvdFault, InvalidArgument, ResourceExhausted
+from .users import User
+
+log = logging.getLogger("agentenv.envd")
+
+FLUSH_BYTES = 1024 * 1024
+METADATA_HEADER = "x-metadata-"
+
+
+def error_response(exc: EnvdFault) -> JSONResponse:
+    return JSONResponse({"code": exc.status, "message": exc.message}, status_code=exc.status)
+
+
+async def download(request: Request, user: User) -> Response:
+    raw = request.query_params.get("path")
+    if not raw:
+        raise InvalidArgument("query parameter 'path' is required")
+    path = paths.resolve(raw, user)
+    st = paths.check(path, user, paths.R)
+    if stat.S_ISDIR(st.st_mode):
+        raise InvalidArgument(f"path is a directory: {path}")
+    return FileResponse(path, media_type="application/octet-stream", stat_result=st)
+
+
+class FileSink:
+    """One destination file, written from the event loop through a thread in 1 MiB batches."""
+
+    def __init__(self, path: str, user: User) -> None:
+        self.path = path
+        self.user = user
+        self.fd: int | None = None
+        self.created = False
+        self._buf = bytearray()
+
+    async def open(self) -> None:
+        await asyncio.to_thread(self._open)
+
+    def _open(self) -> None:
+        paths.check_write(self.path, self.user)
+        if os.path.isdir(self.path):
+            raise InvalidArgument(f"path is a directory: {self.path}")
+        paths.makedirs_as(os.path.dirname(self.path), self.user)
+        self.created = not os.path.lexists(self.path)
+        self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+        if os.geteuid() == 0:
+            os.fchown(self.fd, self.user.uid, self.user.gid)
+
+    async def write(self, data: bytes | memoryview) -> None:
+        self._buf += data
+        if len(self._buf) >= FLUSH_BYTES:
+            await self.flush()
+
+    async def flush(self) -> None:
+        if not self._buf or self.fd is None:
+            return
+        chunk = bytes(self._buf)
+        self._buf.clear()
+        await asyncio.to_thread(_write_all, self.fd, chunk)
+
+    async def close(self) -> None:
+        await self.flush()
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+    def abort(self) -> None:
+        self._buf.clear()
+        if self.fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self.fd)
+            self.fd = None
+        if self.created:
+            with contextlib.suppress(OSError):
+                os.unlink(self.path)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        try:
+            written = os.write(fd, view)
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise ResourceExhausted("not enough disk space") from None
+            raise
+        view = view[written:]
+
+
+def _metadata(request: Request) -> dict[str, str]:
+    return {
+        key[len(METADATA_HEADER) :]: value
+        for key, value in request.headers.items()
+        if key.lower().startswith(METADATA_HEADER)
+    }
+
+
+def _written(path: str, metadata: dict[str, str]) -> dict[str, Any]:
+    info: dict[str, Any] = {"name": os.path.basename(path), "type": "file", "path": path}
+    if metadata:
+        try:
+            write_metadata(path, metadata)
+        except OSError as exc:
+            log.warning("cannot store metadata on %s: %s", path, exc)
+        info["metadata"] = metadata
+    return info
+
+
+async def _body(request: Request) -> AsyncIterator[bytes]:
+    """The request body, gunzipped when it was sent with Content-Encoding: gzip."""
+    encoding = request.headers.get("content-encoding", "identity").lower()
+    if encoding in ("", "identity"):
+        async for chunk in request.stream():
+            yield chunk
+        return
+    if encoding != "gzip":
+        raise InvalidArgument(f"unsupported content-encoding {encoding!r}")
+    inflater = zlib.decompressobj(wbits=31)
+    async for chunk in request.stream():
+        data = chunk
+        while data:
+            try:
+                out = inflater.decompress(data, FLUSH_BYTES)
+            except zlib.error as exc:
+                raise InvalidArgument(f"invalid gzip body: {exc}") from None
+            if out:
+                yield out
+            data = inflater.unconsumed_tail
+    tail = inflater.flush()
+    if tail:
+        yield tail
+
+
+async def upload(request: Request, user: User) -> Response:
+    content_type = request.headers.get("content-type", "")
+    mime, options = parse_options_header(content_type)
+    raw_path = request.query_params.get("path")
+    metadata = _metadata(request)
+    if mime == b"multipart/form-data":
+        boundary = options.get(b"boundary")
+        if not boundary:
+            raise InvalidArgument("multipart upload without a boundary")
+        written = await _upload_multipart(request, user, boundary, raw_path, metadata)
+    else:
+        if not raw_path:
+            raise InvalidArgument("query parameter 'path' is required for a raw upload")
+        sink = FileSink(paths.resolve(raw_path, user), user)
+        await sink.open()
+        try:
+            async for chunk in _body(request):
+                await sink.write(chunk)
+            await sink.close()
+        except BaseException:
+            sink.abort()
+            raise
+        written = [_written(sink.path, metadata)]
+    if not written:
+        raise InvalidArgument("the upload contained no file")
+    return JSONResponse(written)
+
+
+@dataclass
+class _PartState:
+    headers: dict[str, str] = field(default_factory=dict)
+    header_field: bytearray = field(default_factory=bytearray)
+    header_value: bytearray = field(default_factory=bytearray)
+    ops: list[tuple[str, Any]] = field(default_factory=list)
+
+
+async def _upload_multipart(
+    request: Request, user: User, boundary: bytes, raw_path: str | None, metadata: dict[str, str]
+) -> list[dict[str, Any]]:
+    part = _PartState()
+
+    def on_header_field(data: bytes, start: int, end: int) -> None:
+        part.header_field += data[start:end]
+
+    def on_header_value(data: bytes, start: int, end: int) -> None:
+        part.header_value += data[start:end]
+
+    def on_header_end() -> None:
+        part.headers[part.header_field.decode("latin-1").lower()] = part.header_value.decode()
+        part.header_field.clear()
+        part.header_value.clear()
+
+    def on_headers_finished() -> None:
+        _, params = parse_options_header(part.headers.get("content-disposition", ""))
+        filename = params.get(b"filename")
+        part.ops.append(("open", filename.decode() if filename else None))
+        part.headers = {}
+
+    def on_part_data(data: bytes, start: int, end: int) -> None:
+        part.ops.append(("data", bytes(data[start:end])))
+
+    def on_part_end() -> None:
+        part.ops.append(("close", None))
+
+    parser = MultipartParser(
+        boundary,
+        {
+            "on_header_field": on_header_field,
+            "on_header_value": on_header_value,
+            "on_header_end": on_header_end,
+            "on_headers_finished": on_headers_finished,
+            "on_part_data": on_part_data,
+            "on_part_end": on_part_end,
+        },
+    )
+    written: list[dict[str, Any]] = []
+    sink: FileSink | None = None
+    used_path = False
+    try:
+        async for chunk in _body(request):
+            try:
+                parser.write(chunk)
+            except Exception as exc:
+                raise InvalidArgument(f"malformed multipart body: {exc}") from None
+            ops, part.ops = part.ops, []
+            for op, arg in ops:
+                if op == "open":
+                    if raw_path and not used_path:
+                        target, used_path = raw_path, True
+                    elif arg:
+                        target = arg
+                    else:
+                        raise InvalidArgument(
+                            "multipart part has no filename and no 'path' was given"
+                        )
+                    sink = FileSink(paths.resolve(target, user), user)
+                    await sink.open()
+                elif op == "data" and sink is not None:
+                    await sink.write(arg)
+                elif op == "close" and sink is not None:
+                    await sink.close()
+                    written.append(_written(sink.path, metadata))
+                    sink = None
+        parser.finalize()
+    except BaseException:
+        if sink is not None:
+            sink.abort()
+        raise
+    return written

@@ -1,0 +1,268 @@
+"""The `filesystem.Filesystem` Connect service."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import errno
+import os
+import shutil
+import stat
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any, Literal
+
+from protobuf import Oneof
+
+from . import paths
+from .entries import entry_info
+from .errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted
+from .gen.filesystem import filesystem_pb as pb
+from .gen.filesystem.filesystem_connect import Filesystem
+from .inotify import DirWatcher, FsEvent
+from .process_service import keepalive_interval
+from .rpc import acting_user, streaming, unary
+from .state import EnvdState
+from .users import User
+
+_EVENT_TYPES = {
+    "create": pb.EventType.CREATE,
+    "write": pb.EventType.WRITE,
+    "remove": pb.EventType.REMOVE,
+    "rename": pb.EventType.RENAME,
+    "chmod": pb.EventType.CHMOD,
+}
+# Polling watchers keep this many undelivered events; older ones are dropped first.
+MAX_PENDING_EVENTS = 10_000
+MAX_WATCHERS = 256
+STREAM_EVENT_QUEUE = 1024
+
+
+def _to_event(watcher: DirWatcher, event: FsEvent, include_entry: bool) -> pb.FilesystemEvent:
+    entry: pb.EntryInfo | None = None
+    if include_entry and event.kind not in ("remove", "rename"):
+        try:
+            entry = entry_info(os.path.normpath(os.path.join(watcher.root, event.name)))
+        except NotFound:
+            entry = None
+    return pb.FilesystemEvent(name=event.name, type=_EVENT_TYPES[event.kind], entry=entry)
+
+
+class PolledWatcher:
+    def __init__(self, watcher: DirWatcher, include_entry: bool) -> None:
+        self.watcher = watcher
+        self.include_entry = include_entry
+        self.events: collections.deque[pb.FilesystemEvent] = collections.deque(
+            maxlen=MAX_PENDING_EVENTS
+        )
+
+
+class FilesystemService(Filesystem):
+    def __init__(self, state: EnvdState) -> None:
+        self.state = state
+        self.watchers: dict[str, PolledWatcher] = {}
+
+    @unary
+    async def stat(self, request: pb.StatRequest, ctx: Any) -> pb.StatResponse:
+        user = acting_user(self.state, ctx)
+        path = paths.resolve(request.path, user)
+        paths.check_traverse(path, user)
+        return pb.StatResponse(entry=entry_info(path))
+
+    @unary
+    async def make_dir(self, request: pb.MakeDirRequest, ctx: Any) -> pb.MakeDirResponse:
+        user = acting_user(self.state, ctx)
+        path = paths.resolve(request.path, user)
+        return pb.MakeDirResponse(entry=_make_dir(path, user))
+
+    @unary
+    async def move(self, request: pb.MoveRequest, ctx: Any) -> pb.MoveResponse:
+        user = acting_user(self.state, ctx)
+        source = paths.resolve(request.source, user)
+        destination = paths.resolve(request.destination, user)
+        entry = await asyncio.to_thread(_move, source, destination, user)
+        return pb.MoveResponse(entry=entry)
+
+    @unary
+    async def list_dir(self, request: pb.ListDirRequest, ctx: Any) -> pb.ListDirResponse:
+        user = acting_user(self.state, ctx)
+        path = paths.resolve(request.path, user)
+        st = paths.check(path, user, paths.R | paths.X)
+        if not stat.S_ISDIR(st.st_mode):
+            raise InvalidArgument(f"path is not a directory: {path}")
+        entries = await asyncio.to_thread(_walk, path, request.depth or 1, user)
+        return pb.ListDirResponse(entries=entries)
+
+    @unary
+    async def remove(self, request: pb.RemoveRequest, ctx: Any) -> pb.RemoveResponse:
+        user = acting_user(self.state, ctx)
+        path = paths.resolve(request.path, user)
+        await asyncio.to_thread(_remove, path, user)
+        return pb.RemoveResponse()
+
+    def _watcher(
+        self, raw: str, recursive: bool, allow_network: bool, user: User, sink: Any
+    ) -> DirWatcher:
+        path = paths.resolve(raw, user)
+        paths.check(path, user, paths.R | paths.X)
+        return DirWatcher(path, recursive=recursive, sink=sink, allow_network_mounts=allow_network)
+
+    @streaming
+    async def watch_dir(
+        self, request: pb.WatchDirRequest, ctx: Any
+    ) -> AsyncIterator[pb.WatchDirResponse]:
+        user = acting_user(self.state, ctx)
+        keepalive = keepalive_interval(ctx)
+        queue: asyncio.Queue[FsEvent] = asyncio.Queue(STREAM_EVENT_QUEUE)
+
+        def sink(event: FsEvent) -> None:
+            # A client that does not keep up loses events rather than growing envd's memory,
+            # as the kernel does with its own inotify queue.
+            if not queue.full():
+                queue.put_nowait(event)
+
+        watcher = self._watcher(
+            request.path, request.recursive, request.allow_network_mounts, user, sink
+        )
+        watcher.start()
+        try:
+            start = pb.WatchDirResponse.StartEvent()
+            yield pb.WatchDirResponse(
+                event=Oneof[Literal["start"], pb.WatchDirResponse.StartEvent]("start", start)
+            )
+            while True:
+                try:
+                    event = await asyncio.wait_for(queue.get(), keepalive)
+                except TimeoutError:
+                    ping = pb.WatchDirResponse.KeepAlive()
+                    yield pb.WatchDirResponse(
+                        event=Oneof[Literal["keepalive"], pb.WatchDirResponse.KeepAlive](
+                            "keepalive", ping
+                        )
+                    )
+                    continue
+                message = _to_event(watcher, event, request.include_entry)
+                yield pb.WatchDirResponse(
+                    event=Oneof[Literal["filesystem"], pb.FilesystemEvent]("filesystem", message)
+                )
+        finally:
+            watcher.close()
+
+    @unary
+    async def create_watcher(
+        self, request: pb.CreateWatcherRequest, ctx: Any
+    ) -> pb.CreateWatcherResponse:
+        user = acting_user(self.state, ctx)
+        if len(self.watchers) >= MAX_WATCHERS:
+            raise ResourceExhausted(
+                f"too many watchers (at most {MAX_WATCHERS}); remove some first"
+            )
+        holder: list[PolledWatcher] = []
+
+        def sink(event: FsEvent) -> None:
+            polled = holder[0]
+            polled.events.append(_to_event(polled.watcher, event, polled.include_entry))
+
+        watcher = self._watcher(
+            request.path, request.recursive, request.allow_network_mounts, user, sink
+        )
+        polled = PolledWatcher(watcher, request.include_entry)
+        holder.append(polled)
+        watcher.start()
+        watcher_id = uuid.uuid4().hex
+        self.watchers[watcher_id] = polled
+        return pb.CreateWatcherResponse(watcher_id=watcher_id)
+
+    @unary
+    async def get_watcher_events(
+        self, request: pb.GetWatcherEventsRequest, ctx: Any
+    ) -> pb.GetWatcherEventsResponse:
+        acting_user(self.state, ctx)
+        polled = self.watchers.get(request.watcher_id)
+        if polled is None:
+            raise NotFound(f"watcher {request.watcher_id!r} not found")
+        events = list(polled.events)
+        polled.events.clear()
+        return pb.GetWatcherEventsResponse(events=events)
+
+    @unary
+    async def remove_watcher(
+        self, request: pb.RemoveWatcherRequest, ctx: Any
+    ) -> pb.RemoveWatcherResponse:
+        acting_user(self.state, ctx)
+        polled = self.watchers.pop(request.watcher_id, None)
+        if polled is None:
+            raise NotFound(f"watcher {request.watcher_id!r} not found")
+        polled.watcher.close()
+        return pb.RemoveWatcherResponse()
+
+    def close(self) -> None:
+        for polled in self.watchers.values():
+            polled.watcher.close()
+        self.watchers.clear()
+
+
+def _walk(root: str, depth: int, user: User) -> list[pb.EntryInfo]:
+    entries: list[pb.EntryInfo] = []
+
+    def visit(directory: str, level: int) -> None:
+        try:
+            with os.scandir(directory) as it:
+                children = sorted(it, key=lambda e: e.name)
+        except (PermissionError, FileNotFoundError, NotADirectoryError):
+            return
+        for child in children:
+            try:
+                st = child.stat(follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            entries.append(entry_info(child.path, st))
+            if (
+                level < depth
+                and stat.S_ISDIR(st.st_mode)
+                and paths.permits(st, user, paths.R | paths.X)
+            ):
+                visit(child.path, level + 1)
+
+    visit(root, 1)
+    return entries
+
+
+def _make_dir(path: str, user: User) -> pb.EntryInfo:
+    if os.path.lexists(path):
+        if os.path.isdir(path):
+            raise AlreadyExists(f"directory already exists: {path}")
+        raise InvalidArgument(f"path already exists and is not a directory: {path}")
+    paths.check_create(path, user)
+    paths.makedirs_as(path, user)
+    return entry_info(path)
+
+
+def _move(source: str, destination: str, user: User) -> pb.EntryInfo:
+    if not os.path.lexists(source):
+        raise NotFound(f"path not found: {source}")
+    paths.check_write(os.path.dirname(source) or "/", user)
+    paths.check_create(destination, user)
+    paths.makedirs_as(os.path.dirname(destination), user)
+    try:
+        os.rename(source, destination)
+    except OSError as exc:
+        if exc.errno == errno.EXDEV:
+            shutil.move(source, destination)
+        elif exc.errno in (errno.EISDIR, errno.ENOTDIR, errno.EEXIST, errno.ENOTEMPTY):
+            raise InvalidArgument(
+                f"cannot move {source} to {destination}: {exc.strerror}"
+            ) from None
+        else:
+            raise
+    return entry_info(destination)
+
+
+def _remove(path: str, user: User) -> None:
+    if not os.path.lexists(path):
+        raise NotFound(f"path not found: {path}")
+    paths.check_write(os.path.dirname(path) or "/", user)
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path)
+    else:
+        os.unlink(path)

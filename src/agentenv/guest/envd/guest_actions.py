@@ -1,0 +1,46 @@
+"""Things `/init` does to the guest itself; never run on the host (`--guest` enables them)."""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import fcntl
+import os
+import socket
+import struct
+
+from .errors import FailedPrecondition
+
+CLOCK_REALTIME = 0
+# _IOW('R', 0x03, int[2]) from <linux/random.h>
+RNDADDENTROPY = 0x40085203
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+def set_clock(unix_ns: int) -> None:
+    """Sets the wall clock: after a snapshot resume the guest's clock is where it was paused."""
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    seconds, nanos = divmod(unix_ns, 1_000_000_000)
+    ts = _Timespec(seconds, nanos)
+    if libc.clock_settime(CLOCK_REALTIME, ctypes.byref(ts)) != 0:
+        err = ctypes.get_errno()
+        raise FailedPrecondition(f"clock_settime failed: {os.strerror(err)}")
+
+
+def add_entropy(data: bytes) -> None:
+    """Credits host randomness to the kernel pool: resumed snapshots share their RNG state."""
+    if not data:
+        return
+    info = struct.pack("ii", len(data) * 8, len(data)) + data
+    fd = os.open("/dev/urandom", os.O_WRONLY)
+    try:
+        fcntl.ioctl(fd, RNDADDENTROPY, info)
+    finally:
+        os.close(fd)
+
+
+def set_hostname(name: str) -> None:
+    socket.sethostname(name)

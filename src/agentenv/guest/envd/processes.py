@@ -1,0 +1,428 @@
+"""Processes started through envd: spawning, output fan-out, stdin, PTY, signals, deadlines.
+
+A process lives independently of the streams that watch it: Start and Connect only subscribe to
+its output, so a client that disconnects leaves it running. Each subscriber has a bounded queue
+and the readers wait for every subscriber, so a slow client slows the process down (its pipe
+fills) instead of growing envd's memory. With no subscriber the output is dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import fcntl
+import logging
+import os
+import signal
+import struct
+import termios
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Literal
+
+from .errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
+from .users import User
+
+log = logging.getLogger("agentenv.envd")
+
+PIPE_CHUNK = 32 * 1024
+PTY_CHUNK = 16 * 1024
+QUEUE_DEPTH = 16
+# After the process exits, output still in flight is drained; if nothing arrives for this long
+# the pipes are held by a daemonised grandchild and the stream ends without waiting for it.
+EXIT_DRAIN_QUIET = 0.3
+
+Stream = Literal["stdout", "stderr", "pty"]
+
+
+@dataclass(frozen=True)
+class EndInfo:
+    exit_code: int
+    exited: bool
+    status: str
+    error: str | None
+
+
+@dataclass(frozen=True)
+class Output:
+    stream: Stream
+    data: bytes
+
+
+Event = Output | EndInfo
+
+
+class Subscription:
+    """One attached stream: a bounded queue of output, then the end."""
+
+    def __init__(self, hub: OutputHub) -> None:
+        self._hub = hub
+        self.queue: asyncio.Queue[Event] = asyncio.Queue(QUEUE_DEPTH)
+        self._end_put: asyncio.Task[None] | None = None
+
+    def deliver_end(self, end: EndInfo) -> None:
+        """The end is the last item; when the queue is full it waits for the reader."""
+        try:
+            self.queue.put_nowait(end)
+        except asyncio.QueueFull:
+            self._end_put = asyncio.create_task(self.queue.put(end))
+
+    def close(self) -> None:
+        self._hub.subscribers.discard(self)
+        if self._end_put is not None:
+            self._end_put.cancel()
+
+
+@dataclass
+class OutputHub:
+    subscribers: set[Subscription] = field(default_factory=set)
+    end: EndInfo | None = None
+
+    def subscribe(self) -> Subscription:
+        sub = Subscription(self)
+        if self.end is not None:
+            sub.queue.put_nowait(self.end)
+        else:
+            self.subscribers.add(sub)
+        return sub
+
+    async def publish(self, event: Event) -> None:
+        for sub in list(self.subscribers):
+            if sub in self.subscribers:
+                await sub.queue.put(event)
+
+    def finish(self, end: EndInfo) -> None:
+        self.end = end
+        for sub in list(self.subscribers):
+            sub.deliver_end(end)
+        self.subscribers.clear()
+
+
+@dataclass(frozen=True)
+class ProcessSpec:
+    cmd: str
+    args: tuple[str, ...]
+    envs: Mapping[str, str]
+    cwd: str | None
+    tag: str | None
+    stdin: bool
+    pty_size: tuple[int, int] | None  # (cols, rows)
+
+
+def describe_status(returncode: int) -> EndInfo:
+    """Exit description in the words Go's os.ProcessState uses (what the SDK has always seen)."""
+    if returncode >= 0:
+        text = f"exit status {returncode}"
+        return EndInfo(returncode, True, text, text if returncode else None)
+    signum = -returncode
+    try:
+        name = (signal.strsignal(signum) or f"signal {signum}").lower()
+    except ValueError:
+        name = f"signal {signum}"
+    text = f"signal: {name}"
+    return EndInfo(-1, False, text, text)
+
+
+def _is_dir(path: str) -> bool:
+    return os.path.isdir(path)
+
+
+def _set_winsize(fd: int, cols: int, rows: int) -> None:
+    fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
+
+
+def _take_controlling_tty() -> None:
+    # Runs in the child after setsid(): stdin is the PTY slave; make it the controlling
+    # terminal so job control and `tty`/`stty` behave as in a real login.
+    fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+
+
+class ManagedProcess:
+    def __init__(
+        self,
+        spec: ProcessSpec,
+        proc: asyncio.subprocess.Process,
+        master_fd: int | None,
+        started: float,
+    ) -> None:
+        self.spec = spec
+        self.proc = proc
+        self.pid = proc.pid
+        self.master_fd = master_fd
+        self.started = started
+        self.hub = OutputHub()
+        self.done = asyncio.Event()
+        self.deadline_hit = False
+        self._readers: list[asyncio.Task[None]] = []
+        self._last_output = time.monotonic()
+        self._publishing = 0
+        self._deadline: asyncio.TimerHandle | None = None
+        self._master_writer_fd: int | None = None
+        self._supervisor: asyncio.Task[None] | None = None
+
+    @property
+    def is_pty(self) -> bool:
+        return self.master_fd is not None
+
+    def start_io(self, on_exit: Callable[[ManagedProcess], None], timeout_s: float | None) -> None:
+        loop = asyncio.get_running_loop()
+        if self.master_fd is not None:
+            self._readers.append(asyncio.create_task(self._read_pty(self.master_fd)))
+        else:
+            assert self.proc.stdout is not None and self.proc.stderr is not None
+            self._readers.append(asyncio.create_task(self._read_pipe(self.proc.stdout, "stdout")))
+            self._readers.append(asyncio.create_task(self._read_pipe(self.proc.stderr, "stderr")))
+        if timeout_s is not None and timeout_s > 0:
+            self._deadline = loop.call_later(timeout_s, self._on_deadline)
+        self._supervisor = asyncio.create_task(self._supervise(on_exit))
+
+    def _on_deadline(self) -> None:
+        if self.proc.returncode is None:
+            self.deadline_hit = True
+            self.signal(signal.SIGKILL)
+
+    async def _publish(self, stream: Stream, data: bytes) -> None:
+        self._last_output = time.monotonic()
+        self._publishing += 1
+        try:
+            await self.hub.publish(Output(stream, data))
+        finally:
+            self._publishing -= 1
+            self._last_output = time.monotonic()
+
+    async def _read_pipe(self, reader: asyncio.StreamReader, stream: Stream) -> None:
+        while True:
+            data = await reader.read(PIPE_CHUNK)
+            if not data:
+                return
+            await self._publish(stream, data)
+
+    async def _read_pty(self, fd: int) -> None:
+        loop = asyncio.get_running_loop()
+        readable = asyncio.Event()
+        loop.add_reader(fd, readable.set)
+        try:
+            while True:
+                await readable.wait()
+                readable.clear()
+                try:
+                    data = os.read(fd, PTY_CHUNK)
+                except BlockingIOError:
+                    continue
+                except OSError as exc:
+                    # EIO: every slave fd is closed, the terminal is gone.
+                    if exc.errno == errno.EIO:
+                        return
+                    raise
+                if not data:
+                    return
+                # Stop watching while a slow subscriber holds us up, so the loop doesn't spin.
+                loop.remove_reader(fd)
+                try:
+                    await self._publish("pty", data)
+                finally:
+                    loop.add_reader(fd, readable.set)
+                readable.set()
+        finally:
+            loop.remove_reader(fd)
+
+    async def _supervise(self, on_exit: Callable[[ManagedProcess], None]) -> None:
+        returncode = await self.proc.wait()
+        if self._deadline is not None:
+            self._deadline.cancel()
+        pending = [t for t in self._readers if not t.done()]
+        while pending:
+            _, still = await asyncio.wait(pending, timeout=EXIT_DRAIN_QUIET / 3)
+            pending = list(still)
+            quiet = time.monotonic() - self._last_output
+            if pending and self._publishing == 0 and quiet > EXIT_DRAIN_QUIET:
+                for task in pending:
+                    task.cancel()
+                await asyncio.gather(*pending, return_exceptions=True)
+                break
+        for task in self._readers:
+            if task.done() and not task.cancelled() and (exc := task.exception()) is not None:
+                log.warning("pid %d: output reader failed: %s", self.pid, exc)
+        self._close_fds()
+        self.hub.finish(describe_status(returncode))
+        self.done.set()
+        on_exit(self)
+
+    def _close_fds(self) -> None:
+        for fd in (self.master_fd, self._master_writer_fd):
+            if fd is not None:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        self.master_fd = None
+        self._master_writer_fd = None
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        for pipe in (self.proc.stdout, self.proc.stderr):
+            transport = getattr(pipe, "_transport", None)
+            if transport is not None:
+                transport.close()
+
+    def signal(self, signum: int) -> None:
+        """Signals the whole process group: the shell the SDK wraps commands in and its children."""
+        if self.proc.returncode is not None:
+            raise NotFound(f"process with pid {self.pid} not found")
+        try:
+            os.killpg(self.pid, signum)
+        except ProcessLookupError:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signum)
+
+    async def write_input(self, data: bytes, *, pty: bool) -> None:
+        if pty:
+            if self.master_fd is None:
+                raise FailedPrecondition(f"process {self.pid} has no terminal")
+            await self._write_master(data)
+            return
+        if self.master_fd is not None:
+            # A PTY process has no separate stdin; its input is the terminal.
+            await self._write_master(data)
+            return
+        if self.proc.stdin is None:
+            raise FailedPrecondition(f"process {self.pid} was started without stdin")
+        if self.proc.stdin.is_closing():
+            raise FailedPrecondition(f"stdin of process {self.pid} is closed")
+        self.proc.stdin.write(data)
+        try:
+            await self.proc.stdin.drain()
+        except (BrokenPipeError, ConnectionResetError):
+            raise FailedPrecondition(f"process {self.pid} no longer reads stdin") from None
+
+    async def _write_master(self, data: bytes) -> None:
+        if self.master_fd is None:
+            raise NotFound(f"process with pid {self.pid} not found")
+        if self._master_writer_fd is None:
+            self._master_writer_fd = os.dup(self.master_fd)
+            os.set_blocking(self._master_writer_fd, False)
+        view = memoryview(data)
+        deadline = time.monotonic() + 30
+        while view:
+            try:
+                written = os.write(self._master_writer_fd, view)
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise FailedPrecondition(f"terminal of {self.pid} is not reading") from None
+                await asyncio.sleep(0.005)
+                continue
+            view = view[written:]
+
+    def close_stdin(self) -> None:
+        if self.master_fd is not None:
+            raise FailedPrecondition("a PTY has no stdin to close; send Ctrl-D (0x04) instead")
+        if self.proc.stdin is None:
+            raise FailedPrecondition(f"process {self.pid} was started without stdin")
+        self.proc.stdin.close()
+
+    def resize(self, cols: int, rows: int) -> None:
+        if self.master_fd is None:
+            raise FailedPrecondition(f"process {self.pid} has no terminal to resize")
+        if cols <= 0 or rows <= 0:
+            raise InvalidArgument(f"terminal size must be positive, got {cols}x{rows}")
+        _set_winsize(self.master_fd, cols, rows)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.pid, signal.SIGWINCH)
+
+
+class ProcessTable:
+    """Every running process envd started, by pid and by tag."""
+
+    def __init__(self) -> None:
+        self.by_pid: dict[int, ManagedProcess] = {}
+
+    def find(self, pid: int | None = None, tag: str | None = None) -> ManagedProcess:
+        if pid is not None:
+            found = self.by_pid.get(pid)
+            if found is None:
+                raise NotFound(f"process with pid {pid} not found")
+            return found
+        if tag is not None:
+            for candidate in self.by_pid.values():
+                if candidate.spec.tag == tag:
+                    return candidate
+            raise NotFound(f"process with tag {tag!r} not found")
+        raise InvalidArgument("process selector needs a pid or a tag")
+
+    async def start(
+        self,
+        spec: ProcessSpec,
+        user: User,
+        env: Mapping[str, str],
+        cwd: str,
+        timeout_s: float | None,
+    ) -> tuple[ManagedProcess, Subscription]:
+        if not spec.cmd:
+            raise InvalidArgument("process.cmd is empty")
+        if not _is_dir(cwd):
+            raise InvalidArgument(f"cwd {cwd!r} does not exist or is not a directory")
+        if spec.tag is not None and any(p.spec.tag == spec.tag for p in self.by_pid.values()):
+            raise InvalidArgument(f"a process with tag {spec.tag!r} is already running")
+        creds: dict[str, object] = {}
+        if os.geteuid() == 0:
+            creds = {"user": user.uid, "group": user.gid, "extra_groups": list(user.groups)}
+        elif os.geteuid() != user.uid:
+            raise PermissionDenied(f"envd is not root and cannot run processes as {user.name}")
+        master_fd: int | None = None
+        try:
+            if spec.pty_size is not None:
+                master_fd, slave_fd = os.openpty()
+                try:
+                    cols, rows = spec.pty_size
+                    _set_winsize(slave_fd, cols or 80, rows or 24)
+                    proc = await asyncio.create_subprocess_exec(
+                        spec.cmd,
+                        *spec.args,
+                        stdin=slave_fd,
+                        stdout=slave_fd,
+                        stderr=slave_fd,
+                        cwd=cwd,
+                        env=dict(env),
+                        start_new_session=True,
+                        preexec_fn=_take_controlling_tty,
+                        **creds,  # type: ignore[arg-type]
+                    )
+                finally:
+                    os.close(slave_fd)
+                os.set_blocking(master_fd, False)
+            else:
+                proc = await asyncio.create_subprocess_exec(
+                    spec.cmd,
+                    *spec.args,
+                    stdin=asyncio.subprocess.PIPE if spec.stdin else asyncio.subprocess.DEVNULL,
+                    stdout=asyncio.subprocess.PIPE,
+                    stderr=asyncio.subprocess.PIPE,
+                    cwd=cwd,
+                    env=dict(env),
+                    start_new_session=True,
+                    limit=PIPE_CHUNK * 2,
+                    **creds,  # type: ignore[arg-type]
+                )
+        except (FileNotFoundError, PermissionError, NotADirectoryError, OSError) as exc:
+            if master_fd is not None:
+                os.close(master_fd)
+            raise InvalidArgument(
+                f"error starting process {spec.cmd!r}: {exc.strerror or exc}"
+            ) from None
+        managed = ManagedProcess(spec, proc, master_fd, time.time())
+        self.by_pid[managed.pid] = managed
+        first = managed.hub.subscribe()
+        managed.start_io(self._forget, timeout_s)
+        log.info("started pid %d as %s: %s %s", managed.pid, user.name, spec.cmd, list(spec.args))
+        return managed, first
+
+    def _forget(self, managed: ManagedProcess) -> None:
+        if self.by_pid.get(managed.pid) is managed:
+            del self.by_pid[managed.pid]
+
+    async def shutdown(self) -> None:
+        for managed in list(self.by_pid.values()):
+            with contextlib.suppress(Exception):
+                managed.signal(signal.SIGKILL)
+        for managed in list(self.by_pid.values()):
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(managed.done.wait(), 5)
