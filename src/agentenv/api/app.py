@@ -1,0 +1,129 @@
+"""The one ASGI app on the server's port: control plane and data-plane proxy side by side."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from agentenv.api.control import ControlContext, build_control_app
+from agentenv.api.keys import KeyRing
+from agentenv.orchestrator.runtime import TemplateSource
+from agentenv.orchestrator.sandboxes import SandboxManager
+from agentenv.orchestrator.store import SandboxRecord, SandboxState
+from agentenv.proxy.forward import SandboxProxy
+from agentenv.proxy.routing import BadRoute, Control, normalise_path, route
+from agentenv.proxy.wire import Receive, Scope, Send, send_json
+
+log = logging.getLogger("agentenv.api")
+
+
+class AgentenvApp:
+    """Routes each request (see ``proxy.routing``) and owns start-up and shutdown."""
+
+    def __init__(
+        self,
+        manager: SandboxManager,
+        keys: KeyRing,
+        templates: TemplateSource,
+        *,
+        domain: str | None = None,
+    ) -> None:
+        self.manager = manager
+        self.keys = keys
+        self.control = build_control_app(ControlContext(manager, keys, templates, domain))
+        self.proxy = SandboxProxy(self._resolve, manager.metrics)
+        manager.metrics.watch_states(manager.store.count_by_state)
+        self._started = False
+
+    async def startup(self) -> None:
+        if not self._started:
+            await self.manager.start()
+            self._started = True
+
+    async def shutdown(self) -> None:
+        if self._started:
+            self._started = False
+            await self.proxy.close()
+            await self.manager.close()
+
+    async def _resolve(self, sandbox_id: str) -> SandboxRecord | None:
+        rec = self.manager.store.get(sandbox_id)
+        if rec is None:
+            return None
+        if rec.state is SandboxState.PAUSED and rec.auto_resume:
+            try:
+                rec, _ = await self.manager.connect(sandbox_id, None)
+            except Exception as exc:
+                log.warning("sandbox %s auto-resume failed: %r", sandbox_id, exc)
+                return None
+        return self.manager.running(sandbox_id)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        kind = scope["type"]
+        if kind == "lifespan":
+            await self._lifespan(receive, send)
+            return
+        if kind not in ("http", "websocket"):
+            return
+        path = normalise_path(scope["path"])
+        if path != scope["path"]:
+            scope = dict(scope)
+            scope["path"] = path
+            scope["raw_path"] = path.encode()
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        method = scope.get("method", "GET")
+        target = route(method, path, headers)
+        if isinstance(target, Control):
+            if kind == "websocket":
+                await send({"type": "websocket.close", "code": 1008})
+                return
+            await self._control(scope, receive, send)
+        elif isinstance(target, BadRoute):
+            if kind == "websocket":
+                await send({"type": "websocket.close", "code": 1008})
+                return
+            await send_json(send, target.status, {"code": target.status, "message": target.message})
+        elif kind == "websocket":
+            await self.proxy.websocket(scope, receive, send, target)
+        else:
+            await self.proxy.http(scope, receive, send, target)
+
+    async def _control(self, scope: Scope, receive: Receive, send: Send) -> None:
+        started = time.monotonic()
+        status = 0
+
+        async def send_and_record(message: dict[str, Any]) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.control(scope, receive, send_and_record)  # type: ignore[arg-type]
+        finally:
+            log.info(
+                "%s %s -> %d in %.1f ms",
+                scope.get("method"),
+                scope["path"],
+                status,
+                (time.monotonic() - started) * 1000,
+            )
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                try:
+                    await self.startup()
+                except Exception as exc:
+                    log.exception("startup failed")
+                    await send({"type": "lifespan.startup.failed", "message": str(exc)})
+                    return
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                try:
+                    await self.shutdown()
+                finally:
+                    await send({"type": "lifespan.shutdown.complete"})
+                return

@@ -1,0 +1,479 @@
+"""The E2B-compatible control plane (v1 and v2 routes) as a FastAPI app.
+
+Every error leaves as ``{"code": int, "message": str}`` with ``application/json``: the SDK's
+generated client parses that body for every documented error status and crashes on anything
+else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import json
+import logging
+import secrets
+import time
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Annotated, Any
+from urllib.parse import parse_qsl, unquote
+
+import httpx
+from fastapi import Depends, FastAPI, Header, Query, Request, Response
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from agentenv.api import views
+from agentenv.api.keys import KeyRing
+from agentenv.api.models import (
+    ConnectBody,
+    NewSandbox,
+    PauseBody,
+    RefreshBody,
+    ResumeBody,
+    TimeoutBody,
+)
+from agentenv.orchestrator.errors import BadRequest, Conflict, OrchestratorError, SandboxNotFound
+from agentenv.orchestrator.runtime import TemplateSource, TemplateUnavailable
+from agentenv.orchestrator.sandboxes import DEFAULT_TIMEOUT_S, CreateSpec, SandboxManager
+from agentenv.orchestrator.store import ApiKey, SandboxRecord, SandboxState
+
+log = logging.getLogger("agentenv.api")
+
+MAX_PAGE = 100
+IDEMPOTENCY_TTL_S = 24 * 3600
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+@dataclass
+class ControlContext:
+    manager: SandboxManager
+    keys: KeyRing
+    templates: TemplateSource
+    domain: str | None = None
+    _idem_locks: dict[tuple[str, str], asyncio.Lock] = field(default_factory=dict)
+
+
+def api_key(
+    request: Request,
+    x_api_key: Annotated[str | None, Header()] = None,
+    authorization: Annotated[str | None, Header()] = None,
+) -> ApiKey:
+    secret = x_api_key
+    if not secret and authorization and authorization.lower().startswith("bearer "):
+        secret = authorization[7:].strip()
+    if not secret:
+        raise ApiError(401, "missing API key: send it in the X-API-Key header")
+    ctx: ControlContext = request.app.state.ctx
+    key = ctx.keys.verify(secret)
+    if key is None:
+        raise ApiError(401, "invalid API key")
+    return key
+
+
+Auth = Annotated[ApiKey, Depends(api_key)]
+
+
+def error(status: int, message: str) -> JSONResponse:
+    return JSONResponse({"code": status, "message": message}, status_code=status)
+
+
+def build_control_app(ctx: ControlContext) -> FastAPI:
+    app = FastAPI(
+        title="agentenv",
+        version="0.1.0",
+        description="E2B-compatible control plane for microVM sandboxes",
+        openapi_url="/openapi.json",
+        docs_url="/docs",
+        redoc_url=None,
+    )
+    app.state.ctx = ctx
+    mgr = ctx.manager
+
+    @app.exception_handler(OrchestratorError)
+    async def _orch(_: Request, exc: OrchestratorError) -> JSONResponse:
+        return error(exc.status, exc.message)
+
+    @app.exception_handler(ApiError)
+    async def _api(_: Request, exc: ApiError) -> JSONResponse:
+        return error(exc.status, exc.message)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return error(400, _describe(exc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 404:
+            return error(404, f"route not found: {request.method} {request.url.path}")
+        if exc.status_code == 405:
+            return error(405, f"method {request.method} not allowed on {request.url.path}")
+        return error(exc.status_code, str(exc.detail))
+
+    @app.exception_handler(Exception)
+    async def _crash(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error")
+        return error(500, f"internal error: {type(exc).__name__}")
+
+    # -- server endpoints ------------------------------------------------------------------
+
+    @app.get("/health", tags=["server"])
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/metrics", tags=["server"], response_class=Response)
+    async def metrics() -> Response:
+        return Response(generate_latest(mgr.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    # -- create ----------------------------------------------------------------------------
+
+    async def create(
+        body: NewSandbox, key: ApiKey, idem_key: str | None, *, v2: bool
+    ) -> JSONResponse:
+        if body.volumeMounts:
+            raise ApiError(400, "volumeMounts are not supported by this server")
+        if body.mcp is not None:
+            raise ApiError(400, "mcp sandboxes are not supported by this server")
+        if body.autoPauseMemory is False:
+            raise ApiError(400, "filesystem-only auto-pause is not supported by this server")
+        network = body.network.model_dump(exclude_none=True) if body.network else {}
+        spec = CreateSpec(
+            template=body.templateID,
+            timeout=body.timeout or DEFAULT_TIMEOUT_S,
+            auto_pause=body.autoPause,
+            auto_resume=bool(body.autoResume and body.autoResume.enabled),
+            # v2 is always secured; v1 asks with `secure`.
+            secure=True if v2 else body.secure,
+            allow_internet=body.allow_internet_access,
+            metadata=body.metadata,
+            env_vars=body.envVars,
+            network=network,
+            cpu=body.cpuCount,
+            memory_mb=body.memoryMB,
+            disk_mb=body.diskSizeMB,
+        )
+        if not idem_key:
+            rec = await mgr.create(spec, key.id)
+            return JSONResponse(views.sandbox(rec, ctx.domain), status_code=201)
+        if len(idem_key) > 256:
+            raise ApiError(400, "Idempotency-Key is longer than 256 characters")
+        digest = hashlib.sha256(json.dumps(body.model_dump(), sort_keys=True).encode()).hexdigest()
+        store = mgr.store
+        lock = ctx._idem_locks.setdefault((key.id, idem_key), asyncio.Lock())
+        async with lock:
+            store.expire_idempotency(time.time() - IDEMPOTENCY_TTL_S)
+            seen = store.idempotency(key.id, idem_key)
+            if seen is not None:
+                if seen[0] != digest:
+                    raise ApiError(409, "Idempotency-Key was already used with another body")
+                prior = store.get(seen[1]) if seen[1] else None
+                if prior is None:
+                    raise ApiError(409, "Idempotency-Key belongs to a create still in progress")
+                return JSONResponse(views.sandbox(prior, ctx.domain), status_code=201)
+            store.claim_idempotency(key.id, idem_key, digest)
+            try:
+                rec = await mgr.create(spec, key.id)
+            except BaseException:
+                store.release_idempotency(key.id, idem_key)
+                raise
+            store.complete_idempotency(key.id, idem_key, rec.id)
+        ctx._idem_locks.pop((key.id, idem_key), None)
+        return JSONResponse(views.sandbox(rec, ctx.domain), status_code=201)
+
+    @app.post("/v2/sandboxes", status_code=201, tags=["sandboxes"])
+    async def create_v2(
+        body: NewSandbox,
+        key: Auth,
+        idempotency_key: Annotated[str | None, Header()] = None,
+    ) -> JSONResponse:
+        return await create(body, key, idempotency_key, v2=True)
+
+    @app.post("/sandboxes", status_code=201, tags=["sandboxes"])
+    async def create_v1(
+        body: NewSandbox,
+        key: Auth,
+        idempotency_key: Annotated[str | None, Header()] = None,
+    ) -> JSONResponse:
+        return await create(body, key, idempotency_key, v2=False)
+
+    # -- list ------------------------------------------------------------------------------
+
+    @app.get("/v2/sandboxes", tags=["sandboxes"])
+    async def list_v2(
+        request: Request,
+        _: Auth,
+        limit: Annotated[int, Query(ge=1, le=MAX_PAGE)] = MAX_PAGE,
+        nextToken: str | None = None,
+        order: str = "asc",
+        startedAfter: str | None = None,
+        template: str | None = None,
+    ) -> JSONResponse:
+        states = _parse_states(request.query_params.getlist("state"))
+        meta = _parse_metadata(request.query_params.get("metadata"), encoded_twice=True)
+        if order not in ("asc", "desc"):
+            raise ApiError(400, "order must be 'asc' or 'desc'")
+        after = _parse_time(startedAfter) if startedAfter else None
+        cursor = _decode_token(nextToken) if nextToken else None
+        desc = order == "desc"
+        recs = mgr.store.select(
+            after_seq=cursor if cursor and not desc else 0,
+            before_seq=cursor if cursor and desc else None,
+            descending=desc,
+        )
+        page: list[SandboxRecord] = []
+        more = False
+        for rec in recs:
+            state = views.listed_state(rec)
+            if state is None or state not in states:
+                continue
+            if any(rec.metadata.get(k) != v for k, v in meta.items()):
+                continue
+            if after is not None and rec.started_at <= after:
+                continue
+            if template is not None and template not in (rec.template, rec.alias):
+                continue
+            if len(page) == limit:
+                more = True
+                break
+            page.append(rec)
+        headers = {"x-next-token": _encode_token(page[-1].seq)} if more else {}
+        return JSONResponse([views.listed(r) for r in page], headers=headers)
+
+    @app.get("/sandboxes", tags=["sandboxes"])
+    async def list_v1(request: Request, _: Auth) -> JSONResponse:
+        meta = _parse_metadata(request.query_params.get("metadata"), encoded_twice=False)
+        recs = [
+            r
+            for r in mgr.store.select([SandboxState.RUNNING, SandboxState.PAUSING])
+            if all(r.metadata.get(k) == v for k, v in meta.items())
+        ]
+        return JSONResponse([views.listed(r) for r in recs])
+
+    # -- one sandbox -----------------------------------------------------------------------
+
+    @app.get("/sandboxes/{sandbox_id}", tags=["sandboxes"])
+    async def get_sandbox(sandbox_id: str, _: Auth) -> JSONResponse:
+        rec = mgr.get(sandbox_id)
+        if views.listed_state(rec) is None:
+            raise SandboxNotFound(sandbox_id)
+        return JSONResponse(views.detail(rec, ctx.domain))
+
+    @app.delete("/sandboxes/{sandbox_id}", status_code=204, tags=["sandboxes"])
+    async def kill(sandbox_id: str, _: Auth) -> Response:
+        await mgr.kill(sandbox_id)
+        return Response(status_code=204)
+
+    @app.post("/sandboxes/{sandbox_id}/timeout", status_code=204, tags=["sandboxes"])
+    async def set_timeout(sandbox_id: str, body: TimeoutBody, _: Auth) -> Response:
+        await mgr.set_timeout(sandbox_id, body.timeout)
+        return Response(status_code=204)
+
+    @app.post("/sandboxes/{sandbox_id}/refreshes", status_code=204, tags=["sandboxes"])
+    async def refresh(sandbox_id: str, _: Auth, body: RefreshBody | None = None) -> Response:
+        duration = body.duration if body and body.duration is not None else 60
+        await mgr.refresh(sandbox_id, duration)
+        return Response(status_code=204)
+
+    @app.post("/sandboxes/{sandbox_id}/pause", status_code=204, tags=["sandboxes"])
+    async def pause(sandbox_id: str, _: Auth, body: PauseBody | None = None) -> Response:
+        await mgr.pause(sandbox_id)
+        return Response(status_code=204)
+
+    @app.post("/sandboxes/{sandbox_id}/resume", status_code=201, tags=["sandboxes"])
+    async def resume(sandbox_id: str, _: Auth, body: ResumeBody | None = None) -> JSONResponse:
+        rec = await mgr.resume(sandbox_id, body.timeout if body else None)
+        return JSONResponse(views.sandbox(rec, ctx.domain), status_code=201)
+
+    async def connect(sandbox_id: str, body: ConnectBody | None) -> JSONResponse:
+        try:
+            rec, resumed = await mgr.connect(sandbox_id, body.timeout if body else None)
+        except Conflict as exc:
+            raise ApiError(409, exc.message) from exc
+        return JSONResponse(views.sandbox(rec, ctx.domain), status_code=201 if resumed else 200)
+
+    @app.post("/sandboxes/{sandbox_id}/connect", tags=["sandboxes"])
+    async def connect_v1(sandbox_id: str, _: Auth, body: ConnectBody | None = None) -> JSONResponse:
+        return await connect(sandbox_id, body)
+
+    @app.post("/v2/sandboxes/{sandbox_id}/connect", tags=["sandboxes"])
+    async def connect_v2(sandbox_id: str, _: Auth, body: ConnectBody | None = None) -> JSONResponse:
+        return await connect(sandbox_id, body)
+
+    @app.get("/sandboxes/{sandbox_id}/metrics", tags=["sandboxes"])
+    async def sandbox_metrics(sandbox_id: str, _: Auth) -> JSONResponse:
+        rec = mgr.get(sandbox_id)
+        sample = await _guest_metrics(mgr, rec)
+        return JSONResponse([sample] if sample else [])
+
+    @app.get("/sandboxes/{sandbox_id}/logs", tags=["sandboxes"])
+    async def logs_v1(
+        sandbox_id: str,
+        _: Auth,
+        start: Annotated[int, Query(ge=0)] = 0,
+        limit: Annotated[int, Query(ge=1, le=10000)] = 1000,
+    ) -> JSONResponse:
+        _known(mgr, sandbox_id)
+        lines = mgr.store.logs(sandbox_id, start=start / 1000, limit=limit)
+        return JSONResponse(views.logs_v1(lines))
+
+    @app.get("/v2/sandboxes/{sandbox_id}/logs", tags=["sandboxes"])
+    async def logs_v2(
+        sandbox_id: str,
+        _: Auth,
+        cursor: Annotated[int, Query(ge=0)] = 0,
+        limit: Annotated[int, Query(ge=1, le=10000)] = 1000,
+    ) -> JSONResponse:
+        _known(mgr, sandbox_id)
+        lines = mgr.store.logs(sandbox_id, start=cursor / 1000, limit=limit)
+        return JSONResponse(views.logs_v2(lines))
+
+    # -- templates -------------------------------------------------------------------------
+
+    @app.get("/templates", tags=["templates"])
+    async def list_templates(_: Auth) -> JSONResponse:
+        return JSONResponse([views.template(t, mgr.envd_version) for t in ctx.templates.list()])
+
+    @app.get("/templates/{template_id}", tags=["templates"])
+    async def get_template(template_id: str, _: Auth) -> JSONResponse:
+        try:
+            t = ctx.templates.get(template_id)
+        except TemplateUnavailable as exc:
+            raise ApiError(404, f"template {template_id!r} not found") from exc
+        body = views.template(t, mgr.envd_version)
+        body["builds"] = []
+        return JSONResponse(body)
+
+    @app.delete("/templates/{template_id}", status_code=204, tags=["templates"])
+    async def delete_template(template_id: str, _: Auth) -> Response:
+        in_use = [
+            r.id
+            for r in mgr.store.select([s for s in SandboxState if s is not SandboxState.GONE])
+            if template_id in (r.template, r.alias)
+        ]
+        if in_use:
+            raise ApiError(
+                409, f"template {template_id!r} is used by {len(in_use)} live sandbox(es)"
+            )
+        if not ctx.templates.delete(template_id):
+            raise ApiError(404, f"template {template_id!r} not found")
+        return Response(status_code=204)
+
+    # Routes the SDK knows that this server does not implement answer clearly, not 404.
+    unsupported = {
+        "/sandboxes/{sandbox_id}/snapshots": ["POST"],
+        "/sandboxes/{sandbox_id}/fork": ["POST"],
+        "/sandboxes/{sandbox_id}/network": ["PUT"],
+        "/snapshots": ["GET"],
+        "/sandboxes/metrics": ["GET"],
+    }
+    for path, methods in unsupported.items():
+        app.add_api_route(path, _not_implemented, methods=methods, include_in_schema=False)
+
+    return app
+
+
+async def _not_implemented(request: Request) -> JSONResponse:
+    return error(501, f"{request.method} {request.url.path} is not supported by this server yet")
+
+
+def _known(mgr: SandboxManager, sandbox_id: str) -> None:
+    # Logs stay readable after a kill, but an id that never existed is a 404.
+    if mgr.store.get(sandbox_id) is None:
+        raise SandboxNotFound(sandbox_id)
+
+
+async def _guest_metrics(mgr: SandboxManager, rec: SandboxRecord) -> dict[str, Any] | None:
+    if rec.state is not SandboxState.RUNNING or not rec.envd_url:
+        return None
+    headers = {"X-Access-Token": rec.envd_token} if rec.envd_token else {}
+    try:
+        resp = await mgr._http.get(f"{rec.envd_url}/metrics", headers=headers, timeout=5.0)
+        resp.raise_for_status()
+        m = resp.json()
+    except (httpx.HTTPError, ValueError) as exc:
+        log.info("sandbox %s metrics unavailable: %r", rec.id, exc)
+        return None
+    ts = float(m.get("ts", time.time()))
+    return {
+        "timestamp": views.iso(ts),
+        "timestampUnix": int(ts),
+        "cpuCount": int(m.get("cpu_count", rec.cpu)),
+        "cpuUsedPct": float(m.get("cpu_used_pct", 0.0)),
+        "memUsed": int(m.get("mem_used", 0)),
+        "memTotal": int(m.get("mem_total", 0)),
+        "memCache": int(m.get("mem_cache", 0)),
+        "diskUsed": int(m.get("disk_used", 0)),
+        "diskTotal": int(m.get("disk_total", 0)),
+    }
+
+
+def _describe(exc: RequestValidationError) -> str:
+    errs = exc.errors()
+    if not errs:
+        return "invalid request"
+    first = errs[0]
+    if first.get("type") == "json_invalid":
+        return "request body is not valid JSON"
+    loc = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+    msg = str(first.get("msg", "invalid"))
+    if first.get("type") == "extra_forbidden":
+        msg = "unknown field"
+    if first.get("type") == "missing" and not loc:
+        msg = "request body is required"
+    more = f" (+{len(errs) - 1} more)" if len(errs) > 1 else ""
+    return f"{loc}: {msg}{more}" if loc else f"{msg}{more}"
+
+
+def _parse_states(raw: list[str]) -> set[str]:
+    values = {s.strip() for item in raw for s in item.split(",") if s.strip()}
+    if not values:
+        return {"running", "paused"}
+    bad = values - {"running", "paused"}
+    if bad:
+        raise BadRequest(f"unknown state filter {sorted(bad)[0]!r}: use running or paused")
+    return values
+
+
+def _parse_metadata(raw: str | None, *, encoded_twice: bool) -> dict[str, str]:
+    """Decode the SDK's metadata filter (v2: ``urlencode({quote(k): quote(v)})``, sent encoded)."""
+    if not raw:
+        return {}
+    pairs = parse_qsl(raw, keep_blank_values=True)
+    if encoded_twice:
+        return {unquote(k): unquote(v) for k, v in pairs}
+    return dict(pairs)
+
+
+def _parse_time(raw: str) -> float:
+    try:
+        return datetime.fromisoformat(raw.replace("Z", "+00:00")).timestamp()
+    except ValueError as exc:
+        raise BadRequest(f"startedAfter {raw!r} is not an ISO-8601 time") from exc
+
+
+def _encode_token(seq: int) -> str:
+    return base64.urlsafe_b64encode(f"seq:{seq}".encode()).decode().rstrip("=")
+
+
+def _decode_token(token: str) -> int:
+    try:
+        raw = base64.urlsafe_b64decode(token + "=" * (-len(token) % 4)).decode()
+        kind, _, seq = raw.partition(":")
+        if kind != "seq":
+            raise ValueError(raw)
+        return int(seq)
+    except ValueError as exc:
+        raise BadRequest("nextToken is not a token this server issued") from exc
+
+
+def new_request_id() -> str:
+    return secrets.token_hex(8)

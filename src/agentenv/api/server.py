@@ -1,0 +1,133 @@
+"""`aenv serve`: build the app from Settings and run it on uvicorn."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Literal
+
+import uvicorn
+
+from agentenv.api.app import AgentenvApp
+from agentenv.api.keys import KeyRing, key_file
+from agentenv.config import ConfigError, Settings
+from agentenv.orchestrator.metrics import Metrics
+from agentenv.orchestrator.runtime import Runtime, TemplateSource
+from agentenv.orchestrator.sandboxes import SandboxManager
+from agentenv.orchestrator.store import Store
+
+RuntimeKind = Literal["vm", "local"]
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8000
+
+
+def db_path(settings: Settings) -> Path:
+    return settings.home / "agentenv.db"
+
+
+def envd_version() -> str:
+    from agentenv.guest.envd import ENVD_VERSION
+
+    return ENVD_VERSION
+
+
+def build_runtime(settings: Settings, kind: RuntimeKind) -> tuple[Runtime, TemplateSource]:
+    if kind == "local":
+        from agentenv.orchestrator.local import LocalRuntime, StaticTemplates
+
+        return LocalRuntime(settings.run_dir / "local", default_user="root"), StaticTemplates(
+            ["base"]
+        )
+    from agentenv.orchestrator.node_runtime import CatalogTemplates, NodeRuntime
+
+    return NodeRuntime(settings), CatalogTemplates(settings)
+
+
+def build_app(
+    settings: Settings,
+    *,
+    runtime: RuntimeKind = "vm",
+    domain: str | None = None,
+    store: Store | None = None,
+) -> AgentenvApp:
+    store = store or Store(db_path(settings))
+    rt, templates = build_runtime(settings, runtime)
+    manager = SandboxManager(
+        store,
+        rt,
+        templates,
+        envd_version=envd_version(),
+        metrics=Metrics(),
+        default_cpu=settings.default_cpu,
+        default_memory_mb=settings.default_memory_mb,
+        max_cpu=settings.max_cpu,
+        min_memory_mb=settings.min_memory_mb,
+        max_memory_mb=settings.max_memory_mb,
+    )
+    return AgentenvApp(manager, KeyRing(store), templates, domain=domain)
+
+
+def parse_bind(raw: str) -> tuple[str, int]:
+    host, sep, port = raw.rpartition(":")
+    if not sep or not host:
+        raise ConfigError(f"AGENTENV_BIND={raw!r}: expected HOST:PORT")
+    try:
+        return host.strip("[]"), int(port)
+    except ValueError as exc:
+        raise ConfigError(f"AGENTENV_BIND={raw!r}: port is not a number") from exc
+
+
+def serve(
+    host: str | None = None,
+    port: int | None = None,
+    *,
+    certfile: Path | None = None,
+    keyfile: Path | None = None,
+    runtime: RuntimeKind = "vm",
+    domain: str | None = None,
+    log_level: str = "info",
+) -> None:
+    """Run the server until interrupted; prints the API key file on first start."""
+    settings = Settings.from_env()
+    if host is None or port is None:
+        bind_host, bind_port = parse_bind(
+            os.environ.get("AGENTENV_BIND", f"{DEFAULT_HOST}:{DEFAULT_PORT}")
+        )
+        host = host or bind_host
+        port = port or bind_port
+    if (certfile is None) != (keyfile is None):
+        raise ConfigError("TLS needs both --cert and --key")
+    logging.basicConfig(
+        level=log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s %(message)s",
+        stream=sys.stderr,
+    )
+    settings.home.mkdir(parents=True, exist_ok=True)
+    store = Store(db_path(settings))
+    new_key = KeyRing(store).ensure_initial(settings.home)
+    if new_key is not None:
+        print(f"created the first API key; it is in {new_key} (mode 0600)", file=sys.stderr)
+    else:
+        print(
+            f"API keys: `aenv keys ls`; the first key is in {key_file(settings.home)}",
+            file=sys.stderr,
+        )
+    app = build_app(settings, runtime=runtime, domain=domain, store=store)
+    scheme = "https" if certfile else "http"
+    print(f"agentenv listening on {scheme}://{host}:{port}", file=sys.stderr)
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        ssl_certfile=str(certfile) if certfile else None,
+        ssl_keyfile=str(keyfile) if keyfile else None,
+        ws="websockets-sansio",
+        # The SDK pools keep-alive sockets for up to 300 s.
+        timeout_keep_alive=300,
+        log_level=log_level,
+        access_log=False,
+        lifespan="on",
+    )
+    uvicorn.Server(config).run()

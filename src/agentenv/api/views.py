@@ -1,0 +1,115 @@
+"""JSON shapes the SDK parses: Sandbox, ListedSandbox/SandboxDetail, Template, logs."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+from agentenv.orchestrator.runtime import TemplateInfo
+from agentenv.orchestrator.store import LogLine, SandboxRecord, SandboxState
+
+CLIENT_ID = "agentenv"
+
+# The SDK only accepts "running" and "paused"; transitional states show as where they came from.
+_LISTED_STATE = {
+    SandboxState.RUNNING: "running",
+    SandboxState.PAUSING: "running",
+    SandboxState.PAUSED: "paused",
+    SandboxState.RESUMING: "paused",
+}
+
+
+def iso(ts: float) -> str:
+    return datetime.fromtimestamp(ts, UTC).isoformat().replace("+00:00", "Z")
+
+
+def listed_state(rec: SandboxRecord) -> str | None:
+    return _LISTED_STATE.get(rec.state)
+
+
+def sandbox(rec: SandboxRecord, domain: str | None) -> dict[str, Any]:
+    return {
+        "templateID": rec.template,
+        "sandboxID": rec.id,
+        "clientID": CLIENT_ID,
+        "envdVersion": rec.envd_version,
+        "envdAccessToken": rec.envd_token,
+        "trafficAccessToken": rec.traffic_token,
+        "domain": domain,
+        "alias": rec.alias,
+    }
+
+
+def listed(rec: SandboxRecord) -> dict[str, Any]:
+    return {
+        "templateID": rec.template,
+        "sandboxID": rec.id,
+        "clientID": CLIENT_ID,
+        "alias": rec.alias,
+        "startedAt": iso(rec.started_at),
+        "endAt": iso(rec.end_at),
+        "cpuCount": rec.cpu,
+        "memoryMB": rec.memory_mb,
+        "diskSizeMB": rec.disk_mb,
+        "state": listed_state(rec) or "running",
+        "envdVersion": rec.envd_version,
+        "metadata": rec.metadata,
+    }
+
+
+def detail(rec: SandboxRecord, domain: str | None) -> dict[str, Any]:
+    body = listed(rec)
+    body.update(
+        {
+            "envdAccessToken": rec.envd_token,
+            "domain": domain,
+            "allowInternetAccess": rec.allow_internet,
+            "network": rec.network,
+            "lifecycle": {
+                "autoResume": rec.auto_resume,
+                "onTimeout": "pause" if rec.auto_pause else "kill",
+            },
+        }
+    )
+    return body
+
+
+def template(t: TemplateInfo, envd_version: str) -> dict[str, Any]:
+    return {
+        "templateID": t.name,
+        "buildID": t.name,
+        "cpuCount": t.cpu,
+        "memoryMB": t.memory_mb,
+        "diskSizeMB": t.size_mb,
+        "public": False,
+        "aliases": [t.name],
+        "names": [t.name],
+        "createdAt": iso(t.created_at),
+        "updatedAt": iso(t.updated_at),
+        "createdBy": None,
+        "lastSpawnedAt": None,
+        "spawnCount": 0,
+        "buildCount": 1,
+        "envdVersion": envd_version,
+        "buildStatus": "ready",
+    }
+
+
+def logs_v1(lines: list[LogLine]) -> dict[str, Any]:
+    return {
+        "logs": [{"timestamp": iso(ln.ts), "line": ln.message} for ln in lines],
+        "logEntries": [_entry(ln) for ln in lines],
+    }
+
+
+def logs_v2(lines: list[LogLine]) -> dict[str, Any]:
+    return {"logs": [_entry(ln) for ln in lines]}
+
+
+def _entry(ln: LogLine) -> dict[str, Any]:
+    return {
+        "timestamp": iso(ln.ts),
+        "message": ln.message,
+        "level": ln.level,
+        "fields": {"sandboxID": ln.sandbox_id},
+    }

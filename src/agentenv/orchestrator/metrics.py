@@ -1,0 +1,69 @@
+"""Prometheus instruments for the control plane and the proxy.
+
+Each server instance owns its own registry so several servers (tests, benches) can live in one
+process without colliding on metric names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from agentenv.orchestrator.store import SandboxState
+
+_LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 3, 5, 8, 13, 20, 30, 60, 120)
+
+
+class _StateCollector(Collector):
+    def __init__(self, counts: Callable[[], dict[str, int]]) -> None:
+        self._counts = counts
+
+    def collect(self) -> list[GaugeMetricFamily]:
+        family = GaugeMetricFamily(
+            "agentenv_sandboxes", "Sandboxes by lifecycle state", labels=["state"]
+        )
+        counts = self._counts()
+        for state in SandboxState:
+            if state is not SandboxState.GONE:
+                family.add_metric([state.value], counts.get(state.value, 0))
+        return [family]
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.create_seconds = Histogram(
+            "agentenv_sandbox_create_seconds",
+            "Time from create request to a running sandbox",
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.resume_seconds = Histogram(
+            "agentenv_sandbox_resume_seconds",
+            "Time to resume a paused sandbox",
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.create_failures = Counter(
+            "agentenv_sandbox_create_failures",
+            "Sandbox creations that failed and were torn down",
+            registry=self.registry,
+        )
+        self.proxy_bytes = Counter(
+            "agentenv_proxy_bytes",
+            "Bytes relayed by the data-plane proxy",
+            ["direction"],
+            registry=self.registry,
+        )
+        self.proxy_requests = Counter(
+            "agentenv_proxy_requests",
+            "Data-plane requests by outcome",
+            ["outcome"],
+            registry=self.registry,
+        )
+
+    def watch_states(self, counts: Callable[[], dict[str, int]]) -> None:
+        self.registry.register(_StateCollector(counts))

@@ -1,0 +1,402 @@
+"""The per-sandbox state machine: create, connect, pause, resume, timeouts, kill.
+
+creating → running → pausing → paused → resuming → running … → killing → gone
+
+Every transition is a compare-and-set on the stored state, taken while holding that sandbox's
+lock, so concurrent requests for one sandbox run one after another and a request that loses the
+race sees the state the winner left. A transition that fails part-way is rolled back (pause,
+resume) or torn down to ``gone`` (create), never left in a transitional state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import logging
+import secrets
+import string
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+import httpx
+
+from agentenv.orchestrator.errors import (
+    BadRequest,
+    Conflict,
+    CreateFailed,
+    NotSupported,
+    SandboxNotFound,
+    TemplateNotFound,
+)
+from agentenv.orchestrator.metrics import Metrics
+from agentenv.orchestrator.runtime import (
+    Placement,
+    Runtime,
+    TemplateSource,
+    TemplateUnavailable,
+    Unsupported,
+)
+from agentenv.orchestrator.store import LIVE_STATES, SandboxRecord, SandboxState, Store
+
+log = logging.getLogger("agentenv.sandboxes")
+
+DEFAULT_TIMEOUT_S = 300
+MAX_TIMEOUT_S = 24 * 3600
+_ID_ALPHABET = string.ascii_lowercase + string.digits
+# How often the reaper looks for expired sandboxes when nothing is due sooner.
+_REAPER_TICK_S = 1.0
+
+
+def new_sandbox_id() -> str:
+    # Lowercase alphanumerics only: the id must be usable as a DNS label in `{port}-{id}.{domain}`.
+    return "i" + "".join(secrets.choice(_ID_ALPHABET) for _ in range(19))
+
+
+@dataclass
+class CreateSpec:
+    template: str
+    timeout: int = DEFAULT_TIMEOUT_S
+    auto_pause: bool = False
+    auto_resume: bool = False
+    secure: bool = True
+    allow_internet: bool = True
+    metadata: dict[str, str] = field(default_factory=dict)
+    env_vars: dict[str, str] = field(default_factory=dict)
+    network: dict[str, Any] = field(default_factory=dict)
+    cpu: int | None = None
+    memory_mb: int | None = None
+    disk_mb: int | None = None
+
+
+class SandboxManager:
+    """Owns the lifecycle of every sandbox on this server."""
+
+    def __init__(
+        self,
+        store: Store,
+        runtime: Runtime,
+        templates: TemplateSource,
+        *,
+        envd_version: str,
+        metrics: Metrics | None = None,
+        default_cpu: int = 1,
+        default_memory_mb: int = 512,
+        max_cpu: int = 8,
+        min_memory_mb: int = 128,
+        max_memory_mb: int = 16384,
+    ) -> None:
+        self.store = store
+        self.runtime = runtime
+        self.templates = templates
+        self.envd_version = envd_version
+        self.metrics = metrics or Metrics()
+        self.default_cpu = default_cpu
+        self.default_memory_mb = default_memory_mb
+        self.max_cpu = max_cpu
+        self.min_memory_mb = min_memory_mb
+        self.max_memory_mb = max_memory_mb
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._reaper: asyncio.Task[None] | None = None
+        self._wake = asyncio.Event()
+        self._http = httpx.AsyncClient(timeout=httpx.Timeout(10.0), trust_env=False)
+
+    # -- lifecycle of the manager ----------------------------------------------------------
+
+    async def start(self) -> None:
+        await self.runtime.start()
+        self._reconcile()
+        self._reaper = asyncio.create_task(self._reap_forever(), name="sandbox-reaper")
+
+    async def close(self) -> None:
+        """Stop the reaper and tear down every live sandbox (nothing survives the server yet)."""
+        if self._reaper is not None:
+            self._reaper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reaper
+            self._reaper = None
+        for rec in self.store.select(LIVE_STATES):
+            with contextlib.suppress(SandboxNotFound):
+                await self.kill(rec.id, reason="server shutdown")
+        await self.runtime.close()
+        await self._http.aclose()
+
+    def _reconcile(self) -> None:
+        """Rows left by a previous server whose VMs are gone become ``gone``."""
+        for rec in self.store.select(LIVE_STATES):
+            if rec.runtime_id and self.runtime.is_alive(rec.runtime_id):
+                continue
+            self.store.transition(rec.id, rec.state, SandboxState.GONE)
+            self.store.log(rec.id, f"marked gone at server start (was {rec.state.value})", "warn")
+
+    @contextlib.asynccontextmanager
+    async def _locked(self, sandbox_id: str) -> AsyncIterator[None]:
+        lock = self._locks.setdefault(sandbox_id, asyncio.Lock())
+        async with lock:
+            yield
+        if not lock.locked() and sandbox_id in self._locks:
+            rec = self.store.get(sandbox_id)
+            if rec is None or rec.state is SandboxState.GONE:
+                self._locks.pop(sandbox_id, None)
+
+    # -- queries ---------------------------------------------------------------------------
+
+    def get(self, sandbox_id: str) -> SandboxRecord:
+        rec = self.store.get(sandbox_id)
+        if rec is None or rec.state in (SandboxState.GONE, SandboxState.KILLING):
+            raise SandboxNotFound(sandbox_id)
+        return rec
+
+    def running(self, sandbox_id: str) -> SandboxRecord | None:
+        rec = self.store.get(sandbox_id)
+        if rec is None or rec.state is not SandboxState.RUNNING or rec.address is None:
+            return None
+        return rec
+
+    # -- transitions -----------------------------------------------------------------------
+
+    async def create(self, spec: CreateSpec, api_key_id: str | None = None) -> SandboxRecord:
+        try:
+            tpl = self.templates.get(spec.template)
+        except TemplateUnavailable as exc:
+            raise TemplateNotFound(spec.template) from exc
+        cpu = spec.cpu or tpl.cpu or self.default_cpu
+        memory = spec.memory_mb or tpl.memory_mb or self.default_memory_mb
+        disk = spec.disk_mb or tpl.size_mb
+        if not 1 <= cpu <= self.max_cpu:
+            raise BadRequest(f"cpuCount must be between 1 and {self.max_cpu}")
+        if not self.min_memory_mb <= memory <= self.max_memory_mb:
+            raise BadRequest(
+                f"memoryMB must be between {self.min_memory_mb} and {self.max_memory_mb}"
+            )
+        if disk < tpl.size_mb:
+            raise BadRequest(f"diskSizeMB must be at least the template size ({tpl.size_mb})")
+        now = time.time()
+        rec = SandboxRecord(
+            id=new_sandbox_id(),
+            template=spec.template,
+            alias=tpl.name,
+            state=SandboxState.CREATING,
+            started_at=now,
+            end_at=now + spec.timeout,
+            cpu=cpu,
+            memory_mb=memory,
+            disk_mb=disk,
+            envd_version=self.envd_version,
+            metadata=dict(spec.metadata),
+            env_vars=dict(spec.env_vars),
+            envd_token=secrets.token_urlsafe(24) if spec.secure else None,
+            traffic_token=(
+                secrets.token_urlsafe(24)
+                if not spec.network.get("allowPublicTraffic", True)
+                else None
+            ),
+            auto_pause=spec.auto_pause,
+            auto_resume=spec.auto_resume,
+            allow_internet=spec.allow_internet,
+            network=dict(spec.network),
+            api_key_id=api_key_id,
+        )
+        started = time.monotonic()
+        async with self._locked(rec.id):
+            self.store.insert(rec)
+            self.store.log(rec.id, f"creating from template {rec.template!r}")
+            log.info("sandbox %s creating template=%s", rec.id, rec.template)
+            placement: Placement | None = None
+            try:
+                placement = await self.runtime.create(rec.template, cpu, memory, disk)
+                await self._init_envd(rec, placement)
+                # The timeout counts from when the sandbox is usable, not from the request.
+                end_at = time.time() + spec.timeout
+                if not self.store.transition(
+                    rec.id,
+                    SandboxState.CREATING,
+                    SandboxState.RUNNING,
+                    address=placement.address,
+                    envd_url=placement.envd_url,
+                    runtime_id=placement.runtime_id,
+                    end_at=end_at,
+                ):
+                    raise CreateFailed(f"sandbox {rec.id} left 'creating' unexpectedly")
+            except BaseException as exc:
+                self.metrics.create_failures.inc()
+                await self._teardown_failed_create(rec, placement, exc)
+                if isinstance(exc, TemplateUnavailable):
+                    raise TemplateNotFound(spec.template) from exc
+                if isinstance(exc, Exception) and not isinstance(exc, CreateFailed):
+                    raise CreateFailed(f"sandbox creation failed: {exc}") from exc
+                raise
+        self.metrics.create_seconds.observe(time.monotonic() - started)
+        self.store.log(rec.id, "running")
+        log.info("sandbox %s running address=%s", rec.id, placement.address)
+        self._wake.set()
+        return self.get(rec.id)
+
+    async def _teardown_failed_create(
+        self, rec: SandboxRecord, placement: Placement | None, exc: BaseException
+    ) -> None:
+        self.store.transition(rec.id, SandboxState.CREATING, SandboxState.KILLING)
+        self.store.log(rec.id, f"create failed: {exc!r}", "error")
+        log.warning("sandbox %s create failed: %r", rec.id, exc)
+        if placement is not None:
+            try:
+                await asyncio.shield(self.runtime.delete(placement.runtime_id))
+            except Exception as del_exc:
+                log.error("sandbox %s teardown after failed create: %r", rec.id, del_exc)
+        self.store.transition(rec.id, SandboxState.KILLING, SandboxState.GONE)
+
+    async def _init_envd(self, rec: SandboxRecord, placement: Placement) -> None:
+        body = {
+            "envVars": rec.env_vars,
+            "accessToken": rec.envd_token,
+            "timestamp": datetime.now(UTC).isoformat(),
+            # Every VM boots from the same image; give each its own RNG state.
+            "entropy": base64.b64encode(secrets.token_bytes(32)).decode(),
+        }
+        resp = await self._http.post(f"{placement.envd_url}/init", json=body)
+        if resp.status_code >= 300:
+            raise CreateFailed(f"envd /init answered {resp.status_code}: {resp.text[:200]}")
+
+    async def kill(self, sandbox_id: str, *, reason: str = "killed") -> None:
+        async with self._locked(sandbox_id):
+            rec = self.store.get(sandbox_id)
+            if rec is None or rec.state is SandboxState.GONE:
+                raise SandboxNotFound(sandbox_id)
+            if not self.store.transition(sandbox_id, rec.state, SandboxState.KILLING):
+                raise SandboxNotFound(sandbox_id)
+            if rec.runtime_id is not None:
+                try:
+                    await asyncio.shield(self.runtime.delete(rec.runtime_id))
+                except Exception as exc:
+                    # The row still goes to gone: the node owns cleanup of what it allocated,
+                    # and a retry here could not do better than its own teardown did.
+                    log.error("sandbox %s delete failed: %r", sandbox_id, exc)
+                    self.store.log(sandbox_id, f"delete failed: {exc!r}", "error")
+            self.store.transition(sandbox_id, SandboxState.KILLING, SandboxState.GONE)
+            self.store.log(sandbox_id, reason)
+            log.info("sandbox %s gone (%s)", sandbox_id, reason)
+
+    async def set_timeout(self, sandbox_id: str, seconds: int) -> None:
+        async with self._locked(sandbox_id):
+            rec = self.get(sandbox_id)
+            if rec.state not in (SandboxState.RUNNING, SandboxState.PAUSED):
+                raise Conflict(f"sandbox {sandbox_id} is {rec.state.value}")
+            self.store.update(sandbox_id, end_at=time.time() + seconds)
+            self.store.log(sandbox_id, f"timeout set to {seconds}s")
+        self._wake.set()
+
+    async def refresh(self, sandbox_id: str, duration: int) -> None:
+        """Extend the sandbox's life to at least ``duration`` seconds from now."""
+        async with self._locked(sandbox_id):
+            rec = self.get(sandbox_id)
+            if rec.state is not SandboxState.RUNNING:
+                raise Conflict(f"sandbox {sandbox_id} is {rec.state.value}")
+            self.store.update(sandbox_id, end_at=max(rec.end_at, time.time() + duration))
+
+    async def connect(self, sandbox_id: str, seconds: int | None) -> tuple[SandboxRecord, bool]:
+        """Make sure the sandbox runs; returns it and whether it had to be resumed."""
+        async with self._locked(sandbox_id):
+            rec = self.get(sandbox_id)
+            if rec.state is SandboxState.RUNNING:
+                if seconds is not None:
+                    # Connecting only ever extends a running sandbox's life.
+                    end_at = max(rec.end_at, time.time() + seconds)
+                    self.store.update(sandbox_id, end_at=end_at)
+                return self.get(sandbox_id), False
+            if rec.state is SandboxState.PAUSED:
+                await self._resume_locked(rec, seconds)
+                return self.get(sandbox_id), True
+            raise Conflict(f"sandbox {sandbox_id} is {rec.state.value}")
+
+    async def resume(self, sandbox_id: str, seconds: int | None) -> SandboxRecord:
+        async with self._locked(sandbox_id):
+            rec = self.get(sandbox_id)
+            if rec.state is not SandboxState.PAUSED:
+                raise Conflict(f"sandbox {sandbox_id} is {rec.state.value}, not paused")
+            await self._resume_locked(rec, seconds)
+        return self.get(sandbox_id)
+
+    async def _resume_locked(self, rec: SandboxRecord, seconds: int | None) -> None:
+        if not self.store.transition(rec.id, SandboxState.PAUSED, SandboxState.RESUMING):
+            raise Conflict(f"sandbox {rec.id} changed state during resume")
+        started = time.monotonic()
+        try:
+            placement = await self.runtime.resume(rec.runtime_id or rec.id)
+        except BaseException as exc:
+            self.store.transition(rec.id, SandboxState.RESUMING, SandboxState.PAUSED)
+            if isinstance(exc, Unsupported):
+                raise NotSupported(str(exc)) from exc
+            raise
+        self.store.transition(
+            rec.id,
+            SandboxState.RESUMING,
+            SandboxState.RUNNING,
+            address=placement.address,
+            envd_url=placement.envd_url,
+            runtime_id=placement.runtime_id,
+            end_at=time.time() + (seconds if seconds is not None else DEFAULT_TIMEOUT_S),
+        )
+        self.metrics.resume_seconds.observe(time.monotonic() - started)
+        self.store.log(rec.id, "resumed")
+        self._wake.set()
+
+    async def pause(self, sandbox_id: str) -> None:
+        async with self._locked(sandbox_id):
+            rec = self.get(sandbox_id)
+            if rec.state is SandboxState.PAUSED:
+                raise Conflict(f"sandbox {sandbox_id} is already paused")
+            if not self.store.transition(sandbox_id, SandboxState.RUNNING, SandboxState.PAUSING):
+                raise Conflict(f"sandbox {sandbox_id} is {rec.state.value}")
+            try:
+                await self.runtime.pause(rec.runtime_id or rec.id)
+            except BaseException as exc:
+                self.store.transition(sandbox_id, SandboxState.PAUSING, SandboxState.RUNNING)
+                if isinstance(exc, Unsupported):
+                    raise NotSupported(str(exc)) from exc
+                raise
+            self.store.transition(
+                sandbox_id, SandboxState.PAUSING, SandboxState.PAUSED, address=None
+            )
+            self.store.log(sandbox_id, "paused")
+
+    # -- timeouts --------------------------------------------------------------------------
+
+    async def _reap_forever(self) -> None:
+        while True:
+            deadline = self.store.next_deadline()
+            wait = _REAPER_TICK_S
+            if deadline is not None:
+                wait = min(wait, max(0.0, deadline - time.time()))
+            self._wake.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), timeout=wait)
+            await self.reap_expired()
+
+    async def reap_expired(self) -> None:
+        for rec in self.store.expired(time.time()):
+            try:
+                await self._expire(rec.id)
+            except Exception as exc:
+                log.error("sandbox %s expiry failed: %r", rec.id, exc)
+
+    async def _expire(self, sandbox_id: str) -> None:
+        async with self._locked(sandbox_id):
+            rec = self.store.get(sandbox_id)
+            # The deadline may have moved while we waited for the lock.
+            if rec is None or rec.state is not SandboxState.RUNNING or rec.end_at > time.time():
+                return
+            auto_pause = rec.auto_pause
+        if auto_pause:
+            try:
+                await self.pause(sandbox_id)
+                self.store.log(sandbox_id, "paused on timeout")
+                return
+            except NotSupported as exc:
+                self.store.log(sandbox_id, f"auto-pause unavailable ({exc}); killing", "warn")
+            except (Conflict, SandboxNotFound):
+                return
+        with contextlib.suppress(SandboxNotFound):
+            await self.kill(sandbox_id, reason="killed on timeout")

@@ -1,0 +1,366 @@
+"""SQLite persistence for sandbox rows, lifecycle events, API keys and idempotency keys.
+
+Every state change is a compare-and-set ``UPDATE … WHERE state = ?`` so two writers can never
+both win a transition. Calls are synchronous: each statement touches one indexed row in a local
+WAL database and returns in well under a millisecond, which is cheaper than a thread hop.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+
+class SandboxState(StrEnum):
+    CREATING = "creating"
+    RUNNING = "running"
+    PAUSING = "pausing"
+    PAUSED = "paused"
+    RESUMING = "resuming"
+    KILLING = "killing"
+    GONE = "gone"
+
+
+# Live = still holds (or is about to hold) resources on a node.
+LIVE_STATES = frozenset(SandboxState) - {SandboxState.GONE}
+
+
+@dataclass
+class SandboxRecord:
+    id: str
+    template: str
+    alias: str
+    state: SandboxState
+    started_at: float
+    end_at: float
+    cpu: int
+    memory_mb: int
+    disk_mb: int
+    envd_version: str
+    metadata: dict[str, str] = field(default_factory=dict)
+    env_vars: dict[str, str] = field(default_factory=dict)
+    envd_token: str | None = None
+    traffic_token: str | None = None
+    auto_pause: bool = False
+    auto_resume: bool = False
+    allow_internet: bool = True
+    network: dict[str, Any] = field(default_factory=dict)
+    address: str | None = None
+    envd_url: str | None = None
+    runtime_id: str | None = None
+    api_key_id: str | None = None
+    seq: int = 0
+
+    @property
+    def allow_public_traffic(self) -> bool:
+        return bool(self.network.get("allowPublicTraffic", True))
+
+
+@dataclass(frozen=True)
+class ApiKey:
+    id: str
+    name: str
+    prefix: str
+    created_at: float
+    revoked_at: float | None
+
+
+@dataclass(frozen=True)
+class LogLine:
+    sandbox_id: str
+    ts: float
+    level: str
+    message: str
+
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS sandboxes (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    id TEXT NOT NULL UNIQUE,
+    template TEXT NOT NULL,
+    alias TEXT NOT NULL,
+    state TEXT NOT NULL,
+    started_at REAL NOT NULL,
+    end_at REAL NOT NULL,
+    cpu INTEGER NOT NULL,
+    memory_mb INTEGER NOT NULL,
+    disk_mb INTEGER NOT NULL,
+    envd_version TEXT NOT NULL,
+    metadata TEXT NOT NULL,
+    env_vars TEXT NOT NULL,
+    envd_token TEXT,
+    traffic_token TEXT,
+    auto_pause INTEGER NOT NULL,
+    auto_resume INTEGER NOT NULL,
+    allow_internet INTEGER NOT NULL,
+    network TEXT NOT NULL,
+    address TEXT,
+    envd_url TEXT,
+    runtime_id TEXT,
+    api_key_id TEXT
+);
+CREATE INDEX IF NOT EXISTS sandboxes_state ON sandboxes(state, end_at);
+CREATE TABLE IF NOT EXISTS sandbox_logs (
+    sandbox_id TEXT NOT NULL,
+    ts REAL NOT NULL,
+    level TEXT NOT NULL,
+    message TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS sandbox_logs_id ON sandbox_logs(sandbox_id, ts);
+CREATE TABLE IF NOT EXISTS api_keys (
+    id TEXT PRIMARY KEY,
+    name TEXT NOT NULL,
+    prefix TEXT NOT NULL,
+    hash TEXT NOT NULL UNIQUE,
+    created_at REAL NOT NULL,
+    revoked_at REAL
+);
+CREATE TABLE IF NOT EXISTS idempotency (
+    api_key_id TEXT NOT NULL,
+    key TEXT NOT NULL,
+    body_hash TEXT NOT NULL,
+    sandbox_id TEXT,
+    created_at REAL NOT NULL,
+    PRIMARY KEY (api_key_id, key)
+);
+"""
+
+_COLUMNS = (
+    "id", "template", "alias", "state", "started_at", "end_at", "cpu", "memory_mb", "disk_mb",
+    "envd_version", "metadata", "env_vars", "envd_token", "traffic_token", "auto_pause",
+    "auto_resume", "allow_internet", "network", "address", "envd_url", "runtime_id", "api_key_id",
+)  # fmt: skip
+
+
+class Store:
+    """One SQLite database file; a single connection owned by the server's event loop."""
+
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        self._db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        self._db.row_factory = sqlite3.Row
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=NORMAL")
+        self._db.execute("PRAGMA busy_timeout=5000")
+        self._db.executescript(_SCHEMA)
+
+    def close(self) -> None:
+        self._db.close()
+
+    # -- sandboxes -------------------------------------------------------------------------
+
+    def insert(self, rec: SandboxRecord) -> None:
+        row = _to_row(rec)
+        marks = ",".join("?" for _ in _COLUMNS)
+        cur = self._db.execute(
+            f"INSERT INTO sandboxes ({','.join(_COLUMNS)}) VALUES ({marks})",
+            [row[c] for c in _COLUMNS],
+        )
+        rec.seq = int(cur.lastrowid or 0)
+
+    def get(self, sandbox_id: str) -> SandboxRecord | None:
+        row = self._db.execute("SELECT * FROM sandboxes WHERE id = ?", (sandbox_id,)).fetchone()
+        return _from_row(row) if row else None
+
+    def transition(
+        self,
+        sandbox_id: str,
+        expected: SandboxState | Iterable[SandboxState],
+        new: SandboxState,
+        **changes: Any,
+    ) -> bool:
+        """Move a sandbox to ``new`` only if it is in ``expected``; returns whether it moved."""
+        states = [expected] if isinstance(expected, SandboxState) else list(expected)
+        sets = ["state = ?"]
+        args: list[Any] = [new.value]
+        for key, value in changes.items():
+            sets.append(f"{key} = ?")
+            args.append(_encode(key, value))
+        marks = ",".join("?" for _ in states)
+        cur = self._db.execute(
+            f"UPDATE sandboxes SET {', '.join(sets)} WHERE id = ? AND state IN ({marks})",
+            [*args, sandbox_id, *(s.value for s in states)],
+        )
+        return cur.rowcount == 1
+
+    def update(self, sandbox_id: str, **changes: Any) -> None:
+        sets = [f"{key} = ?" for key in changes]
+        args = [_encode(k, v) for k, v in changes.items()]
+        self._db.execute(
+            f"UPDATE sandboxes SET {', '.join(sets)} WHERE id = ?", [*args, sandbox_id]
+        )
+
+    def select(
+        self,
+        states: Iterable[SandboxState] | None = None,
+        *,
+        after_seq: int = 0,
+        descending: bool = False,
+        before_seq: int | None = None,
+    ) -> list[SandboxRecord]:
+        where = ["1 = 1"]
+        args: list[Any] = []
+        if states is not None:
+            vals = [s.value for s in states]
+            where.append(f"state IN ({','.join('?' for _ in vals)})")
+            args.extend(vals)
+        if after_seq:
+            where.append("seq > ?")
+            args.append(after_seq)
+        if before_seq is not None:
+            where.append("seq < ?")
+            args.append(before_seq)
+        order = "DESC" if descending else "ASC"
+        rows = self._db.execute(
+            f"SELECT * FROM sandboxes WHERE {' AND '.join(where)} ORDER BY seq {order}", args
+        ).fetchall()
+        return [_from_row(r) for r in rows]
+
+    def expired(self, now: float) -> list[SandboxRecord]:
+        rows = self._db.execute(
+            "SELECT * FROM sandboxes WHERE state = ? AND end_at <= ?",
+            (SandboxState.RUNNING.value, now),
+        ).fetchall()
+        return [_from_row(r) for r in rows]
+
+    def next_deadline(self) -> float | None:
+        row = self._db.execute(
+            "SELECT MIN(end_at) FROM sandboxes WHERE state = ?", (SandboxState.RUNNING.value,)
+        ).fetchone()
+        return float(row[0]) if row and row[0] is not None else None
+
+    def count_by_state(self) -> dict[str, int]:
+        rows = self._db.execute("SELECT state, COUNT(*) FROM sandboxes GROUP BY state").fetchall()
+        return {str(r[0]): int(r[1]) for r in rows}
+
+    # -- logs ------------------------------------------------------------------------------
+
+    def log(self, sandbox_id: str, message: str, level: str = "info") -> None:
+        self._db.execute(
+            "INSERT INTO sandbox_logs (sandbox_id, ts, level, message) VALUES (?, ?, ?, ?)",
+            (sandbox_id, time.time(), level, message),
+        )
+
+    def logs(self, sandbox_id: str, *, start: float = 0.0, limit: int = 1000) -> list[LogLine]:
+        rows = self._db.execute(
+            "SELECT sandbox_id, ts, level, message FROM sandbox_logs "
+            "WHERE sandbox_id = ? AND ts >= ? ORDER BY ts, rowid LIMIT ?",
+            (sandbox_id, start, limit),
+        ).fetchall()
+        return [LogLine(r[0], r[1], r[2], r[3]) for r in rows]
+
+    # -- API keys --------------------------------------------------------------------------
+
+    def add_key(self, key_id: str, name: str, prefix: str, key_hash: str) -> ApiKey:
+        now = time.time()
+        self._db.execute(
+            "INSERT INTO api_keys (id, name, prefix, hash, created_at) VALUES (?, ?, ?, ?, ?)",
+            (key_id, name, prefix, key_hash, now),
+        )
+        return ApiKey(key_id, name, prefix, now, None)
+
+    def key_by_hash(self, key_hash: str) -> ApiKey | None:
+        row = self._db.execute(
+            "SELECT id, name, prefix, created_at, revoked_at FROM api_keys WHERE hash = ?",
+            (key_hash,),
+        ).fetchone()
+        return ApiKey(*row) if row else None
+
+    def keys(self) -> list[ApiKey]:
+        rows = self._db.execute(
+            "SELECT id, name, prefix, created_at, revoked_at FROM api_keys ORDER BY created_at"
+        ).fetchall()
+        return [ApiKey(*r) for r in rows]
+
+    def revoke_key(self, key_id: str) -> bool:
+        cur = self._db.execute(
+            "UPDATE api_keys SET revoked_at = ? WHERE id = ? AND revoked_at IS NULL",
+            (time.time(), key_id),
+        )
+        return cur.rowcount == 1
+
+    # -- idempotency -----------------------------------------------------------------------
+
+    def claim_idempotency(self, api_key_id: str, key: str, body_hash: str) -> bool:
+        """Reserve ``key``; False if it was already taken."""
+        cur = self._db.execute(
+            "INSERT OR IGNORE INTO idempotency (api_key_id, key, body_hash, created_at) "
+            "VALUES (?, ?, ?, ?)",
+            (api_key_id, key, body_hash, time.time()),
+        )
+        return cur.rowcount == 1
+
+    def idempotency(self, api_key_id: str, key: str) -> tuple[str, str | None] | None:
+        row = self._db.execute(
+            "SELECT body_hash, sandbox_id FROM idempotency WHERE api_key_id = ? AND key = ?",
+            (api_key_id, key),
+        ).fetchone()
+        return (str(row[0]), row[1]) if row else None
+
+    def complete_idempotency(self, api_key_id: str, key: str, sandbox_id: str) -> None:
+        self._db.execute(
+            "UPDATE idempotency SET sandbox_id = ? WHERE api_key_id = ? AND key = ?",
+            (sandbox_id, api_key_id, key),
+        )
+
+    def release_idempotency(self, api_key_id: str, key: str) -> None:
+        self._db.execute(
+            "DELETE FROM idempotency WHERE api_key_id = ? AND key = ? AND sandbox_id IS NULL",
+            (api_key_id, key),
+        )
+
+    def expire_idempotency(self, older_than: float) -> None:
+        self._db.execute("DELETE FROM idempotency WHERE created_at < ?", (older_than,))
+
+
+_JSON_COLUMNS = {"metadata", "env_vars", "network"}
+_BOOL_COLUMNS = {"auto_pause", "auto_resume", "allow_internet"}
+
+
+def _encode(key: str, value: Any) -> Any:
+    if key in _JSON_COLUMNS:
+        return json.dumps(value, separators=(",", ":"))
+    if key in _BOOL_COLUMNS:
+        return int(bool(value))
+    if isinstance(value, SandboxState):
+        return value.value
+    return value
+
+
+def _to_row(rec: SandboxRecord) -> dict[str, Any]:
+    return {c: _encode(c, getattr(rec, c)) for c in _COLUMNS}
+
+
+def _from_row(row: sqlite3.Row) -> SandboxRecord:
+    return SandboxRecord(
+        id=row["id"],
+        template=row["template"],
+        alias=row["alias"],
+        state=SandboxState(row["state"]),
+        started_at=row["started_at"],
+        end_at=row["end_at"],
+        cpu=row["cpu"],
+        memory_mb=row["memory_mb"],
+        disk_mb=row["disk_mb"],
+        envd_version=row["envd_version"],
+        metadata=json.loads(row["metadata"]),
+        env_vars=json.loads(row["env_vars"]),
+        envd_token=row["envd_token"],
+        traffic_token=row["traffic_token"],
+        auto_pause=bool(row["auto_pause"]),
+        auto_resume=bool(row["auto_resume"]),
+        allow_internet=bool(row["allow_internet"]),
+        network=json.loads(row["network"]),
+        address=row["address"],
+        envd_url=row["envd_url"],
+        runtime_id=row["runtime_id"],
+        api_key_id=row["api_key_id"],
+        seq=row["seq"],
+    )

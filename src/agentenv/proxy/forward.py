@@ -1,0 +1,348 @@
+"""Data-plane reverse proxy: stream HTTP and WebSocket traffic to a sandbox's slot address.
+
+Bodies are relayed chunk by chunk in both directions (Connect streams, SSE, large uploads), so
+nothing is buffered whole and a request body may stay open and idle for as long as the client
+wants (the SDK's async stdin sends a keepalive only every 50 s). Each sandbox gets its own
+connection pool to its slot address.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import secrets
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import httpx
+from websockets.asyncio.client import ClientConnection
+from websockets.asyncio.client import connect as ws_connect
+from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus
+from websockets.typing import Subprotocol
+
+from agentenv.orchestrator.metrics import Metrics
+from agentenv.orchestrator.store import SandboxRecord
+from agentenv.proxy.routing import ENVD_PORT, ROUTING_HEADERS, TRAFFIC_TOKEN_HEADER, Sandbox
+from agentenv.proxy.wire import Receive, Scope, Send, send_json
+
+log = logging.getLogger("agentenv.proxy")
+
+Resolver = Callable[[str], Awaitable[SandboxRecord | None]]
+
+_HOP_BY_HOP = frozenset(
+    (
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "proxy-connection",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+    )
+)
+_WS_OWN_HEADERS = frozenset(
+    (
+        "host",
+        "sec-websocket-key",
+        "sec-websocket-version",
+        "sec-websocket-extensions",
+        "sec-websocket-protocol",
+        "sec-websocket-accept",
+    )
+)
+# Connect fails only if the guest does not accept; reads have no deadline because streams
+# (process output, watches, async stdin) legitimately stay silent for minutes.
+_UPSTREAM_TIMEOUT = httpx.Timeout(connect=5.0, read=None, write=None, pool=30.0)
+_UPSTREAM_LIMITS = httpx.Limits(
+    max_connections=256, max_keepalive_connections=32, keepalive_expiry=60.0
+)
+
+
+class _ClientGone(Exception):
+    """The downstream client disconnected while we were relaying its request body."""
+
+
+def not_found_body(sandbox_id: str) -> dict[str, Any]:
+    # The SDK keys "sandbox not running" off the substring "was not found" in a 502.
+    return {
+        "code": 502,
+        "sandboxId": sandbox_id,
+        "message": f"The sandbox {sandbox_id} was not found",
+    }
+
+
+class SandboxProxy:
+    def __init__(self, resolve: Resolver, metrics: Metrics) -> None:
+        self._resolve = resolve
+        self._metrics = metrics
+        self._pools: dict[str, tuple[str, httpx.AsyncClient]] = {}
+
+    async def close(self) -> None:
+        pools = list(self._pools.values())
+        self._pools.clear()
+        for _, client in pools:
+            await client.aclose()
+
+    async def drop(self, sandbox_id: str) -> None:
+        entry = self._pools.pop(sandbox_id, None)
+        if entry is not None:
+            await entry[1].aclose()
+
+    def _pool(self, rec: SandboxRecord) -> httpx.AsyncClient:
+        assert rec.address is not None
+        entry = self._pools.get(rec.id)
+        if entry is not None and entry[0] == rec.address:
+            return entry[1]
+        client = httpx.AsyncClient(
+            timeout=_UPSTREAM_TIMEOUT, limits=_UPSTREAM_LIMITS, trust_env=False
+        )
+        if entry is not None:
+            # A resumed sandbox may sit on another slot; the old pool points nowhere.
+            asyncio.get_running_loop().create_task(entry[1].aclose())
+        self._pools[rec.id] = (rec.address, client)
+        return client
+
+    async def _admit(
+        self, target: Sandbox, headers: dict[str, str], send: Send
+    ) -> SandboxRecord | None:
+        rec = await self._resolve(target.sandbox_id)
+        if rec is None or rec.address is None:
+            await self.drop(target.sandbox_id)
+            self._metrics.proxy_requests.labels("not_found").inc()
+            await send_json(send, 502, not_found_body(target.sandbox_id))
+            return None
+        if target.port != ENVD_PORT and not rec.allow_public_traffic:
+            given = headers.get(TRAFFIC_TOKEN_HEADER, "")
+            if not rec.traffic_token or not secrets.compare_digest(given, rec.traffic_token):
+                self._metrics.proxy_requests.labels("forbidden").inc()
+                await send_json(
+                    send,
+                    403,
+                    {
+                        "code": 403,
+                        "message": f"sandbox {rec.id} requires a valid {TRAFFIC_TOKEN_HEADER} "
+                        f"header for port {target.port}",
+                    },
+                )
+                return None
+        return rec
+
+    # -- HTTP ------------------------------------------------------------------------------
+
+    async def http(self, scope: Scope, receive: Receive, send: Send, target: Sandbox) -> None:
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        rec = await self._admit(target, headers, send)
+        if rec is None:
+            return
+        fwd: list[tuple[bytes, bytes]] = []
+        for k, v in scope["headers"]:
+            name = k.decode("latin-1").lower()
+            if name in _HOP_BY_HOP or name in ROUTING_HEADERS:
+                continue
+            fwd.append((k, v))
+        has_body = "content-length" in headers or "chunked" in headers.get("transfer-encoding", "")
+        query = scope.get("query_string", b"")
+        url = f"http://{rec.address}:{target.port}{target.path}"
+        if query:
+            url += "?" + query.decode("latin-1")
+        sent_up = 0
+
+        async def body() -> AsyncIterator[bytes]:
+            nonlocal sent_up
+            while True:
+                msg = await receive()
+                if msg["type"] == "http.disconnect":
+                    raise _ClientGone
+                chunk = msg.get("body", b"")
+                if chunk:
+                    sent_up += len(chunk)
+                    yield chunk
+                if not msg.get("more_body", False):
+                    return
+
+        request = httpx.Request(
+            scope["method"], url, headers=fwd, content=body() if has_body else None
+        )
+        client = self._pool(rec)
+        try:
+            response = await client.send(request, stream=True)
+        except _ClientGone:
+            self._metrics.proxy_requests.labels("client_gone").inc()
+            return
+        except httpx.TransportError as exc:
+            self._metrics.proxy_requests.labels("upstream_error").inc()
+            log.info("sandbox %s port %d unreachable: %r", rec.id, target.port, exc)
+            await send_json(
+                send,
+                502,
+                {
+                    "code": 502,
+                    "sandboxId": rec.id,
+                    "message": f"The sandbox {rec.id} is running but port {target.port} "
+                    "is not open",
+                },
+            )
+            return
+        finally:
+            self._metrics.proxy_bytes.labels("up").inc(sent_up)
+        self._metrics.proxy_requests.labels("ok").inc()
+        try:
+            await self._relay_response(response, receive, send)
+        finally:
+            await response.aclose()
+
+    async def _relay_response(self, response: httpx.Response, receive: Receive, send: Send) -> None:
+        out_headers = [
+            (k, v)
+            for k, v in response.headers.raw
+            if k.decode("latin-1").lower() not in _HOP_BY_HOP
+        ]
+        await send(
+            {"type": "http.response.start", "status": response.status_code, "headers": out_headers}
+        )
+
+        async def pump() -> None:
+            async for chunk in response.aiter_raw():
+                self._metrics.proxy_bytes.labels("down").inc(len(chunk))
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+        async def watch_disconnect() -> None:
+            # A long stream (process output) must stop when its client goes away, or the
+            # upstream connection would be held until the guest process ends.
+            while True:
+                msg = await receive()
+                if msg["type"] == "http.disconnect":
+                    return
+
+        pump_task = asyncio.create_task(pump())
+        watch_task = asyncio.create_task(watch_disconnect())
+        try:
+            await asyncio.wait({pump_task, watch_task}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (pump_task, watch_task):
+                task.cancel()
+            await asyncio.gather(pump_task, watch_task, return_exceptions=True)
+        if not pump_task.cancelled() and (exc := pump_task.exception()) is not None:
+            # Aborting makes the server drop the connection, so the client sees a cut body.
+            raise exc
+
+    # -- WebSocket -------------------------------------------------------------------------
+
+    async def websocket(self, scope: Scope, receive: Receive, send: Send, target: Sandbox) -> None:
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        first = await receive()
+        if first["type"] != "websocket.connect":
+            return
+        rec = await self._resolve(target.sandbox_id)
+        if rec is None or rec.address is None:
+            await _ws_reject(send, 502, not_found_body(target.sandbox_id))
+            return
+        if target.port != ENVD_PORT and not rec.allow_public_traffic:
+            given = headers.get(TRAFFIC_TOKEN_HEADER, "")
+            if not rec.traffic_token or not secrets.compare_digest(given, rec.traffic_token):
+                await _ws_reject(
+                    send, 403, {"code": 403, "message": f"missing {TRAFFIC_TOKEN_HEADER}"}
+                )
+                return
+        query = scope.get("query_string", b"")
+        url = f"ws://{rec.address}:{target.port}{target.path}"
+        if query:
+            url += "?" + query.decode("latin-1")
+        extra = [
+            (k, v)
+            for k, v in headers.items()
+            if k not in _HOP_BY_HOP and k not in ROUTING_HEADERS and k not in _WS_OWN_HEADERS
+        ]
+        subprotocols = [s.strip() for s in headers.get("sec-websocket-protocol", "").split(",")]
+        try:
+            upstream = await ws_connect(
+                url,
+                additional_headers=extra,
+                subprotocols=[Subprotocol(s) for s in subprotocols if s] or None,
+                open_timeout=10,
+                max_size=None,
+                ping_interval=None,
+                compression=None,
+                user_agent_header=None,
+            )
+        except InvalidStatus as exc:
+            await _ws_reject(
+                send,
+                exc.response.status_code,
+                {"code": exc.response.status_code, "message": "upstream refused the WebSocket"},
+            )
+            return
+        except (OSError, InvalidHandshake, TimeoutError) as exc:
+            await _ws_reject(
+                send,
+                502,
+                {
+                    "code": 502,
+                    "message": f"port {target.port} in sandbox {rec.id} is not open: {exc}",
+                },
+            )
+            return
+        async with upstream:
+            await send({"type": "websocket.accept", "subprotocol": upstream.subprotocol})
+            await self._ws_pump(upstream, receive, send)
+
+    async def _ws_pump(self, upstream: ClientConnection, receive: Receive, send: Send) -> None:
+        async def down() -> None:
+            try:
+                async for message in upstream:
+                    if isinstance(message, bytes):
+                        self._metrics.proxy_bytes.labels("down").inc(len(message))
+                        await send({"type": "websocket.send", "bytes": message})
+                    else:
+                        self._metrics.proxy_bytes.labels("down").inc(len(message))
+                        await send({"type": "websocket.send", "text": message})
+            except ConnectionClosed:
+                pass
+            code = upstream.close_code or 1000
+            with contextlib.suppress(Exception):
+                await send({"type": "websocket.close", "code": code})
+
+        async def up() -> None:
+            while True:
+                msg = await receive()
+                if msg["type"] == "websocket.disconnect":
+                    await upstream.close(code=msg.get("code", 1000))
+                    return
+                if msg.get("bytes") is not None:
+                    self._metrics.proxy_bytes.labels("up").inc(len(msg["bytes"]))
+                    await upstream.send(msg["bytes"])
+                elif msg.get("text") is not None:
+                    self._metrics.proxy_bytes.labels("up").inc(len(msg["text"]))
+                    await upstream.send(msg["text"])
+
+        tasks = [asyncio.create_task(down()), asyncio.create_task(up())]
+        try:
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in tasks:
+                task.cancel()
+            for task in tasks:
+                with contextlib.suppress(asyncio.CancelledError, ConnectionClosed):
+                    await task
+
+
+async def _ws_reject(send: Send, status: int, body: dict[str, Any]) -> None:
+    """Refuse a WebSocket handshake with a JSON HTTP answer (ASGI websocket.http.response)."""
+    payload = json.dumps(body).encode()
+    try:
+        await send(
+            {
+                "type": "websocket.http.response.start",
+                "status": status,
+                "headers": [(b"content-type", b"application/json")],
+            }
+        )
+        await send({"type": "websocket.http.response.body", "body": payload})
+    except Exception:
+        # Servers without the extension can only refuse with a bare 403.
+        await send({"type": "websocket.close", "code": 1008})

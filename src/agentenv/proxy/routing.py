@@ -1,0 +1,118 @@
+"""Single-port routing: decide whether a request is for the control plane or a sandbox.
+
+Order (see docs e2b-protocol §1.4): a known control-plane route wins even when sandbox headers
+are present (SDK 2.10 leaks them on connect); then the ``e2b-sandbox-id``/``e2b-sandbox-port``
+headers, where ``GET /health`` and ``/metrics`` with a sandbox id go to the sandbox; then a
+``{port}-{sandboxID}.{domain}`` host; then a ``/proxy/{id}/{port}/…`` path.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+ENVD_PORT = 49983
+
+SANDBOX_ID_HEADERS = ("e2b-sandbox-id", "x-agentenv-sandbox-id")
+SANDBOX_PORT_HEADERS = ("e2b-sandbox-port", "x-agentenv-sandbox-port")
+TRAFFIC_TOKEN_HEADER = "e2b-traffic-access-token"
+# Routing headers are consumed here and never reach the sandbox.
+ROUTING_HEADERS = frozenset((*SANDBOX_ID_HEADERS, *SANDBOX_PORT_HEADERS, TRAFFIC_TOKEN_HEADER))
+
+_SEG = r"[^/]+"
+_CONTROL_PATTERNS: tuple[tuple[frozenset[str], re.Pattern[str]], ...] = tuple(
+    (frozenset(methods.split()), re.compile(f"^{pattern}$"))
+    for methods, pattern in (
+        ("GET POST", "/sandboxes"),
+        ("GET", "/sandboxes/metrics"),
+        ("GET DELETE", f"/sandboxes/{_SEG}"),
+        (
+            "POST",
+            f"/sandboxes/{_SEG}/(?:timeout|pause|resume|connect|snapshots|fork|refreshes)",
+        ),
+        ("GET", f"/sandboxes/{_SEG}/(?:metrics|logs)"),
+        ("PUT", f"/sandboxes/{_SEG}/network"),
+        ("GET POST", "/v2/sandboxes"),
+        ("POST", f"/v2/sandboxes/{_SEG}/connect"),
+        ("GET", f"/v2/sandboxes/{_SEG}/logs"),
+        ("GET", "/snapshots"),
+        ("GET POST PUT PATCH DELETE", "/(?:v2/|v3/)?templates(?:/.*)?"),
+        ("GET POST PUT PATCH DELETE", "/(?:volumes|secrets)(?:/.*)?"),
+        # Our own endpoints. /health and /metrics are the server's only without a sandbox id.
+        ("GET", "/openapi.json"),
+        ("GET", "/docs"),
+    )
+)
+_SERVER_ONLY_PATHS = frozenset(("/health", "/metrics"))
+_HOST_RE = re.compile(r"^(\d{1,5})-([a-z0-9]+)\.")
+_PROXY_PATH_RE = re.compile(r"^/proxy/([a-z0-9]+)/(\d{1,5})(/.*)?$")
+
+
+@dataclass(frozen=True)
+class Control:
+    """Dispatch to the control-plane app."""
+
+
+@dataclass(frozen=True)
+class Sandbox:
+    sandbox_id: str
+    port: int
+    # Path to send upstream (differs from the request path for /proxy/… routing).
+    path: str
+
+
+@dataclass(frozen=True)
+class BadRoute:
+    status: int
+    message: str
+
+
+Route = Control | Sandbox | BadRoute
+
+CONTROL = Control()
+
+
+def is_control_route(method: str, path: str) -> bool:
+    return any(method in methods and rx.match(path) for methods, rx in _CONTROL_PATTERNS)
+
+
+def normalise_path(path: str) -> str:
+    # connectrpc joins a trailing-slash base URL into `//process.Process/Start`.
+    while path.startswith("//"):
+        path = path[1:]
+    return path
+
+
+def route(method: str, path: str, headers: dict[str, str]) -> Route:
+    """``headers`` has lowercase names; ``path`` is already normalised."""
+    if is_control_route(method, path):
+        return CONTROL
+    sandbox_id = next((headers[h] for h in SANDBOX_ID_HEADERS if headers.get(h)), None)
+    if sandbox_id:
+        raw_port = next((headers[h] for h in SANDBOX_PORT_HEADERS if headers.get(h)), None)
+        port = _parse_port(raw_port) if raw_port is not None else ENVD_PORT
+        if port is None:
+            return BadRoute(400, f"invalid sandbox port {raw_port!r}")
+        return Sandbox(sandbox_id, port, path)
+    if path in _SERVER_ONLY_PATHS:
+        return CONTROL
+    host = headers.get("host", "")
+    if m := _HOST_RE.match(host):
+        port = _parse_port(m.group(1))
+        if port is None:
+            return BadRoute(400, f"invalid sandbox port in host {host!r}")
+        return Sandbox(m.group(2), port, path)
+    if m := _PROXY_PATH_RE.match(path):
+        port = _parse_port(m.group(2))
+        if port is None:
+            return BadRoute(400, f"invalid sandbox port {m.group(2)!r}")
+        return Sandbox(m.group(1), port, m.group(3) or "/")
+    return BadRoute(404, f"route not found: {method} {path}")
+
+
+def _parse_port(raw: str) -> int | None:
+    try:
+        port = int(raw)
+    except ValueError:
+        return None
+    return port if 1 <= port <= 65535 else None
