@@ -219,7 +219,7 @@ class Supervisor:
         self.log_path = LOG_DIR / "envd.log"
 
     def start(self) -> None:
-        LOG_DIR.mkdir(parents=True, exist_ok=True)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
         read_fd, write_fd = os.pipe()
         self.pid = os.posix_spawn(
             self.argv[0],
