@@ -53,6 +53,8 @@ def main(argv: list[str] | None = None) -> None:
         log_level=args.log_level,
         access_log=False,
         timeout_keep_alive=75,
+        # Streams of background processes would hold a graceful shutdown open forever.
+        timeout_graceful_shutdown=3,
     )
 
 

@@ -87,9 +87,7 @@ class FilesystemService(Filesystem):
     async def list_dir(self, request: pb.ListDirRequest, ctx: Any) -> pb.ListDirResponse:
         user = acting_user(self.state, ctx)
         path = paths.resolve(request.path, user)
-        st = paths.check(path, user, paths.R | paths.X)
-        if not stat.S_ISDIR(st.st_mode):
-            raise InvalidArgument(f"path is not a directory: {path}")
+        paths.check_dir(path, user)
         entries = await asyncio.to_thread(_walk, path, request.depth or 1, user)
         return pb.ListDirResponse(entries=entries)
 
@@ -104,7 +102,7 @@ class FilesystemService(Filesystem):
         self, raw: str, recursive: bool, allow_network: bool, user: User, sink: Any
     ) -> DirWatcher:
         path = paths.resolve(raw, user)
-        paths.check(path, user, paths.R | paths.X)
+        paths.check_dir(path, user)
         return DirWatcher(path, recursive=recursive, sink=sink, allow_network_mounts=allow_network)
 
     @streaming

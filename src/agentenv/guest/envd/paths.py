@@ -119,3 +119,13 @@ def makedirs_as(path: str, user: User) -> None:
             continue
         if os.geteuid() == 0:
             os.chown(directory, user.uid, user.gid)
+
+
+def check_dir(path: str, user: User) -> os.stat_result:
+    """`path` is a directory the user may list."""
+    st = check(path, user, 0)
+    if not stat.S_ISDIR(st.st_mode):
+        raise InvalidArgument(f"path is not a directory: {path}")
+    if not permits(st, user, R | X):
+        raise PermissionDenied(f"permission denied: {user.name} cannot list {path}")
+    return st
