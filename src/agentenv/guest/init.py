@@ -32,8 +32,6 @@ MARKER = "agentenv: envd started"
 MS_NOSUID = 0x2
 MS_NODEV = 0x4
 MS_NOEXEC = 0x8
-MS_REMOUNT = 0x20
-MS_RDONLY = 0x1
 RB_AUTOBOOT = 0x01234567
 RB_POWER_OFF = 0x4321FEDC
 # Wall clock earlier than this means nothing set it (no RTC, or the RTC was never set).
@@ -309,8 +307,7 @@ def shutdown(reason: str = "shutdown") -> None:
                     time.sleep(0.05)
             except ChildProcessError:
                 break
-    os.sync()
-    _libc.mount(None, b"/", None, MS_REMOUNT | MS_RDONLY, None)
+    # sync is what keeps the disk consistent; QEMU exits right after the power-off.
     os.sync()
     _libc.reboot(RB_POWER_OFF)
     # Without ACPI power-off, a reboot request also ends a -no-reboot VM.
