@@ -104,6 +104,8 @@ def serve(
         format="%(asctime)s %(levelname)s %(name)s %(message)s",
         stream=sys.stderr,
     )
+    # One line per upstream request would drown the sandbox lifecycle lines.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     settings.home.mkdir(parents=True, exist_ok=True)
     store = Store(db_path(settings))
     new_key = KeyRing(store).ensure_initial(settings.home)

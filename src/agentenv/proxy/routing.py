@@ -73,7 +73,10 @@ CONTROL = Control()
 
 
 def is_control_route(method: str, path: str) -> bool:
-    return any(method in methods and rx.match(path) for methods, rx in _CONTROL_PATTERNS)
+    # The method is not part of the match: a wrong method on a control path should get the
+    # control plane's 405, and no data-plane path shares these prefixes.
+    del method
+    return any(rx.match(path) for _, rx in _CONTROL_PATTERNS)
 
 
 def normalise_path(path: str) -> str:

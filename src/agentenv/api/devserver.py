@@ -1,0 +1,119 @@
+"""Run `python -m agentenv.api` as a child process on a free loopback port (tests, benches)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import TracebackType
+
+import httpx
+
+from agentenv.api.keys import key_file
+
+
+class ServerStartError(RuntimeError):
+    """The server process exited or did not answer /health in time."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class ServerProcess:
+    def __init__(
+        self,
+        home: Path,
+        *,
+        runtime: str = "local",
+        port: int | None = None,
+        domain: str | None = None,
+        env: dict[str, str] | None = None,
+        log_path: Path | None = None,
+        ready_timeout_s: float = 60.0,
+    ) -> None:
+        self.home = home
+        self.runtime = runtime
+        self.port = port or free_port()
+        self.domain = domain
+        self.env = env or {}
+        self.log_path = log_path or home / "server.log"
+        self.ready_timeout_s = ready_timeout_s
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def api_key(self) -> str:
+        return key_file(self.home).read_text().strip()
+
+    def sdk_env(self) -> dict[str, str]:
+        return {
+            "E2B_API_URL": self.url,
+            "E2B_SANDBOX_URL": self.url,
+            "E2B_API_KEY": self.api_key,
+        }
+
+    def start(self) -> ServerProcess:
+        self.home.mkdir(parents=True, exist_ok=True)
+        args = [sys.executable, "-m", "agentenv.api", "--host", "127.0.0.1"]
+        args += ["--port", str(self.port), "--runtime", self.runtime]
+        if self.domain:
+            args += ["--domain", self.domain]
+        env = {**os.environ, "AGENTENV_HOME": str(self.home), **self.env}
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                args, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+            )
+        deadline = time.monotonic() + self.ready_timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise ServerStartError(
+                    f"server exited with {self.proc.returncode}: {self.log_tail()}"
+                )
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1.0).status_code == 200:
+                    return self
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        self.stop()
+        raise ServerStartError(f"server not ready in {self.ready_timeout_s:.0f} s")
+
+    def stop(self, timeout_s: float = 60.0) -> int | None:
+        if self.proc is None:
+            return None
+        proc, self.proc = self.proc, None
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        return proc.returncode
+
+    def log_tail(self, lines: int = 20) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def __enter__(self) -> ServerProcess:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()

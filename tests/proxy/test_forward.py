@@ -1,0 +1,159 @@
+"""The data-plane proxy against real upstreams: a user HTTP server and a WebSocket echo server
+running in a (local-runtime) sandbox, and envd itself."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from e2b import Sandbox
+from websockets.asyncio.client import connect as ws_connect
+from websockets.exceptions import InvalidStatus
+
+from agentenv.api.devserver import ServerProcess
+from agentenv.orchestrator.store import Store
+
+from .conftest import Guest, sdk_opts, wait_port
+
+
+@pytest.fixture
+def client(guest: Guest) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=guest.server.url, timeout=30) as c:
+        yield c
+
+
+def test_header_routing_strips_routing_headers(client: httpx.Client, guest: Guest) -> None:
+    resp = client.get(
+        "/echo?x=1", headers={**guest.headers(), "e2b-traffic-access-token": "t", "x-mine": "1"}
+    )
+    assert resp.status_code == 200, resp.text
+    body = resp.json()
+    assert body["path"] == "/echo?x=1"
+    assert body["headers"]["x-mine"] == "1"
+    for h in ("e2b-sandbox-id", "e2b-sandbox-port", "e2b-traffic-access-token"):
+        assert h not in body["headers"]
+
+
+def test_host_and_path_routing(client: httpx.Client, guest: Guest) -> None:
+    sid = guest.sandbox.sandbox_id
+    by_host = client.get("/a/b", headers={"host": f"{guest.http_port}-{sid}.sbx.test"})
+    assert by_host.status_code == 200 and by_host.json()["path"] == "/a/b"
+    by_path = client.get(f"/proxy/{sid}/{guest.http_port}/c/d?e=f")
+    assert by_path.status_code == 200 and by_path.json()["path"] == "/c/d?e=f"
+
+
+def test_streamed_response_arrives_chunk_by_chunk(client: httpx.Client, guest: Guest) -> None:
+    arrivals: list[float] = []
+    started = time.monotonic()
+    with client.stream("GET", "/stream", headers=guest.headers()) as resp:
+        assert resp.status_code == 200
+        assert resp.headers["content-type"] == "text/event-stream"
+        for line in resp.iter_lines():
+            if line.startswith("data:"):
+                arrivals.append(time.monotonic() - started)
+    assert len(arrivals) == 5
+    # The server sleeps 0.4 s between events: buffering would deliver them all at once.
+    assert arrivals[-1] - arrivals[0] > 1.2, arrivals
+
+
+@pytest.mark.parametrize("chunked", [True, False])
+def test_large_upload_streams_through(client: httpx.Client, guest: Guest, chunked: bool) -> None:
+    block = os.urandom(1 << 20)
+    total = 64
+    digest = hashlib.sha256(block * total).hexdigest()
+
+    def body() -> Iterator[bytes]:
+        for _ in range(total):
+            yield block
+
+    headers = guest.headers()
+    if not chunked:
+        headers["content-length"] = str(total * len(block))
+    resp = client.post("/upload", content=body(), headers=headers, timeout=120)
+    assert resp.status_code == 200, resp.text
+    assert resp.json() == {"sha256": digest, "bytes": total * len(block)}
+
+
+def test_websocket_passthrough(guest: Guest) -> None:
+    async def run() -> None:
+        url = guest.server.url.replace("http://", "ws://") + "/"
+        async with ws_connect(url, additional_headers=guest.headers(guest.ws_port)) as ws:
+            await ws.send("hello")
+            assert await ws.recv() == "hello"
+            payload = os.urandom(300_000)
+            await ws.send(payload)
+            assert await ws.recv() == payload
+        sid = guest.sandbox.sandbox_id
+        # The URI names the sandbox host; the socket still goes to the server on loopback.
+        host_url = f"ws://{guest.ws_port}-{sid}.sbx.test:{guest.server.port}/"
+        async with ws_connect(host_url, host="127.0.0.1", port=guest.server.port) as ws:
+            await ws.send("by host")
+            assert await ws.recv() == "by host"
+        with pytest.raises(InvalidStatus) as info:
+            async with ws_connect(url, additional_headers={"e2b-sandbox-id": "inope"}):
+                pass
+        assert info.value.response.status_code == 502
+
+    asyncio.run(run())
+
+
+def test_unknown_sandbox_and_closed_port_are_502(client: httpx.Client, guest: Guest) -> None:
+    resp = client.get("/health", headers={"e2b-sandbox-id": "inosuchsandbox"})
+    assert resp.status_code == 502
+    assert resp.json()["message"] == "The sandbox inosuchsandbox was not found"
+    closed = client.get("/x", headers=guest.headers(1))
+    assert closed.status_code == 502 and "not open" in closed.json()["message"]
+
+
+def test_envd_access_token_is_forwarded(client: httpx.Client, guest: Guest) -> None:
+    token = guest.sandbox._envd_access_token
+    assert token
+    url = "/process.Process/List"
+    hdrs = {**guest.headers(49983), "content-type": "application/json"}
+    assert client.post(url, content=b"{}", headers=hdrs).status_code == 401
+    bad = client.post(url, content=b"{}", headers={**hdrs, "x-access-token": "wrong"})
+    assert bad.status_code == 401
+    ok = client.post(url, content=b"{}", headers={**hdrs, "x-access-token": token})
+    assert ok.status_code == 200 and "processes" in ok.json()
+
+
+def test_traffic_token_required_when_public_traffic_is_off(proxy_server: ServerProcess) -> None:
+    sbx = Sandbox.create(
+        template="base",
+        timeout=120,
+        network={"allow_public_traffic": False},
+        **sdk_opts(proxy_server),  # type: ignore[arg-type]
+    )
+    try:
+        token = sbx.traffic_access_token
+        assert token
+        rec = Store(proxy_server.home / "agentenv.db").get(sbx.sandbox_id)
+        assert rec is not None
+        from agentenv.api.devserver import free_port
+
+        port = free_port()
+        sbx.commands.run(
+            f"python3 -m http.server {port} --bind {rec.address} --directory /tmp",
+            background=True,
+            timeout=0,
+        )
+        hdrs = {"e2b-sandbox-id": sbx.sandbox_id, "e2b-sandbox-port": str(port)}
+        with httpx.Client(base_url=proxy_server.url, timeout=10) as c:
+            wait_port(c, {**hdrs, "e2b-traffic-access-token": token})
+            assert c.get("/", headers={**hdrs, "e2b-traffic-access-token": token}).status_code < 500
+            denied = c.get("/", headers=hdrs)
+            assert denied.status_code == 403 and "e2b-traffic-access-token" in denied.text
+            wrong = c.get("/", headers={**hdrs, "e2b-traffic-access-token": "x"})
+            assert wrong.status_code == 403
+            # envd itself needs no traffic token.
+            assert sbx.is_running()
+    finally:
+        sbx.kill()
+    with httpx.Client(base_url=proxy_server.url, timeout=10) as c:
+        gone = c.get("/", headers=hdrs)
+        assert gone.status_code == 502 and "was not found" in gone.text
