@@ -1,0 +1,205 @@
+"""The official e2b SDK (2.63) driving envd directly.
+
+`E2B_DEBUG=true` makes `Sandbox.create()` skip the control plane and `E2B_SANDBOX_URL` points
+every envd call at our process, so these are the SDK's own requests, byte for byte.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from e2b import AsyncSandbox, FilesystemEventType, Sandbox
+from e2b.exceptions import TimeoutException
+from e2b.sandbox.commands.command_handle import CommandExitException, PtySize
+from e2b.sandbox.filesystem.filesystem import FileType
+
+from .conftest import EnvdProc
+
+
+@pytest.fixture
+def sdk_env(envd: EnvdProc, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("E2B_DEBUG", "true")
+    monkeypatch.setenv("E2B_SANDBOX_URL", envd.url)
+    monkeypatch.setenv("E2B_API_KEY", "unused-in-debug-mode")
+
+
+@pytest.fixture
+def sbx(sdk_env: None) -> Iterator[Sandbox]:
+    yield Sandbox.create()
+
+
+def test_run_stdout_stderr_exit(sbx: Sandbox) -> None:
+    result = sbx.commands.run("echo out; echo err >&2")
+    assert (result.stdout, result.stderr, result.exit_code) == ("out\n", "err\n", 0)
+    with pytest.raises(CommandExitException) as err:
+        sbx.commands.run("exit 3")
+    assert err.value.exit_code == 3
+
+
+def test_env_cwd_user(sbx: Sandbox) -> None:
+    result = sbx.commands.run(
+        "echo $FOO; pwd; whoami", cwd="/tmp", user="root", envs={"FOO": "baz"}
+    )
+    assert result.stdout.split() == ["baz", "/tmp", "root"]
+    assert sbx.commands.run("whoami").stdout == "user\n"
+
+
+def test_streaming_callbacks(sbx: Sandbox) -> None:
+    chunks: list[tuple[float, str]] = []
+    sbx.commands.run(
+        "for i in 1 2 3; do echo $i; sleep 0.3; done",
+        on_stdout=lambda line: chunks.append((time.monotonic(), line)),
+    )
+    assert "".join(c for _, c in chunks) == "1\n2\n3\n"
+    assert chunks[-1][0] - chunks[0][0] > 0.4, "output must arrive as it is produced"
+
+
+def test_background_list_kill(sbx: Sandbox) -> None:
+    handle = sbx.commands.run("sleep 100", background=True)
+    assert handle.pid in [p.pid for p in sbx.commands.list()]
+    assert sbx.commands.kill(handle.pid) is True
+    with pytest.raises(CommandExitException) as err:
+        handle.wait()
+    assert err.value.exit_code == -1
+    assert sbx.commands.kill(handle.pid) is False
+
+
+def test_disconnect_and_reattach(sbx: Sandbox) -> None:
+    handle = sbx.commands.run("sleep 1.5; echo done", background=True)
+    handle.disconnect()
+    time.sleep(0.3)
+    again = sbx.commands.connect(handle.pid)
+    result = again.wait()
+    assert result.stdout == "done\n"
+
+
+def test_timeout(sbx: Sandbox) -> None:
+    with pytest.raises(TimeoutException):
+        sbx.commands.run("sleep 10", timeout=1.5)
+    time.sleep(0.3)
+    assert not [p for p in sbx.commands.list() if p.cmd == "/bin/bash" and "sleep 10" in p.args[-1]]
+
+
+def test_stdin(sbx: Sandbox) -> None:
+    handle = sbx.commands.run("cat", background=True, stdin=True)
+    sbx.commands.send_stdin(handle.pid, "abc\n")
+    sbx.commands.close_stdin(handle.pid)
+    assert handle.wait().stdout == "abc\n"
+
+
+def test_pty(sbx: Sandbox) -> None:
+    terminal = sbx.pty.create(PtySize(24, 80))
+    output = bytearray()
+    done = threading.Event()
+
+    def wait() -> None:
+        with contextlib.suppress(CommandExitException):
+            terminal.wait(on_pty=output.extend)
+        done.set()
+
+    thread = threading.Thread(target=wait)
+    thread.start()
+
+    def wait_for(marker: bytes) -> None:
+        for _ in range(200):
+            if marker in output:
+                return
+            time.sleep(0.05)
+        raise AssertionError(f"{marker!r} never came: {bytes(output)[-300:]!r}")
+
+    sbx.pty.send_stdin(terminal.pid, b"stty size; echo A-$((1+1))\n")
+    wait_for(b"A-2")
+    sbx.pty.resize(terminal.pid, PtySize(30, 100))
+    sbx.pty.send_stdin(terminal.pid, b"stty size; echo B-$((2+2))\n")
+    wait_for(b"B-4")
+    assert sbx.pty.kill(terminal.pid)
+    thread.join(10)
+    assert done.is_set()
+    assert b"24 80" in output and b"30 100" in output
+
+
+def test_files(sbx: Sandbox, scratch: Path) -> None:
+    base = str(scratch)
+    info = sbx.files.write(f"{base}/a.txt", "hello")
+    assert (info.name, info.path) == ("a.txt", f"{base}/a.txt")
+    sbx.files.write_files(
+        [{"path": f"{base}/m/1.txt", "data": "one"}, {"path": f"{base}/m/2.bin", "data": b"\x00"}]
+    )
+    assert sbx.files.read(f"{base}/a.txt") == "hello"
+    assert sbx.files.read(f"{base}/m/2.bin", format="bytes") == bytearray(b"\x00")
+    assert sbx.files.exists(f"{base}/a.txt") and not sbx.files.exists(f"{base}/missing")
+    entry = sbx.files.get_info(f"{base}/a.txt")
+    assert (entry.type, entry.size, entry.permissions, entry.owner) == (
+        FileType.FILE,
+        5,
+        "-rw-r--r--",
+        "user",
+    )
+    names = {e.name for e in sbx.files.list(base, depth=2)}
+    assert {"a.txt", "m", "1.txt", "2.bin"} <= names
+    assert sbx.files.make_dir(f"{base}/new") is True
+    assert sbx.files.make_dir(f"{base}/new") is False
+    assert sbx.files.rename(f"{base}/a.txt", f"{base}/b.txt").path == f"{base}/b.txt"
+    sbx.files.remove(f"{base}/b.txt")
+    assert not sbx.files.exists(f"{base}/b.txt")
+    from e2b.exceptions import NotFoundException
+
+    with pytest.raises(NotFoundException):
+        sbx.files.read(f"{base}/nope")
+    sbx.files.write(f"{base}/root.bin", b"\x00\x01", user="root")
+    assert sbx.files.get_info(f"{base}/root.bin").owner == "root"
+    sbx.files.write(f"{base}/meta.txt", "m", metadata={"owner": "me"})
+    assert sbx.files.get_info(f"{base}/meta.txt").metadata == {"owner": "me"}
+
+
+def test_streaming_upload_and_download(sbx: Sandbox, scratch: Path, tmp_path: Path) -> None:
+    source = tmp_path / "src.bin"
+    source.write_bytes(bytes(range(256)) * 40_000)
+    with source.open("rb") as f:
+        sbx.files.write(f"{scratch}/big.bin", f)
+    data = sbx.files.read(f"{scratch}/big.bin", format="bytes")
+    assert bytes(data) == source.read_bytes()
+    sbx.files.write(f"{scratch}/gz.bin", source.read_bytes(), gzip=True)
+    streamed = b"".join(sbx.files.read(f"{scratch}/gz.bin", format="stream", gzip=True))
+    assert streamed == source.read_bytes()
+
+
+def test_sync_watch(sbx: Sandbox, scratch: Path) -> None:
+    watcher = sbx.files.watch_dir(str(scratch), recursive=True)
+    sbx.files.write(f"{scratch}/w.txt", "x")
+    events = []
+    for _ in range(40):
+        events += watcher.get_new_events()
+        if any(e.type == FilesystemEventType.WRITE for e in events):
+            break
+        time.sleep(0.05)
+    watcher.stop()
+    kinds = {(e.name, e.type) for e in events}
+    assert ("w.txt", FilesystemEventType.CREATE) in kinds
+    assert ("w.txt", FilesystemEventType.WRITE) in kinds
+
+
+async def test_async_watch_and_commands(sdk_env: None, scratch: Path) -> None:
+    import asyncio
+
+    sbx = await AsyncSandbox.create()
+    seen: list[tuple[str, FilesystemEventType]] = []
+    got = asyncio.Event()
+
+    def on_event(event: object) -> None:
+        seen.append((event.name, event.type))  # type: ignore[attr-defined]
+        if event.type == FilesystemEventType.WRITE:  # type: ignore[attr-defined]
+            got.set()
+
+    handle = await sbx.files.watch_dir(str(scratch), on_event=on_event, timeout=10)
+    await sbx.files.write(f"{scratch}/aw.txt", "x")
+    await asyncio.wait_for(got.wait(), 10)
+    await handle.stop()
+    assert ("aw.txt", FilesystemEventType.CREATE) in seen
+    result = await sbx.commands.run("echo async")
+    assert result.stdout == "async\n"
