@@ -13,7 +13,7 @@ import contextlib
 import fcntl
 import ipaddress
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -215,16 +215,41 @@ async def destroy_slot(slot: Slot) -> None:
         await _teardown(slot)
 
 
-async def cleanup_stale(plan: NetworkPlan) -> list[int]:
-    """Remove every slot left by a crashed server (namespaces `ae-s*`, links `ae-h*`, the host
-    table). Call it only when no live server on this host owns slots."""
+def _netns_in_use(name: str) -> bool:
+    """Whether any process runs inside the named namespace (a live VM of some server)."""
+    try:
+        target = os.stat(Path("/run/netns") / name).st_ino
+    except FileNotFoundError:
+        return False
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError):
+                if os.stat(f"/proc/{entry}/ns/net").st_ino == target:
+                    return True
+    return False
+
+
+async def cleanup_stale(
+    plan: NetworkPlan, *, only: Collection[int] | None = None, force: bool = False
+) -> list[int]:
+    """Remove slots left by a crashed server (namespaces `ae-s*`, links `ae-h*`, the host
+    table), or just the indexes in `only` (those the server's own records name). A slot whose
+    namespace still has a process in it belongs to a live VM and is kept unless `force`."""
     indexes = _existing_indexes()
     for name in _host_veths():
         indexes.add(int(name[len(HOST_VETH_PREFIX) :]))
+    if only is not None:
+        indexes &= set(only)
+    removed: list[int] = []
     async with host_lock():
         for i in sorted(indexes):
-            if i < plan.max_slots:
-                await _teardown(slot_for(plan, i))
+            if i >= plan.max_slots:
+                continue
+            slot = slot_for(plan, i)
+            if not force and await asyncio.to_thread(_netns_in_use, slot.netns):
+                continue
+            await _teardown(slot)
+            removed.append(i)
         if not _host_veths():
             await nft.remove_host_rules()
-    return sorted(indexes)
+    return removed
