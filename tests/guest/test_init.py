@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from agentenv.config import Settings
-from agentenv.guest.init import Supervisor, parse_cmdline
+from agentenv.guest.init import Supervisor, ext4_size, parse_cmdline
 from agentenv.template import tools
 
 UNIFIED = Path("/sys/fs/cgroup/unified")
@@ -30,6 +30,17 @@ def test_parse_cmdline_takes_only_agentenv_keys() -> None:
         "agentenv.hostname=sb-1 agentenv.broken\n"
     )
     assert opts == {"ip": "169.254.0.2/30", "gw": "169.254.0.1", "hostname": "sb-1"}
+
+
+def test_ext4_size_reads_the_superblock(tmp_path: Path) -> None:
+    image = tmp_path / "fs.ext4"
+    subprocess.run(["mkfs.ext4", "-q", "-F", str(image), "80M"], check=True)
+    assert ext4_size(str(image)) == 80 << 20
+    with image.open("r+b") as fh:
+        fh.truncate(200 << 20)  # a bigger disk under the same filesystem
+    assert ext4_size(str(image)) == 80 << 20
+    (tmp_path / "zero").write_bytes(b"\0" * 4096)
+    assert ext4_size(str(tmp_path / "zero")) == 0
 
 
 def test_init_refuses_to_run_outside_pid_1() -> None:

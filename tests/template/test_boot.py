@@ -41,7 +41,20 @@ def booted(
     layer = LayerStore(settings.layers_dir).path(base.layers[-1])
     upper = tmp_path / "upper.qcow2"
     subprocess.run(
-        ["qemu-img", "create", "-q", "-f", "qcow2", "-F", "qcow2", "-b", str(layer), str(upper)],
+        # Bigger than the template: the guest init must grow the filesystem to fit.
+        [
+            "qemu-img",
+            "create",
+            "-q",
+            "-f",
+            "qcow2",
+            "-F",
+            "qcow2",
+            "-b",
+            str(layer),
+            str(upper),
+            f"{base.size_mb + 1024}M",
+        ],
         check=True,
     )
     port = _free_port()
@@ -90,8 +103,9 @@ def _wait_for_marker(serial: Path, timeout: float) -> float:
     raise AssertionError(f"no envd marker within {timeout}s; serial log ends:\n{tail}")
 
 
-async def test_artifacts_boot_to_envd(booted: tuple[int, Path, float]) -> None:
+async def test_artifacts_boot_to_envd(booted: tuple[int, Path, float], settings: Settings) -> None:
     port, serial, t0 = booted
+    base_mb = ensure_base(settings).size_mb
     marker_at = await asyncio.to_thread(_wait_for_marker, serial, 120.0)
     async with EnvdClient(f"http://127.0.0.1:{port}") as envd:
         await envd.wait_healthy(timeout=60.0, interval=0.2)
@@ -99,7 +113,8 @@ async def test_artifacts_boot_to_envd(booted: tuple[int, Path, float]) -> None:
         print(f"\nboot: marker {marker_at - t0:.2f}s, /health {healthy_at - t0:.2f}s")
         res = await envd.run(
             "whoami; sudo -n true && echo sudo-ok; hostname; cat /proc/1/comm;"
-            " stat -fc %T /sys/fs/cgroup; ip -4 -o addr show eth0; test -w /tmp && echo tmp-ok",
+            " stat -fc %T /sys/fs/cgroup; ip -4 -o addr show eth0; test -w /tmp && echo tmp-ok;"
+            " df -BM --output=size / | tail -1",
             user="user",
         )
     assert res.exit_code == 0, res.stderr
@@ -109,5 +124,6 @@ async def test_artifacts_boot_to_envd(booted: tuple[int, Path, float]) -> None:
     assert lines[4] == "cgroup2fs"
     assert "169.254.0.2/30" in lines[5]
     assert "tmp-ok" in lines
+    assert int(lines[7].strip().rstrip("M")) > base_mb + 512, lines[7]
     log = serial.read_text(errors="replace")
     assert "tools-init:" not in log and "initramfs:" not in log

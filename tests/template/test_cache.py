@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from agentenv.template.cache import INPUTS_FILE, ArtifactCache, digest_files
+from agentenv.template.cache import BUILD_FILE, INPUTS_FILE, ArtifactCache, digest_files
 
 
 def _writer(calls: list[str], text: str = "payload"):
@@ -92,7 +92,7 @@ def test_killed_build_is_not_taken_as_done(tmp_path: Path) -> None:
     t0 = time.monotonic()
     path, built = cache.ensure("thing", {"a": "1"}, _writer(calls))
     assert built and time.monotonic() - t0 < 5  # the dead builder's lock is gone with it
-    assert sorted(p.name for p in path.iterdir()) == ["artifact", INPUTS_FILE]
+    assert sorted(p.name for p in path.iterdir()) == ["artifact", BUILD_FILE, INPUTS_FILE]
     assert not list(tmp_path.glob(".tmp-*"))
 
 
@@ -105,3 +105,22 @@ def test_digest_files_follows_content(tmp_path: Path) -> None:
     assert digest_files(tmp_path / "d") == before
     (tmp_path / "d" / "x.py").write_text("a = 2\n")
     assert digest_files(tmp_path / "d") != before
+
+
+def test_build_time_is_recorded(tmp_path: Path) -> None:
+    cache = ArtifactCache(tmp_path)
+    path, _ = cache.ensure("thing", {"a": "1"}, _writer([]))
+    info = ArtifactCache.build_info(path)
+    assert info["build_seconds"] >= 0 and info["built_at"] > 0
+
+
+def test_prune_keeps_current_and_recent_artifacts(tmp_path: Path) -> None:
+    cache = ArtifactCache(tmp_path)
+    old, _ = cache.ensure("thing", {"a": "1"}, _writer([]))
+    current, _ = cache.ensure("thing", {"a": "2"}, _writer([]))
+    fresh, _ = cache.ensure("thing", {"a": "3"}, _writer([]))
+    past = time.time() - 7200
+    for p in (old, current):
+        os.utime(p / INPUTS_FILE, (past, past))
+    assert cache.prune({current}) == [old]
+    assert not old.exists() and current.is_dir() and fresh.is_dir()

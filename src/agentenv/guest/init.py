@@ -26,6 +26,10 @@ from agentenv.config import ENVD_PORT
 TOOLS = Path("/.agentenv")
 BUSYBOX = str(TOOLS / "bin" / "busybox")
 PYTHON = str(TOOLS / "bin" / "python")
+RUNTIME = TOOLS / "python"
+ROOT_DEVICE = "vda"
+# Smaller differences are rounding between qcow2 sizes and ext4 block groups.
+GROW_THRESHOLD = 16 << 20
 LOG_DIR = Path("/run/agentenv")
 MARKER = "agentenv: envd started"
 
@@ -199,6 +203,46 @@ def write_resolv_conf(opts: Mapping[str, str]) -> None:
             log(f"resolv.conf: {exc}")
 
 
+def ext4_size(device: str) -> int:
+    """Filesystem size in bytes from the ext4 superblock."""
+    with open(device, "rb") as fh:
+        fh.seek(1024)
+        sb = fh.read(1024)
+    if sb[0x38:0x3A] != b"\x53\xef":
+        return 0
+    blocks_lo = int.from_bytes(sb[0x04:0x08], "little")
+    blocks_hi = int.from_bytes(sb[0x150:0x154], "little")
+    block_size = 1024 << int.from_bytes(sb[0x18:0x1C], "little")
+    return ((blocks_hi << 32) | blocks_lo) * block_size
+
+
+def grow_rootfs() -> None:
+    """Grow the mounted rootfs to its disk when the sandbox got a disk bigger than the template."""
+    try:
+        disk = int(Path(f"/sys/class/block/{ROOT_DEVICE}/size").read_text()) * 512
+        fs = ext4_size(f"/dev/{ROOT_DEVICE}")
+    except (OSError, ValueError):
+        return
+    if fs == 0 or disk - fs < GROW_THRESHOLD:
+        return
+    loader = str(RUNTIME / "lib" / "ld-linux-x86-64.so.2")
+    proc = subprocess.run(
+        [
+            loader,
+            "--library-path",
+            str(RUNTIME / "lib"),
+            str(RUNTIME / "bin" / "resize2fs"),
+            f"/dev/{ROOT_DEVICE}",
+        ],
+        capture_output=True,
+        check=False,
+    )
+    if proc.returncode != 0:
+        log(f"resize2fs: {proc.stderr.decode(errors='replace').strip()}")
+    else:
+        log(f"rootfs grown from {fs >> 20} to {disk >> 20} MiB")
+
+
 def set_clock() -> None:
     # The host normally sets the time through envd; this only covers an unset clock.
     if time.time() < CLOCK_SANE_AFTER:
@@ -333,6 +377,7 @@ def main() -> None:
     except OSError:
         opts = {}
     set_clock()
+    grow_rootfs()
     set_hostname(opts)
     setup_network(opts)
     write_resolv_conf(opts)

@@ -13,11 +13,13 @@ import hashlib
 import json
 import os
 import shutil
+import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
 INPUTS_FILE = "inputs.json"
+BUILD_FILE = "build.json"
 
 
 def digest_files(*paths: Path) -> str:
@@ -70,9 +72,12 @@ class ArtifactCache:
                 shutil.rmtree(stale, ignore_errors=True)
             tmp = self.root / f".tmp-{final.name}-{os.getpid()}"
             tmp.mkdir()
+            started = time.time()
             try:
                 build(tmp)
                 (tmp / INPUTS_FILE).write_text(json.dumps(dict(inputs), indent=2, sort_keys=True))
+                info = {"built_at": time.time(), "build_seconds": round(time.time() - started, 2)}
+                (tmp / BUILD_FILE).write_text(json.dumps(info))
                 _fsync_tree(tmp)
                 os.rename(tmp, final)
                 _fsync_dir(self.root)
@@ -80,6 +85,39 @@ class ArtifactCache:
                 shutil.rmtree(tmp, ignore_errors=True)
                 raise
         return final, True
+
+    @staticmethod
+    def build_info(path: Path) -> dict[str, float]:
+        """When and how long an artifact took to build (empty if not recorded)."""
+        try:
+            raw = json.loads((path / BUILD_FILE).read_text())
+        except (OSError, ValueError):
+            return {}
+        return {k: float(v) for k, v in raw.items()}
+
+    def prune(self, keep: set[Path], min_age_s: float = 3600.0) -> list[Path]:
+        """Delete finished artifacts not in ``keep`` that were built over ``min_age_s`` ago.
+
+        The age guard spares artifacts another process has just built and may be about to
+        use; a QEMU that still has a deleted image open keeps reading it regardless.
+        """
+        removed: list[Path] = []
+        if not self.root.is_dir():
+            return removed
+        keep_resolved = {k.resolve() for k in keep}
+        now = time.time()
+        for entry in sorted(self.root.iterdir()):
+            if entry.name.startswith(".") or not (entry / INPUTS_FILE).is_file():
+                continue
+            if entry.resolve() in keep_resolved:
+                continue
+            if now - (entry / INPUTS_FILE).stat().st_mtime < min_age_s:
+                continue
+            with self._lock(entry.name):
+                shutil.rmtree(entry, ignore_errors=True)
+            (self.root / f".{entry.name}.lock").unlink(missing_ok=True)
+            removed.append(entry)
+        return removed
 
     @contextmanager
     def _lock(self, name: str) -> Iterator[None]:

@@ -10,7 +10,7 @@ Layout (mounted at /.agentenv in the guest)::
 
     /init                      tools-init (busybox sh), PID 1 before the pivot
     /bin/busybox, /bin/python  static busybox; the Python launcher
-    /python/bin/python3.11     interpreter + python3.11._pth
+    /python/bin/python3.11     interpreter + python3.11._pth (and resize2fs, same loader)
     /python/lib/               ld-linux-x86-64.so.2 and the shared libraries
     /python/lib/python3.11/    the stdlib (no tests/idle/tkinter/ensurepip)
     /python/site-packages/     envd's pip requirements and the agentenv package (guest/ only)
@@ -36,6 +36,8 @@ from agentenv.template.initramfs import BUSYBOX, GUEST_FILES, busybox_version
 from agentenv.template.progress import ProgressFn, report
 
 PYTHON = Path("/usr/bin/python3.11")
+# Grows a sandbox's ext4 online when its disk is larger than the template's filesystem.
+RESIZE2FS = Path("/sbin/resize2fs")
 STDLIB = Path("/usr/lib/python3.11")
 TOOLS_INIT = GUEST_FILES / "tools-init"
 TOOLS_LABEL = "agentenv-tools"
@@ -66,6 +68,9 @@ RUNTIME_PACKAGES = [
     "libtirpc3",
     "libuuid1",
     "zlib1g",
+    "e2fsprogs",
+    "libext2fs2",
+    "libcom-err2",
 ]
 STDLIB_SKIP = {
     "test",
@@ -129,7 +134,8 @@ def ensure_runtime(settings: Settings, progress: ProgressFn | None = None) -> Pa
             ignore=_stdlib_ignore,
             ignore_dangling_symlinks=True,
         )
-        objects = [PYTHON, *sorted((lib / "python3.11" / "lib-dynload").glob("*.so"))]
+        shutil.copy2(RESIZE2FS, root / "bin" / "resize2fs")
+        objects = [PYTHON, RESIZE2FS, *sorted((lib / "python3.11" / "lib-dynload").glob("*.so"))]
         copy_shared_libs(objects, lib)
 
     path, _ = ArtifactCache(settings.cache).ensure("pyruntime", runtime_inputs(), build)
