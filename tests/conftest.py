@@ -1,9 +1,9 @@
 """Shared fixtures: per-session state dir on the shared artifact cache, and the leak check.
 
-The leak check runs around every test. It records what agentenv-owned host resources exist
-before the test and fails the test if new ones are still there afterwards: QEMU processes
-started from this session, network namespaces, `ae-*`/tap links, nftables tables, mounts,
-sandbox cgroups and files under the sandboxes dir.
+The leak check runs around every test. It records which host resources made by this test
+process exist before the test and fails the test if new ones are still there afterwards: QEMU
+processes, network namespaces, slot links, the host nftables table (once no slot is left),
+mounts, sandbox cgroups and files under the sandboxes dir.
 """
 
 from __future__ import annotations
@@ -52,25 +52,33 @@ def _descendant_qemus(home: Path) -> set[str]:
 
 
 def _snapshot(home: Path) -> dict[str, set[str]]:
+    """Resources this process made that exist now. Other engineers' servers share the host,
+    so namespaces, links, mounts and cgroups count only if their names were created here."""
+    from agentenv.network import slot
+
+    ours_ns = set(slot.created_here)
+    ours_links = {n.replace(slot.NETNS_PREFIX, slot.HOST_VETH_PREFIX, 1) for n in ours_ns}
     netns = set(os.listdir("/run/netns")) if os.path.isdir("/run/netns") else set()
-    links = {n for n in os.listdir("/sys/class/net") if n.startswith(("ae-", "tap"))}
+    links = set(os.listdir("/sys/class/net"))
+    host_veths = {n for n in links if n.startswith(slot.HOST_VETH_PREFIX)}
     tables = subprocess.run(
         ["nft", "list", "tables"], capture_output=True, text=True, check=False
     ).stdout.splitlines()
     mounts = {
         line.split()[1]
         for line in Path("/proc/self/mounts").read_text().splitlines()
-        if "agentenv" in line or "/run/netns/" in line or str(home) in line
+        if str(home) in line or any(f"/run/netns/{n} " in line + " " for n in ours_ns)
     }
     sandboxes = home / "sandboxes"
     files = {str(p) for p in sandboxes.rglob("*")} if sandboxes.is_dir() else set()
     return {
         "qemu processes": _descendant_qemus(home),
-        "network namespaces": {n for n in netns if n.startswith("ae-")},
-        "links": links,
-        "nft tables": {t for t in tables if "agentenv" in t},
+        "network namespaces": netns & ours_ns,
+        "links": links & ours_links,
+        # The host table must go with the last slot, whoever owned it.
+        "nft tables": {t for t in tables if "agentenv" in t} if not host_veths else set(),
         "mounts": mounts,
-        "cgroups": {str(p) for p in cgroup.stale()},
+        "cgroups": {str(p) for p in cgroup.stale() if p.name in cgroup.created_here},
         "sandbox files": files,
     }
 

@@ -30,6 +30,9 @@ NS_VETH_PREFIX = "ae-n"
 TAP = "tap0"
 # Host-wide: slot creation and the shared host nft table are coordinated across processes.
 LOCK_FILE = Path("/run/agentenv-network.lock")
+# Namespaces this process has created (never pruned): lets tests and diagnostics tell this
+# process's slots from those of other servers on the same host.
+created_here: set[str] = set()
 
 
 @dataclass(frozen=True)
@@ -100,6 +103,7 @@ def _claim_netns(plan: NetworkPlan, start: int) -> Slot:
             netns.create(slot.netns)
         except FileExistsError:
             continue
+        created_here.add(slot.netns)
         return slot
     raise NoFreeSlot(f"no free slot left in {plan.slot_cidr}")
 
@@ -122,6 +126,7 @@ async def create_slot(plan: NetworkPlan, index: int | None = None) -> Slot:
                 netns.create(slot.netns)
             except FileExistsError as exc:
                 raise NetworkError(f"slot {index} is already in use") from exc
+            created_here.add(slot.netns)
         try:
             await _build(plan, slot)
             await nft.apply_host_rules()

@@ -18,6 +18,8 @@ CGROUP_ROOT = Path("/sys/fs/cgroup")
 PARENT = "agentenv"
 CONTROLLERS = ("memory", "cpu", "pids")
 CPU_PERIOD_US = 100_000
+# Cgroup names this process has created (never pruned), to tell them from other servers'.
+created_here: set[str] = set()
 
 
 @dataclass(frozen=True)
@@ -71,6 +73,7 @@ class Cgroup:
             (self.root / PARENT).mkdir(exist_ok=True)
             _enable_v2_controllers(self.root)
         try:
+            created_here.add(self.name)
             for d in self.dirs:
                 d.parent.mkdir(exist_ok=True)
                 d.mkdir()

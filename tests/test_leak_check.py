@@ -1,0 +1,43 @@
+"""The leak check itself must fail a test that leaves a slot or a sandbox file behind."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from agentenv.config import NetworkPlan
+from agentenv.network import cleanup_stale, slot
+
+pytest_plugins = ["pytester"]
+
+LEAKY = """
+import asyncio
+from agentenv.config import NetworkPlan
+from agentenv.network import create_slot
+
+def test_leaks_a_slot():
+    asyncio.run(create_slot(NetworkPlan()))
+
+def test_leaks_a_file(agentenv_home):
+    (agentenv_home / "sandboxes").mkdir(exist_ok=True)
+    (agentenv_home / "sandboxes" / "left-over").write_text("x")
+
+def test_clean():
+    pass
+"""
+
+
+def test_leak_check_catches_leaks(pytester: pytest.Pytester) -> None:
+    pytester.makeconftest((Path(__file__).parent / "conftest.py").read_text())
+    pytester.makepyfile(test_leaky=LEAKY)
+    before = set(slot.created_here)
+    try:
+        result = pytester.runpytest_inprocess("-p", "no:cacheprovider")
+        result.assert_outcomes(passed=3, errors=2)
+        result.stdout.fnmatch_lines(["*left resources behind*network namespaces*"])
+        result.stdout.fnmatch_lines(["*left resources behind*sandbox files*"])
+    finally:
+        leaked = [int(n[len(slot.NETNS_PREFIX) :]) for n in slot.created_here - before]
+        asyncio.run(cleanup_stale(NetworkPlan(), only=leaked))
