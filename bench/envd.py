@@ -47,7 +47,7 @@ async def _start(http: httpx.AsyncClient, process: dict[str, Any]) -> int:
         r.raise_for_status()
         async for flags, payload in iter_envelopes(r.aiter_raw()):
             if flags & 2:
-                break
+                continue  # end of stream; read on so the connection can be reused
             event = json.loads(payload).get("event", {})
             if "data" in event and "stdout" in event["data"]:
                 received += len(base64.b64decode(event["data"]["stdout"]))
@@ -85,23 +85,21 @@ async def bench(url: str, runs: int, megabytes: int) -> None:
         got = await _start(http, {"cmd": "/bin/sh", "args": ["-c", f"head -c {size} /dev/zero"]})
         elapsed = time.perf_counter() - started
     assert got == size, f"received {got} of {size} bytes"
-    p50, p99 = _pct(direct, 0.5), _pct(direct, 0.99)
-    b50, b99 = _pct(base, 0.5), _pct(base, 0.99)
-    print(
-        f"envd exec round trip (/bin/true, {runs} runs): p50 {p50 * 1e3:.1f} ms  p99 {p99 * 1e3:.1f} ms"
-    )
-    print(
-        f"envd exec round trip (bash -l -c true):     p50 {_pct(shell, 0.5) * 1e3:.1f} ms  "
-        f"p99 {_pct(shell, 0.99) * 1e3:.1f} ms"
-    )
-    print(
-        f"baseline subprocess.run(['true']):          p50 {b50 * 1e3:.1f} ms  p99 {b99 * 1e3:.1f} ms"
-    )
-    print(f"ratio envd/baseline:                        p50 {p50 / b50:.1f}x  p99 {p99 / b99:.1f}x")
-    print(
-        f"stream throughput: {megabytes} MB stdout in {elapsed:.2f} s = {size / elapsed / 1e6:.0f} MB/s "
-        f"(mean of runs {statistics.mean(direct) * 1e3:.1f} ms)"
-    )
+    rows = [
+        (f"envd exec round trip (/bin/true, {runs} runs)", direct),
+        ("envd exec round trip (bash -l -c true)", shell),
+        ("baseline subprocess.run(['true'])", base),
+    ]
+    for label, samples in rows:
+        p50, p99 = _pct(samples, 0.5) * 1e3, _pct(samples, 0.99) * 1e3
+        print(f"{label:<44} p50 {p50:7.1f} ms  p99 {p99:7.1f} ms")
+    ratio50 = _pct(direct, 0.5) / _pct(base, 0.5)
+    ratio99 = _pct(direct, 0.99) / _pct(base, 0.99)
+    print(f"{'ratio envd /bin/true vs baseline':<44} p50 {ratio50:7.1f}x    p99 {ratio99:7.1f}x")
+    rate = size / elapsed / 1e6
+    label = "stream throughput (stdout through envd)"
+    print(f"{label:<44} {megabytes} MB in {elapsed:.2f} s = {rate:.0f} MB/s")
+    print(f"{'mean /bin/true round trip':<44} {statistics.mean(direct) * 1e3:.1f} ms")
 
 
 def main() -> None:
@@ -116,17 +114,9 @@ def main() -> None:
     url = args.url
     if url is None:
         port = _free_port()
+        envd = ["-m", "agentenv.guest.envd", "--host", "127.0.0.1", "--port", str(port)]
         proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "agentenv.guest.envd",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(port),
-            ]
-            + ["--default-user", "root", "--log-level", "warning"],
+            [sys.executable, *envd, "--default-user", "root", "--log-level", "warning"]
         )
         url = f"http://127.0.0.1:{port}"
     try:
