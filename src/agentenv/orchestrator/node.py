@@ -60,7 +60,9 @@ class SandboxHandle:
     upper: Path
     top_layer: str
     vm: QemuVM = field(repr=False)
+    # create() call → healthy, and VMM process spawn → healthy.
     boot_s: float = 0.0
+    spawn_to_healthy_s: float = 0.0
 
     @property
     def address(self) -> str:
@@ -252,7 +254,9 @@ class Node:
                 vm=vm,
             )
             await self._wait_healthy(handle)
-            handle.boot_s = time.monotonic() - t0
+            now = time.monotonic()
+            handle.boot_s = now - t0
+            handle.spawn_to_healthy_s = now - (vm.started_at or t0)
         except BaseException:
             for step in reversed(undo):
                 try:
