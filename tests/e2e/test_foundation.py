@@ -75,6 +75,9 @@ async def test_boot_reach_envd_and_see_the_guest_kernel(node: Node, guest_artifa
     # The disk was grown: the guest sees the requested size.
     code, out, _ = await sh(sb, "cat /sys/block/vda/size")
     assert code == 0 and int(out) * 512 == 4096 * 1024 * 1024
+    # ... and guest init grew the filesystem to match.
+    code, out, _ = await sh(sb, "df -Pm / | tail -1")
+    assert code == 0 and int(out.split()[1]) > 3500, out
     assert node.list() == [sb]
     await node.delete(sb.id)
     assert not sb.upper.exists() and not sb.workdir.exists()

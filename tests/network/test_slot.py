@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ipaddress
 import json
 import subprocess
@@ -19,10 +20,17 @@ from agentenv.network import (
     destroy_slot,
     slot_for,
 )
+from agentenv.network.slot import conntrack_entries
 
 
 def sh(*argv: str) -> str:
     return subprocess.run(argv, capture_output=True, text=True, check=True).stdout
+
+
+def host_table_matches_slots() -> bool:
+    """The host table exists exactly while some slot (ours or another server's) exists."""
+    has_slots = any(n.startswith("ae-h") for n in sh("ip", "-br", "link").split())
+    return ("inet agentenv" in sh("nft", "list", "tables")) == has_slots
 
 
 def ns_links(netns: str) -> dict[str, dict[str, object]]:
@@ -59,14 +67,14 @@ async def test_create_and_destroy_slot() -> None:
         rules = sh("ip", "netns", "exec", slot.netns, "nft", "list", "table", "inet", "agentenv")
         assert f"ip daddr {slot.slot_ip} dnat ip to 169.254.0.2" in rules
         assert "masquerade" in rules
-        assert "agentenv" in sh("nft", "list", "tables")
+        assert "inet agentenv" in sh("nft", "list", "tables")
         fwd = sh("ip", "netns", "exec", slot.netns, "cat", "/proc/sys/net/ipv4/ip_forward")
         assert fwd.strip() == "1"
     finally:
         await destroy_slot(slot)
     assert slot.netns not in sh("ip", "netns", "list")
     assert slot.host_veth not in sh("ip", "-br", "link")
-    assert "agentenv" not in sh("nft", "list", "tables")
+    assert host_table_matches_slots()
 
 
 async def test_two_slots_get_distinct_addresses_and_same_inside() -> None:
@@ -84,24 +92,36 @@ async def test_two_slots_get_distinct_addresses_and_same_inside() -> None:
         finally:
             await destroy_slot(b)
         # The host table stays while a slot remains.
-        assert "agentenv" in sh("nft", "list", "tables")
+        assert "inet agentenv" in sh("nft", "list", "tables")
     finally:
         await destroy_slot(a)
-    assert "agentenv" not in sh("nft", "list", "tables")
+    assert host_table_matches_slots()
 
 
 async def test_custom_plan_is_honoured() -> None:
+    plan = NetworkPlan(slot_cidr=ipaddress.IPv4Network("198.19.0.0/16"))
+    slot = await create_slot(plan)
+    try:
+        base = ipaddress.IPv4Address("198.19.0.0") + 4 * slot.index
+        assert (slot.host_ip, slot.slot_ip) == (base + 1, base + 2)
+    finally:
+        await destroy_slot(slot)
+
+
+async def test_exhausted_range_raises() -> None:
+    # Two slots in this range; other servers on the host may already hold some indexes.
     plan = NetworkPlan(slot_cidr=ipaddress.IPv4Network("198.19.128.0/29"))
     assert plan.max_slots == 2
-    a = await create_slot(plan)
-    b = await create_slot(plan)
+    made = []
     try:
-        assert {str(a.slot_ip), str(b.slot_ip)} == {"198.19.128.2", "198.19.128.6"}
-        with pytest.raises(NoFreeSlot):
-            await create_slot(plan)
+        with pytest.raises(NoFreeSlot, match="no free slot"):
+            for _ in range(3):
+                made.append(await create_slot(plan))
+        assert len(made) <= 2
+        assert all(str(s.slot_ip) in ("198.19.128.2", "198.19.128.6") for s in made)
     finally:
-        await destroy_slot(a)
-        await destroy_slot(b)
+        for s in made:
+            await destroy_slot(s)
 
 
 async def test_cleanup_stale_removes_leftovers() -> None:
@@ -150,6 +170,16 @@ async def test_pool_watermarks() -> None:
         assert pool.idle == 2
         await pool.release(s1)  # pool is full: destroyed
         assert s1.netns not in sh("ip", "netns", "list")
+        pool.high = 3
+        # Traffic to the slot address leaves a conntrack entry in its namespace (the guest
+        # that would answer is absent, which does not matter to conntrack).
+        with contextlib.suppress(OSError, TimeoutError):
+            async with asyncio.timeout(0.5):
+                await asyncio.open_connection(str(s2.slot_ip), 49983)
+        assert await conntrack_entries(s2) >= 1
+        await pool.release(s2)  # room in the pool: kept, with its connections forgotten
+        assert pool.idle == 3 and s2.netns in sh("ip", "netns", "list")
+        assert await conntrack_entries(s2) == 0
     finally:
         await pool.close()
     assert pool.idle == 0

@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Collection
 from dataclasses import dataclass
 from pathlib import Path
 
-from pyroute2 import AsyncIPRoute, netns
+from pyroute2 import AsyncConntrack, AsyncIPRoute, netns
 from pyroute2.netlink.exceptions import NetlinkError
 
 from agentenv.config import NetworkPlan
@@ -187,11 +187,20 @@ async def _build(plan: NetworkPlan, slot: Slot) -> None:
     )
 
 
+async def conntrack_entries(slot: Slot) -> int:
+    """Connections the slot's namespace tracks (dumped: the kernel's counter lags a flush)."""
+    async with AsyncConntrack(netns=slot.netns) as ct:
+        return len([e async for e in await ct.dump_entries()])
+
+
 async def reset_slot(slot: Slot) -> None:
-    """Forget the previous guest's connections before a slot is reused."""
-    await nft.run_in_netns(
-        slot.netns, "if command -v conntrack >/dev/null; then conntrack -F 2>/dev/null; fi; true"
-    )
+    """Forget the previous guest's connections before a slot is reused: a stale entry would
+    send a new guest's replies through the old NAT mapping."""
+    try:
+        async with AsyncConntrack(netns=slot.netns) as ct:
+            await ct.flush()
+    except (NetlinkError, OSError) as exc:
+        raise NetworkError(f"slot {slot.index}: conntrack flush failed: {exc}") from exc
 
 
 async def _teardown(slot: Slot) -> None:
