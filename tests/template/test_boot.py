@@ -127,3 +127,34 @@ async def test_artifacts_boot_to_envd(booted: tuple[int, Path, float], settings:
     assert int(lines[7].strip().rstrip("M")) > base_mb + 512, lines[7]
     log = serial.read_text(errors="replace")
     assert "tools-init:" not in log and "initramfs:" not in log
+
+
+def test_unmountable_rootfs_powers_off_with_a_message(
+    settings: Settings, guest_artifacts: GuestArtifacts, tmp_path: Path
+) -> None:
+    blank = tmp_path / "blank.raw"
+    blank.write_bytes(b"")
+    os.truncate(blank, 64 << 20)
+    serial = tmp_path / "serial.log"
+    argv = [
+        settings.qemu_binary,
+        "-M", "microvm,x-option-roms=off,pit=off,pic=off,rtc=on",
+        "-accel", "tcg", "-cpu", "max", "-m", "256",
+        "-nodefaults", "-no-user-config", "-display", "none", "-no-reboot",
+        "-serial", f"file:{serial}",
+        "-kernel", str(guest_artifacts.kernel),
+        *(["-initrd", str(guest_artifacts.initramfs)] if guest_artifacts.initramfs else []),
+        "-append", kernel_cmdline(guest_artifacts, "tcg"),
+        "-drive", f"id=root,file={blank},format=raw,if=none",
+        "-device", "virtio-blk-device,drive=root",
+        "-drive", f"id=tools,file={guest_artifacts.tools_image},format=raw,if=none,readonly=on",
+        "-device", "virtio-blk-device,drive=tools",
+    ]  # fmt: skip
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        proc.wait(timeout=120)  # the guest powers itself off; QEMU must exit on its own
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert "agentenv: tools-init: cannot mount /dev/vda" in serial.read_text(errors="replace")
