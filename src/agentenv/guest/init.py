@@ -42,6 +42,7 @@ RB_POWER_OFF = 0x4321FEDC
 CLOCK_SANE_AFTER = 1_700_000_000
 RESTART_BACKOFF_MAX = 5.0
 HEALTHY_RUN_S = 10.0
+CONSOLE_WINDOW_S = 30.0
 
 ENVD_ENV = {
     "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
@@ -290,11 +291,15 @@ class Supervisor:
         log(f"envd started (pid {self.pid})")
 
     def _copy_output(self, fd: int) -> None:
+        # The serial console is slow under emulation: mirror envd's output there only while it
+        # starts (where crashes happen); the log file gets all of it.
+        console_until = time.monotonic() + CONSOLE_WINDOW_S
         with open(self.log_path, "ab", buffering=0) as logfile:
             while chunk := os.read(fd, 65536):
                 logfile.write(chunk)
-                with contextlib.suppress(OSError):
-                    os.write(1, chunk)
+                if time.monotonic() < console_until:
+                    with contextlib.suppress(OSError):
+                        os.write(1, chunk)
         os.close(fd)
 
     def exited(self, status: int) -> None:
@@ -308,7 +313,8 @@ class Supervisor:
 
     def run_forever(self) -> None:
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})
-        self.start()
+        if self.pid is None:
+            self.start()
         while True:
             self.reap()
             now = time.monotonic()
