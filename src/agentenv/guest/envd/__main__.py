@@ -52,7 +52,9 @@ def main(argv: list[str] | None = None) -> None:
         lifespan="on",
         log_level=args.log_level,
         access_log=False,
-        timeout_keep_alive=75,
+        # Longer than the SDK's pool keepalive (300 s), so the client always closes an idle
+        # connection first and never reuses one envd has just dropped.
+        timeout_keep_alive=650,
         # Streams of background processes would hold a graceful shutdown open forever.
         timeout_graceful_shutdown=3,
     )
