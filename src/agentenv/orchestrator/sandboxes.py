@@ -209,8 +209,9 @@ class SandboxManager:
             try:
                 placement = await self.runtime.create(rec.template, cpu, memory, disk)
                 await self._init_envd(rec, placement)
-                # The timeout counts from when the sandbox is usable, not from the request.
-                end_at = time.time() + spec.timeout
+                # The sandbox's life (and its timeout) starts when it is usable, not when the
+                # request arrived: a slow boot must not eat into the caller's timeout.
+                ready_at = time.time()
                 if not self.store.transition(
                     rec.id,
                     SandboxState.CREATING,
@@ -218,7 +219,8 @@ class SandboxManager:
                     address=placement.address,
                     envd_url=placement.envd_url,
                     runtime_id=placement.runtime_id,
-                    end_at=end_at,
+                    started_at=ready_at,
+                    end_at=ready_at + spec.timeout,
                 ):
                     raise CreateFailed(f"sandbox {rec.id} left 'creating' unexpectedly")
             except BaseException as exc:

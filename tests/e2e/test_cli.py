@@ -1,0 +1,136 @@
+"""The `aenv` client commands against a server booting real microVMs; the interactive shell is
+driven through tmux like a person at a terminal."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import replace
+
+import httpx
+import pytest
+
+from agentenv.api.devserver import ServerProcess
+from agentenv.config import Settings
+
+pytestmark = pytest.mark.vm
+
+CLI = [sys.executable, "-m", "agentenv.cli.client"]
+
+
+@pytest.fixture(scope="module")
+def vm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    from agentenv.template.rootfs import ensure_base
+
+    home = tmp_path_factory.mktemp("cli-home")
+    ensure_base(replace(Settings.from_env(), home=home), None)
+    srv = ServerProcess(home, runtime="vm", ready_timeout_s=180).start()
+    try:
+        yield srv
+    finally:
+        srv.stop(timeout_s=120)
+
+
+@pytest.fixture
+def cli_env(vm_server: ServerProcess, tmp_path: object) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("E2B_")}
+    env.update(
+        {
+            "AGENTENV_URL": vm_server.url,
+            "AGENTENV_API_KEY": vm_server.api_key,
+            "XDG_CONFIG_HOME": str(tmp_path),
+        }
+    )
+    return env
+
+
+def aenv(env: dict[str, str], *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*CLI, *args], env=env, capture_output=True, text=True, timeout=timeout, check=False
+    )
+
+
+def _pane(session: str) -> str:
+    return subprocess.run(
+        ["tmux", "capture-pane", "-p", "-t", session, "-S", "-200"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+
+
+def _wait_for(session: str, needle: str, timeout_s: float) -> str:
+    deadline = time.monotonic() + timeout_s
+    text = ""
+    while time.monotonic() < deadline:
+        text = _pane(session)
+        if needle in text:
+            return text
+        time.sleep(0.3)
+    raise AssertionError(f"{needle!r} never appeared; screen:\n{text}")
+
+
+@pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
+def test_start_gives_an_interactive_shell(
+    vm_server: ServerProcess, cli_env: dict[str, str]
+) -> None:
+    session = f"aenv-{uuid.uuid4().hex[:8]}"
+    env_args = [f"{k}={v}" for k, v in cli_env.items() if k.startswith(("AGENTENV", "XDG"))]
+    command = " ".join([*CLI, "start", "base"]) + "; echo EXITED=$?; sleep 120"
+    subprocess.run(
+        ["tmux", "new-session", "-d", "-s", session, "-x", "120", "-y", "30",
+         "env", *env_args, "sh", "-c", command],
+        check=True,
+    )  # fmt: skip
+    try:
+        screen = _wait_for(session, "exit the shell to kill it", 240)
+        sandbox_id = screen.split("sandbox ", 1)[1].split()[0]
+        _wait_for(session, "user@", 120)
+        subprocess.run(
+            ["tmux", "send-keys", "-t", session, "echo hi-$((40+2))", "Enter"], check=True
+        )
+        _wait_for(session, "hi-42", 60)
+        subprocess.run(["tmux", "send-keys", "-t", session, "stty size", "Enter"], check=True)
+        _wait_for(session, "30 120", 60)
+        subprocess.run(["tmux", "send-keys", "-t", session, "exit 5", "Enter"], check=True)
+        _wait_for(session, "EXITED=5", 60)
+    finally:
+        subprocess.run(["tmux", "kill-session", "-t", session], check=False)
+    # Leaving the shell killed the sandbox.
+    with httpx.Client(base_url=vm_server.url, headers={"X-API-Key": vm_server.api_key}) as c:
+        assert c.get(f"/sandboxes/{sandbox_id}").status_code == 404
+
+
+def test_detached_start_exec_ls_and_rm(vm_server: ServerProcess, cli_env: dict[str, str]) -> None:
+    started = aenv(cli_env, "start", "-d", "base", "-m", "who=cli", "-e", "GREETING=hey")
+    assert started.returncode == 0, started.stderr
+    sid = started.stdout.strip()
+    try:
+        run = aenv(cli_env, "exec", sid, "--", "sh", "-c", "echo $GREETING; echo oops >&2; exit 3")
+        assert run.returncode == 3
+        assert run.stdout == "hey\n" and run.stderr == "oops\n"
+
+        listed = aenv(cli_env, "ls", "-m", "who=cli")
+        assert listed.returncode == 0
+        rows = json.loads(listed.stdout)  # piped: JSON, not a table
+        assert [r["sandboxID"] for r in rows] == [sid]
+
+        assert aenv(cli_env, "timeout", sid, "120").returncode == 0
+        paused = aenv(cli_env, "pause", sid)
+        assert paused.returncode == 1 and "snapshot" in paused.stderr
+        assert len(paused.stderr.strip().splitlines()) == 1
+        logs = aenv(cli_env, "logs", sid)
+        assert "timeout set to 120s" in logs.stdout
+    finally:
+        assert aenv(cli_env, "rm", sid).returncode == 0
+    again = aenv(cli_env, "rm", sid)
+    assert again.returncode == 1 and "not found" in again.stderr
+    assert len(again.stderr.strip().splitlines()) == 1
+    missing = aenv(cli_env, "start", "-d", "no-such-template")
+    assert missing.returncode == 1 and "no-such-template" in missing.stderr
