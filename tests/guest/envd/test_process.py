@@ -409,9 +409,66 @@ async def test_disconnect_keeps_background_process_and_leaks_no_fds(envd: EnvdPr
             break
         await asyncio.sleep(0.05)
     assert pid not in await pids()
+
+    # A PTY process, killed while attached: its terminal fds must go too.
+    pty_body = envelope({"process": {"cmd": "/bin/cat"}, "pty": {"size": {"cols": 80, "rows": 24}}})
+    async with (
+        httpx.AsyncClient(timeout=10) as client,
+        client.stream(
+            "POST", envd.url + "/process.Process/Start", content=pty_body, headers=STREAM_HEADERS
+        ) as response,
+    ):
+        reader = FrameReader()
+        frames = []
+        async for chunk in response.aiter_raw():
+            frames += reader.feed(chunk)
+            if frames:
+                pty_pid = json.loads(frames[0][1])["event"]["start"]["pid"]
+                killed = await unary(
+                    "SendSignal", {"process": {"pid": pty_pid}, "signal": "SIGNAL_SIGKILL"}
+                )
+                assert killed.status_code == 200
+                break
+    for _ in range(100):
+        if pty_pid not in await pids():
+            break
+        await asyncio.sleep(0.05)
+    assert pty_pid not in await pids()
     after = before + 1
     for _ in range(20):
         after = await fd_count()
         if after <= before:
             break
     assert after <= before, f"fds grew from {before} to {after}: {envd.fds()}"
+
+
+async def test_stalled_reader_holds_the_process_back(envd: EnvdProc) -> None:
+    """A client that stops reading must block the process, not grow envd's memory."""
+    body = envelope({"process": {"cmd": "/bin/sh", "args": ["-c", "cat /dev/zero"]}})
+    rss_before = envd.rss_mib()
+    async with (
+        httpx.AsyncClient(timeout=30) as client,
+        client.stream(
+            "POST", envd.url + "/process.Process/Start", content=body, headers=STREAM_HEADERS
+        ) as response,
+    ):
+        reader = FrameReader()
+        frames: list[tuple[int, bytes]] = []
+        async for chunk in response.aiter_raw():
+            frames += reader.feed(chunk)
+            if frames:
+                break
+        pid = json.loads(frames[0][1])["event"]["start"]["pid"]
+        # Not reading for a while: `cat /dev/zero` would produce gigabytes meanwhile.
+        peak = 0.0
+        for _ in range(30):
+            await asyncio.sleep(0.1)
+            peak = max(peak, envd.rss_mib())
+        assert peak - rss_before < 64, f"envd grew from {rss_before:.0f} to {peak:.0f} MiB"
+        async with httpx.AsyncClient(timeout=10) as other:
+            killed = await other.post(
+                envd.url + "/process.Process/SendSignal",
+                json={"process": {"pid": pid}, "signal": "SIGNAL_SIGKILL"},
+                headers=UNARY_HEADERS,
+            )
+            assert killed.status_code == 200
