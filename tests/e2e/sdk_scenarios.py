@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import hashlib
 import json
 import os
@@ -21,7 +22,7 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 import httpx
@@ -147,7 +148,7 @@ class Run:
 
 
 def now() -> datetime:
-    return datetime.now(timezone.utc)
+    return datetime.now(UTC)
 
 
 # -- scenarios -------------------------------------------------------------------------------
@@ -492,10 +493,8 @@ def main() -> None:
         run.scenario(name, lambda fn=fn: fn(run))
     for sbx in [run.state.get("s"), *run.state.get("others", [])]:
         if sbx is not None:
-            try:
+            with contextlib.suppress(Exception):
                 sbx.kill()
-            except Exception:
-                pass
     timings = {k: v for k, v in run.state.items() if k.endswith("_s")}
     with open(args.out, "w") as fh:
         json.dump({"results": run.results, "timings": timings}, fh, indent=2)
