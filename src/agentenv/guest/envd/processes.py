@@ -27,7 +27,10 @@ from .users import User
 
 log = logging.getLogger("agentenv.envd")
 
-PIPE_CHUNK = 32 * 1024
+# Upstream envd reads 32 KiB at a time. Reading up to 256 KiB costs no latency (a read returns
+# what is there) but batches output when the client is the bottleneck, which matters when
+# every message's JSON and base64 runs under CPU emulation.
+PIPE_CHUNK = 256 * 1024
 PTY_CHUNK = 16 * 1024
 QUEUE_DEPTH = 16
 # After the process exits, output still in flight is drained; if nothing arrives for this long
