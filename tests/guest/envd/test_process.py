@@ -118,6 +118,20 @@ async def test_stdin_send_and_close(process_client: ProcessClient) -> None:
     assert run.end is not None and run.end.exit_code == 0
 
 
+async def test_stdin_absent_means_a_pipe(process_client: ProcessClient) -> None:
+    """Older SDKs never send `stdin`; they expect a pipe, as upstream envd gives them."""
+    stream = process_client.start(bash("cat", stdin=None))
+    pid = (await anext(stream)).event.event.value.pid
+    await process_client.send_input(
+        pb.SendInputRequest(
+            process=selector(pid), input=pb.ProcessInput(input=Oneof("stdin", b"piped\n"))
+        )
+    )
+    await process_client.close_stdin(pb.CloseStdinRequest(process=selector(pid)))
+    run = await consume(stream, Run(pid=pid))
+    assert run.stdout == b"piped\n"
+
+
 async def test_stdin_false_is_devnull(process_client: ProcessClient) -> None:
     run = await asyncio.wait_for(run_cmd(process_client, bash("cat; echo eof")), 10)
     assert run.stdout == b"eof\n"

@@ -203,3 +203,11 @@ async def test_async_watch_and_commands(sdk_env: None, scratch: Path) -> None:
     assert ("aw.txt", FilesystemEventType.CREATE) in seen
     result = await sbx.commands.run("echo async")
     assert result.stdout == "async\n"
+
+
+def test_twenty_concurrent_background_commands(sbx: Sandbox) -> None:
+    handles = [sbx.commands.run(f"sleep 1; echo n{i}", background=True) for i in range(20)]
+    listed = {p.pid for p in sbx.commands.list()}
+    assert {h.pid for h in handles} <= listed
+    outputs = [h.wait().stdout for h in handles]
+    assert outputs == [f"n{i}\n" for i in range(20)]

@@ -128,9 +128,10 @@ class ProcessService(Process):
             cmd=config.cmd,
             args=tuple(config.args),
             envs=dict(config.envs),
-            cwd=config.cwd,
-            tag=request.tag,
-            stdin=request.stdin is not False,
+            cwd=config.cwd or None,
+            # protobuf-py reads an absent optional field as its zero value; ask for presence.
+            tag=(request.tag or None) if request.has_field("tag") else None,
+            stdin=request.stdin if request.has_field("stdin") else True,
             pty_size=pty_size,
         )
         keepalive = keepalive_interval(ctx)
