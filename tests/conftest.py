@@ -53,12 +53,13 @@ def _descendant_qemus(home: Path) -> set[str]:
 
 def _snapshot(home: Path) -> dict[str, set[str]]:
     """Resources this process made that exist now. Other engineers' servers share the host,
-    so namespaces, links, mounts and cgroups count only if their names were created here."""
+    so namespaces (and their links and mounts) count only if this process created them, and
+    cgroups only if their names were created here."""
     from agentenv.network import slot
 
-    ours_ns = set(slot.created_here)
-    ours_links = {n.replace(slot.NETNS_PREFIX, slot.HOST_VETH_PREFIX, 1) for n in ours_ns}
     netns = set(os.listdir("/run/netns")) if os.path.isdir("/run/netns") else set()
+    ours_ns = {n for n in netns if slot.made_here(n)}
+    ours_links = {n.replace(slot.NETNS_PREFIX, slot.HOST_VETH_PREFIX, 1) for n in ours_ns}
     links = set(os.listdir("/sys/class/net"))
     host_veths = {n for n in links if n.startswith(slot.HOST_VETH_PREFIX)}
     tables = subprocess.run(
@@ -99,3 +100,11 @@ def guest_artifacts() -> object:
     from agentenv.template.artifacts import ensure_all
 
     return ensure_all(Settings.from_env(), None)
+
+
+@pytest.fixture(scope="session")
+def base_template(agentenv_home: Path) -> object:
+    """The `base` template registered in this session's data dir (rootfs from the cache)."""
+    from agentenv.template.rootfs import ensure_base
+
+    return ensure_base(replace(Settings.from_env(), home=agentenv_home), None)

@@ -9,7 +9,6 @@ import asyncio
 import hashlib
 import os
 from collections.abc import AsyncIterator
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -32,13 +31,6 @@ pytestmark = pytest.mark.vm
 
 BUSYBOX = "/.agentenv/bin/busybox"
 MEM = 384
-
-
-@pytest.fixture(scope="session")
-def base_template(agentenv_home: Path) -> Any:
-    from agentenv.template.rootfs import ensure_base
-
-    return ensure_base(replace(Settings.from_env(), home=agentenv_home), None)
 
 
 @pytest.fixture

@@ -30,9 +30,22 @@ NS_VETH_PREFIX = "ae-n"
 TAP = "tap0"
 # Host-wide: slot creation and the shared host nft table are coordinated across processes.
 LOCK_FILE = Path("/run/agentenv-network.lock")
-# Namespaces this process has created (never pruned): lets tests and diagnostics tell this
-# process's slots from those of other servers on the same host.
-created_here: set[str] = set()
+# (name, inode) of every namespace this process has created, never pruned: lets tests and
+# diagnostics tell this process's slots from other servers' slots that reuse the same name.
+created_here: set[tuple[str, int]] = set()
+
+
+def _remember(name: str) -> None:
+    created_here.add((name, os.stat(Path("/run/netns") / name).st_ino))
+
+
+def made_here(name: str) -> bool:
+    """Whether the namespace now called `name` is one this process created."""
+    try:
+        ino = os.stat(Path("/run/netns") / name).st_ino
+    except FileNotFoundError:
+        return False
+    return (name, ino) in created_here
 
 
 @dataclass(frozen=True)
@@ -103,7 +116,7 @@ def _claim_netns(plan: NetworkPlan, start: int) -> Slot:
             netns.create(slot.netns)
         except FileExistsError:
             continue
-        created_here.add(slot.netns)
+        _remember(slot.netns)
         return slot
     raise NoFreeSlot(f"no free slot left in {plan.slot_cidr}")
 
@@ -126,7 +139,7 @@ async def create_slot(plan: NetworkPlan, index: int | None = None) -> Slot:
                 netns.create(slot.netns)
             except FileExistsError as exc:
                 raise NetworkError(f"slot {index} is already in use") from exc
-            created_here.add(slot.netns)
+            _remember(slot.netns)
         try:
             await _build(plan, slot)
             await nft.apply_host_rules()

@@ -40,8 +40,11 @@ class NetIface:
 class MachineSpec:
     vcpus: int
     memory_mb: int
-    # Guest RAM in this file (shared mapping) so its memory can be snapshotted without a copy.
+    # Guest RAM in this file so a snapshot needs no copy of it. Shared: the guest writes into
+    # the file (the VM that will be snapshotted). Private: copy-on-write over the file (a clone
+    # restored from it; the file is never written).
     mem_file: Path | None = None
+    mem_shared: bool = True
     balloon: bool = True
 
 
@@ -81,6 +84,11 @@ class VMM(Protocol):
         qcow2 created over it); returns the path of the now read-only layer."""
         ...
 
-    async def snapshot_create(self, state_path: Path) -> None: ...
+    async def snapshot_create(self, state_path: Path) -> None:
+        """Pause the guest and write its device state to `state_path`; RAM stays in
+        `mem_file`. The VM is left paused."""
+        ...
 
-    async def snapshot_load(self, state_path: Path) -> None: ...
+    async def snapshot_load(self, state_path: Path) -> None:
+        """On a VM started to receive a snapshot: load the device state and run."""
+        ...
