@@ -96,8 +96,15 @@ def test_start_gives_an_interactive_shell(
             ["tmux", "send-keys", "-t", session, "echo hi-$((40+2))", "Enter"], check=True
         )
         _wait_for(session, "hi-42", 60)
+        # The sandbox's PTY has the size of the terminal the CLI runs in.
+        pane = subprocess.run(
+            ["tmux", "display-message", "-p", "-t", session, "#{pane_height} #{pane_width}"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
         subprocess.run(["tmux", "send-keys", "-t", session, "stty size", "Enter"], check=True)
-        _wait_for(session, "30 120", 60)
+        _wait_for(session, f"\n{pane}", 60)
         subprocess.run(["tmux", "send-keys", "-t", session, "exit 5", "Enter"], check=True)
         _wait_for(session, "EXITED=5", 60)
     finally:

@@ -529,6 +529,16 @@ async def _exec(
         )
 
 
+def _terminal_size(fd: int) -> tuple[int, int]:
+    # The terminal itself, not $COLUMNS/$LINES, which may be stale copies from another shell.
+    try:
+        size = os.get_terminal_size(fd)
+        return size.columns, size.lines
+    except OSError:
+        cols, rows = shutil.get_terminal_size((80, 24))
+        return cols, rows
+
+
 @contextlib.contextmanager
 def _raw_terminal(fd: int) -> Iterator[None]:
     if not os.isatty(fd):
@@ -544,7 +554,8 @@ def _raw_terminal(fd: int) -> Iterator[None]:
 
 async def _shell(target: Target, sandbox_id: str, token: str | None) -> int:
     """An interactive login shell on envd's PTY, with keystrokes and resizes forwarded."""
-    cols, rows = shutil.get_terminal_size((80, 24))
+    stdin_fd = sys.stdin.fileno()
+    cols, rows = _terminal_size(stdin_fd)
     request = {
         "process": {
             "cmd": "/bin/bash",
@@ -554,7 +565,6 @@ async def _shell(target: Target, sandbox_id: str, token: str | None) -> int:
         "pty": {"size": {"cols": cols, "rows": rows}},
     }
     loop = asyncio.get_running_loop()
-    stdin_fd = sys.stdin.fileno()
     keys: asyncio.Queue[bytes | None] = asyncio.Queue()
     tasks: list[asyncio.Task[None]] = []
     out = sys.stdout.buffer
@@ -586,7 +596,7 @@ async def _shell(target: Target, sandbox_id: str, token: str | None) -> int:
             loop.add_reader(stdin_fd, on_key)
 
             def resized() -> None:
-                c, r = shutil.get_terminal_size((80, 24))
+                c, r = _terminal_size(stdin_fd)
                 body = {"process": {"pid": pid}, "pty": {"size": {"cols": c, "rows": r}}}
                 tasks.append(asyncio.create_task(_unary(http, "Update", body)))
 
