@@ -415,7 +415,10 @@ class ProcessTable:
         self.by_pid[managed.pid] = managed
         first = managed.hub.subscribe()
         managed.start_io(self._forget, timeout_s)
-        log.info("started pid %d as %s: %s %s", managed.pid, user.name, spec.cmd, list(spec.args))
+        # Arguments only at debug level: envd's log reaches the serial console, and command
+        # lines often carry secrets.
+        log.info("started pid %d as %s: %s", managed.pid, user.name, spec.cmd)
+        log.debug("pid %d args: %s", managed.pid, list(spec.args))
         return managed, first
 
     def _forget(self, managed: ManagedProcess) -> None:
