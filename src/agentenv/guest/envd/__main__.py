@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import types
+from pathlib import Path
 
 from . import ENVD_PORT, ENVD_VERSION
 
@@ -28,6 +30,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def _skip_connectrpc_version_lookup() -> None:
+    """Gives connectrpc its version string without importlib.metadata.
+
+    connectrpc looks its own version up at import time, which loads importlib.metadata (and
+    email, zipfile, csv...): about two seconds of envd's start in an emulated guest, for a
+    string that only ends up in client user-agents. envd serves only, so the pin will do.
+    """
+    if "connectrpc" in sys.modules:
+        return
+    pinned = "unknown"
+    requirements = Path(__file__).with_name("requirements.txt")
+    for line in requirements.read_text().splitlines():
+        if line.startswith("connectrpc=="):
+            pinned = line.split("==", 1)[1].strip()
+    module = types.ModuleType("connectrpc._version")
+    module.__version__ = pinned  # type: ignore[attr-defined]
+    sys.modules["connectrpc._version"] = module
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(
@@ -37,6 +58,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     # Imported only now: the guest runs Python under emulation, where imports are slow and
     # `--help` should not pay for them.
+    _skip_connectrpc_version_lookup()
     import uvicorn
 
     from .app import Envd
