@@ -396,10 +396,8 @@ def websocket_echo(s: Sandbox) -> None:
 
 def list_and_kill(r: Run) -> None:
     s: Sandbox = r.state["s"]
-    others = [
-        Sandbox.create(template="base", timeout=300, metadata=LIST_META, request_timeout=300)
-        for _ in range(2)
-    ]
+    # One more sandbox: with the main one that is two VMs, the most this host should run.
+    others = [Sandbox.create(template="base", timeout=300, metadata=LIST_META, request_timeout=300)]
     r.state["others"] = others
     query = SandboxQuery(metadata=LIST_META, state=[SandboxState.RUNNING])
     pager = Sandbox.list(query=query, limit=1)
@@ -411,8 +409,8 @@ def list_and_kill(r: Run) -> None:
         seen += [i.sandbox_id for i in items]
         check(all(i.metadata == dict(i.metadata) for i in items), "metadata")
     expected = {s.sandbox_id, *(o.sandbox_id for o in others)}
-    check(set(seen) == expected and len(seen) == 3, f"listed {seen}")
-    check(pages == 3, f"{pages} pages")
+    check(set(seen) == expected and len(seen) == 2, f"listed {seen}")
+    check(pages == 2, f"{pages} pages")
     paused = Sandbox.list(query=SandboxQuery(state=[SandboxState.PAUSED])).next_items()
     check(paused == [], "paused list not empty")
 
@@ -423,7 +421,6 @@ def list_and_kill(r: Run) -> None:
     check(victim.is_running() is False, "is_running after kill")
     not_running = getattr(e2b_exc, "SandboxNotRunningException", e2b_exc.TimeoutException)
     raises(not_running, lambda: victim.commands.run("true"))
-    others[1].kill()
 
 
 def error_hygiene(r: Run) -> None:

@@ -102,12 +102,14 @@ class AgentenvApp:
         try:
             await self.control(scope, receive, send_and_record)  # type: ignore[arg-type]
         finally:
+            ms = (time.monotonic() - started) * 1000
             log.info(
                 "%s %s -> %d in %.1f ms",
                 scope.get("method"),
                 scope["path"],
                 status,
-                (time.monotonic() - started) * 1000,
+                ms,
+                extra={"status": status, "duration_ms": round(ms, 1)},
             )
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:

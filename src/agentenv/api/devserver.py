@@ -35,6 +35,7 @@ class ServerProcess:
         port: int | None = None,
         domain: str | None = None,
         env: dict[str, str] | None = None,
+        tls: tuple[Path, Path] | None = None,
         log_path: Path | None = None,
         ready_timeout_s: float = 60.0,
     ) -> None:
@@ -43,13 +44,15 @@ class ServerProcess:
         self.port = port or free_port()
         self.domain = domain
         self.env = env or {}
+        self.tls = tls
         self.log_path = log_path or home / "server.log"
         self.ready_timeout_s = ready_timeout_s
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        scheme = "https" if self.tls else "http"
+        return f"{scheme}://127.0.0.1:{self.port}"
 
     @property
     def api_key(self) -> str:
@@ -68,6 +71,8 @@ class ServerProcess:
         args += ["--port", str(self.port), "--runtime", self.runtime]
         if self.domain:
             args += ["--domain", self.domain]
+        if self.tls:
+            args += ["--cert", str(self.tls[0]), "--key", str(self.tls[1])]
         env = {**os.environ, "AGENTENV_HOME": str(self.home), **self.env}
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
@@ -80,7 +85,9 @@ class ServerProcess:
                     f"server exited with {self.proc.returncode}: {self.log_tail()}"
                 )
             try:
-                if httpx.get(f"{self.url}/health", timeout=1.0).status_code == 200:
+                # Readiness only: the TLS certificate is checked by the caller's own requests.
+                ok = httpx.get(f"{self.url}/health", timeout=1.0, verify=False)
+                if ok.status_code == 200:
                     return self
             except httpx.TransportError:
                 pass

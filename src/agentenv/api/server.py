@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
 from pathlib import Path
@@ -12,6 +11,7 @@ import uvicorn
 
 from agentenv.api.app import AgentenvApp
 from agentenv.api.keys import KeyRing, key_file
+from agentenv.api.logs import configure as configure_logs
 from agentenv.config import ConfigError, Settings
 from agentenv.orchestrator.metrics import Metrics
 from agentenv.orchestrator.runtime import Runtime, TemplateSource
@@ -99,13 +99,7 @@ def serve(
         port = port or bind_port
     if (certfile is None) != (keyfile is None):
         raise ConfigError("TLS needs both --cert and --key")
-    logging.basicConfig(
-        level=log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s %(message)s",
-        stream=sys.stderr,
-    )
-    # One line per upstream request would drown the sandbox lifecycle lines.
-    logging.getLogger("httpx").setLevel(logging.WARNING)
+    configure_logs(log_level, os.environ.get("AGENTENV_LOG_FORMAT", "text"))
     settings.home.mkdir(parents=True, exist_ok=True)
     store = Store(db_path(settings))
     new_key = KeyRing(store).ensure_initial(settings.home)

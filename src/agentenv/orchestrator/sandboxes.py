@@ -204,7 +204,12 @@ class SandboxManager:
         async with self._locked(rec.id):
             self.store.insert(rec)
             self.store.log(rec.id, f"creating from template {rec.template!r}")
-            log.info("sandbox %s creating template=%s", rec.id, rec.template)
+            log.info(
+                "sandbox %s creating template=%s",
+                rec.id,
+                rec.template,
+                extra={"sandbox_id": rec.id, "template": rec.template},
+            )
             placement: Placement | None = None
             try:
                 placement = await self.runtime.create(rec.template, cpu, memory, disk)
@@ -233,7 +238,12 @@ class SandboxManager:
                 raise
         self.metrics.create_seconds.observe(time.monotonic() - started)
         self.store.log(rec.id, "running")
-        log.info("sandbox %s running address=%s", rec.id, placement.address)
+        log.info(
+            "sandbox %s running address=%s",
+            rec.id,
+            placement.address,
+            extra={"sandbox_id": rec.id, "address": placement.address},
+        )
         self._wake.set()
         return self.get(rec.id)
 
@@ -242,7 +252,7 @@ class SandboxManager:
     ) -> None:
         self.store.transition(rec.id, SandboxState.CREATING, SandboxState.KILLING)
         self.store.log(rec.id, f"create failed: {exc!r}", "error")
-        log.warning("sandbox %s create failed: %r", rec.id, exc)
+        log.warning("sandbox %s create failed: %r", rec.id, exc, extra={"sandbox_id": rec.id})
         if placement is not None:
             try:
                 await asyncio.shield(self.runtime.delete(placement.runtime_id))
@@ -275,11 +285,16 @@ class SandboxManager:
                 except Exception as exc:
                     # The row still goes to gone: the node owns cleanup of what it allocated,
                     # and a retry here could not do better than its own teardown did.
-                    log.error("sandbox %s delete failed: %r", sandbox_id, exc)
+                    log.error(
+                        "sandbox %s delete failed: %r",
+                        sandbox_id,
+                        exc,
+                        extra={"sandbox_id": sandbox_id},
+                    )
                     self.store.log(sandbox_id, f"delete failed: {exc!r}", "error")
             self.store.transition(sandbox_id, SandboxState.KILLING, SandboxState.GONE)
             self.store.log(sandbox_id, reason)
-            log.info("sandbox %s gone (%s)", sandbox_id, reason)
+            log.info("sandbox %s gone (%s)", sandbox_id, reason, extra={"sandbox_id": sandbox_id})
 
     async def set_timeout(self, sandbox_id: str, seconds: int) -> None:
         async with self._locked(sandbox_id):

@@ -175,7 +175,13 @@ class SandboxProxy:
             return
         except httpx.TransportError as exc:
             self._metrics.proxy_requests.labels("upstream_error").inc()
-            log.info("sandbox %s port %d unreachable: %r", rec.id, target.port, exc)
+            log.info(
+                "sandbox %s port %d unreachable: %r",
+                rec.id,
+                target.port,
+                exc,
+                extra={"sandbox_id": rec.id},
+            )
             await send_json(
                 send,
                 502,
