@@ -12,14 +12,12 @@ import base64
 import hashlib
 import json
 import logging
-import secrets
 import time
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Annotated, Any
 from urllib.parse import parse_qsl, unquote
 
-import httpx
 from fastapi import Depends, FastAPI, Header, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -311,8 +309,8 @@ def build_control_app(ctx: ControlContext) -> FastAPI:
     @app.get("/sandboxes/{sandbox_id}/metrics", tags=["sandboxes"])
     async def sandbox_metrics(sandbox_id: str, _: Auth) -> JSONResponse:
         rec = mgr.get(sandbox_id)
-        sample = await _guest_metrics(mgr, rec)
-        return JSONResponse([sample] if sample else [])
+        raw = await mgr.guest_metrics(rec)
+        return JSONResponse([_metric_sample(rec, raw)] if raw else [])
 
     @app.get("/sandboxes/{sandbox_id}/logs", tags=["sandboxes"])
     async def logs_v1(
@@ -391,17 +389,8 @@ def _known(mgr: SandboxManager, sandbox_id: str) -> None:
         raise SandboxNotFound(sandbox_id)
 
 
-async def _guest_metrics(mgr: SandboxManager, rec: SandboxRecord) -> dict[str, Any] | None:
-    if rec.state is not SandboxState.RUNNING or not rec.envd_url:
-        return None
-    headers = {"X-Access-Token": rec.envd_token} if rec.envd_token else {}
-    try:
-        resp = await mgr._http.get(f"{rec.envd_url}/metrics", headers=headers, timeout=5.0)
-        resp.raise_for_status()
-        m = resp.json()
-    except (httpx.HTTPError, ValueError) as exc:
-        log.info("sandbox %s metrics unavailable: %r", rec.id, exc)
-        return None
+def _metric_sample(rec: SandboxRecord, m: dict[str, Any]) -> dict[str, Any]:
+    """envd's `/metrics` numbers in the SDK's SandboxMetric shape (every field required)."""
     ts = float(m.get("ts", time.time()))
     return {
         "timestamp": views.iso(ts),
@@ -473,7 +462,3 @@ def _decode_token(token: str) -> int:
         return int(seq)
     except ValueError as exc:
         raise BadRequest("nextToken is not a token this server issued") from exc
-
-
-def new_request_id() -> str:
-    return secrets.token_hex(8)

@@ -156,6 +156,22 @@ class SandboxManager:
             return None
         return rec
 
+    async def guest_metrics(self, rec: SandboxRecord) -> dict[str, Any] | None:
+        """envd's current `/metrics` sample, or None when the guest cannot say."""
+        if rec.state is not SandboxState.RUNNING or not rec.envd_url:
+            return None
+        headers = {"X-Access-Token": rec.envd_token} if rec.envd_token else {}
+        try:
+            resp = await self._http.get(f"{rec.envd_url}/metrics", headers=headers, timeout=5.0)
+            resp.raise_for_status()
+            body = resp.json()
+        except (httpx.HTTPError, ValueError) as exc:
+            log.info(
+                "sandbox %s metrics unavailable: %r", rec.id, exc, extra={"sandbox_id": rec.id}
+            )
+            return None
+        return body if isinstance(body, dict) else None
+
     # -- transitions -----------------------------------------------------------------------
 
     async def create(self, spec: CreateSpec, api_key_id: str | None = None) -> SandboxRecord:
