@@ -30,22 +30,19 @@ NS_VETH_PREFIX = "ae-n"
 TAP = "tap0"
 # Host-wide: slot creation and the shared host nft table are coordinated across processes.
 LOCK_FILE = Path("/run/agentenv-network.lock")
-# (name, inode) of every namespace this process has created, never pruned: lets tests and
-# diagnostics tell this process's slots from other servers' slots that reuse the same name.
-created_here: set[tuple[str, int]] = set()
+# Namespaces this process created and has not removed. Other servers on the host reuse the
+# same names (and the kernel reuses namespace inode numbers), so this is how tests and
+# diagnostics tell this process's slots apart.
+live_here: set[str] = set()
 
 
 def _remember(name: str) -> None:
-    created_here.add((name, os.stat(Path("/run/netns") / name).st_ino))
+    live_here.add(name)
 
 
 def made_here(name: str) -> bool:
-    """Whether the namespace now called `name` is one this process created."""
-    try:
-        ino = os.stat(Path("/run/netns") / name).st_ino
-    except FileNotFoundError:
-        return False
-    return (name, ino) in created_here
+    """Whether the namespace called `name` was created by this process and is still there."""
+    return name in live_here and (Path("/run/netns") / name).exists()
 
 
 @dataclass(frozen=True)
@@ -225,6 +222,7 @@ async def _teardown(slot: Slot) -> None:
                 await ipr.link("del", index=found[0])
     if slot.netns_path.exists():
         netns.remove(slot.netns)
+    live_here.discard(slot.netns)
     if not _host_veths():
         await nft.remove_host_rules()
 

@@ -206,7 +206,7 @@ class Node:
             await asyncio.to_thread(workdir.mkdir, 0o700, False, False)
             undo.append(lambda: asyncio.to_thread(shutil.rmtree, workdir, True))
 
-            self.layers.ref(top, sandbox_id)
+            await asyncio.to_thread(self.layers.ref, top, sandbox_id)
             undo.append(lambda: asyncio.to_thread(self.layers.unref, top, sandbox_id))
 
             slot = await self.pool.acquire()
