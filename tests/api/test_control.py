@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
 
 import httpx
@@ -170,6 +171,30 @@ def test_idempotency_key_returns_the_same_sandbox(api: httpx.Client) -> None:
     listed = api.get("/v2/sandboxes", params={"metadata": "idem=1"}).json()
     assert [s["sandboxID"] for s in listed] == [first.json()["sandboxID"]]
     assert api.delete(f"/sandboxes/{first.json()['sandboxID']}").status_code == 204
+
+
+def test_concurrent_creates_with_one_idempotency_key_make_one_sandbox(
+    server: ServerProcess,
+) -> None:
+    body = {"templateID": "base", "timeout": 30, "metadata": {"idem": "race"}}
+
+    def post() -> httpx.Response:
+        with httpx.Client(base_url=server.url, timeout=60) as c:
+            return c.post(
+                "/v2/sandboxes",
+                json=body,
+                headers={"X-API-Key": server.api_key, "Idempotency-Key": "race-1"},
+            )
+
+    with ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(lambda _: post(), range(4)))
+    assert {r.status_code for r in answers} == {201}
+    ids = {r.json()["sandboxID"] for r in answers}
+    assert len(ids) == 1
+    with httpx.Client(base_url=server.url, headers={"X-API-Key": server.api_key}) as c:
+        listed = c.get("/v2/sandboxes", params={"metadata": "idem=race"}).json()
+        assert [s["sandboxID"] for s in listed] == list(ids)
+        assert c.delete(f"/sandboxes/{ids.pop()}").status_code == 204
 
 
 def test_list_filters_and_pagination(api: httpx.Client) -> None:

@@ -157,3 +157,15 @@ def test_traffic_token_required_when_public_traffic_is_off(proxy_server: ServerP
     with httpx.Client(base_url=proxy_server.url, timeout=10) as c:
         gone = c.get("/", headers=hdrs)
         assert gone.status_code == 502 and "was not found" in gone.text
+
+
+def test_request_body_may_idle_longer_than_a_minute(client: httpx.Client, guest: Guest) -> None:
+    # The SDK's async stdin keeps its request open and writes a keepalive only every 50 s.
+    def body() -> Iterator[bytes]:
+        yield b"first "
+        time.sleep(62)
+        yield b"second"
+
+    resp = client.post("/idle", content=body(), headers=guest.headers(), timeout=120)
+    assert resp.status_code == 200, resp.text
+    assert resp.json() == {"sha256": hashlib.sha256(b"first second").hexdigest(), "bytes": 12}
