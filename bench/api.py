@@ -59,15 +59,22 @@ def timed_gets(client: httpx.Client, url: str, headers: dict[str, str], n: int) 
     return times
 
 
-def proxy_overhead(server: ServerProcess, opts: dict[str, str], n: int) -> dict[str, float]:
+def proxy_overhead(
+    server: ServerProcess, opts: dict[str, str], n: int, local: bool
+) -> dict[str, float]:
     sbx = Sandbox.create(template="base", timeout=600, request_timeout=300, **opts)  # type: ignore[arg-type]
     try:
         rec = Store(server.home / "agentenv.db").get(sbx.sandbox_id)
         assert rec is not None and rec.address
-        sbx.commands.run("mkdir -p /tmp/www && echo hi > /tmp/www/small && "
-                         "head -c 1048576 /dev/urandom > /tmp/www/big")  # fmt: skip
+        www = f"/tmp/aenv-bench-{sbx.sandbox_id}"
+        sbx.commands.run(f"mkdir -p {www} && echo hi > {www}/small && "
+                         f"head -c 1048576 /dev/urandom > {www}/big")  # fmt: skip
+        # Host-process sandboxes share the host's interfaces: bind only the sandbox's address.
+        bind = rec.address if local else "0.0.0.0"
         sbx.commands.run(
-            f"python3 -m http.server {GUEST_PORT} --directory /tmp/www", background=True, timeout=0
+            f"python3 -m http.server {GUEST_PORT} --bind {bind} --directory {www}",
+            background=True,
+            timeout=0,
         )
         routing = {"e2b-sandbox-id": sbx.sandbox_id, "e2b-sandbox-port": str(GUEST_PORT)}
         results: dict[str, float] = {}
@@ -86,6 +93,7 @@ def proxy_overhead(server: ServerProcess, opts: dict[str, str], n: int) -> dict[
                 results[f"{name}_direct_ms"] = round(d * 1000, 2)
                 results[f"{name}_proxy_ms"] = round(p * 1000, 2)
                 results[f"{name}_ratio"] = round(p / d, 2)
+        sbx.commands.run(f"rm -rf {www}")
         return results
     finally:
         sbx.kill()
@@ -107,7 +115,7 @@ def main() -> None:
             opts = {"api_key": server.api_key, "api_url": server.url, "sandbox_url": server.url}
             print(f"server {server.url} (runtime {args.runtime})", flush=True)
             trips = round_trips(opts, args.n)
-            overhead = proxy_overhead(server, opts, args.requests)
+            overhead = proxy_overhead(server, opts, args.requests, args.runtime == "local")
     report = {
         "runtime": args.runtime,
         "round_trip_s": {
