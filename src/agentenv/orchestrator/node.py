@@ -258,6 +258,9 @@ class Node:
             handle.boot_s = now - t0
             handle.spawn_to_healthy_s = now - (vm.started_at or t0)
         except BaseException:
+            # The sandbox dir (and its console log) is about to go: keep the console in the log.
+            console = _tail(workdir / "serial.log", 40)
+            log.warning("create of %s failed; console tail: %s", sandbox_id, console)
             for step in reversed(undo):
                 try:
                     await step()
