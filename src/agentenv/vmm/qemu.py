@@ -227,7 +227,7 @@ class QemuVM:
                 qmp = QMPClient(self.name)
                 try:
                     await qmp.connect(str(self.qmp_socket))
-                except (OSError, ConnectionError, Exception) as exc:
+                except Exception as exc:
                     if time.monotonic() > deadline:
                         raise VMStartError(f"{self.name}: QMP connect failed: {exc}") from exc
                 else:
