@@ -41,6 +41,19 @@ def hdrs(**kw: str) -> dict[str, str]:
             hdrs(e2b_sandbox_id=SID, e2b_sandbox_port="8080", host="8081-iother.x.test"),
             Sandbox(SID, 8080, "/index.html"),
         ),
+        # E2B_SANDBOX_URL=http://H:P/proxy: the SDK keeps the prefix on envd calls.
+        (
+            "POST",
+            "/proxy/process.Process/Start",
+            hdrs(e2b_sandbox_id=SID, e2b_sandbox_port="49983"),
+            Sandbox(SID, 49983, "/process.Process/Start"),
+        ),
+        (
+            "GET",
+            "/proxy/app",
+            hdrs(e2b_sandbox_id=SID, e2b_sandbox_port="3000"),
+            Sandbox(SID, 3000, "/proxy/app"),
+        ),
         ("GET", "/a?b", hdrs(host="8080-iabc123.sbx.test:8000"), Sandbox(SID, 8080, "/a?b")),
         ("GET", "/proxy/iabc123/3000/x/y", {}, Sandbox(SID, 3000, "/x/y")),
         ("GET", "/proxy/iabc123/3000", {}, Sandbox(SID, 3000, "/")),

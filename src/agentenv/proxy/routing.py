@@ -12,6 +12,8 @@ import re
 from dataclasses import dataclass
 
 ENVD_PORT = 49983
+CODE_INTERPRETER_PORT = 49999
+SDK_PORTS = frozenset((ENVD_PORT, CODE_INTERPRETER_PORT))
 
 SANDBOX_ID_HEADERS = ("e2b-sandbox-id", "x-agentenv-sandbox-id")
 SANDBOX_PORT_HEADERS = ("e2b-sandbox-port", "x-agentenv-sandbox-port")
@@ -96,7 +98,7 @@ def route(method: str, path: str, headers: dict[str, str]) -> Route:
         port = _parse_port(raw_port) if raw_port is not None else ENVD_PORT
         if port is None:
             return BadRoute(400, f"invalid sandbox port {raw_port!r}")
-        return Sandbox(sandbox_id, port, path)
+        return Sandbox(sandbox_id, port, _strip_sdk_prefix(path, port))
     if path in _SERVER_ONLY_PATHS:
         return CONTROL
     host = headers.get("host", "")
@@ -111,6 +113,16 @@ def route(method: str, path: str, headers: dict[str, str]) -> Route:
             return BadRoute(400, f"invalid sandbox port {m.group(2)!r}")
         return Sandbox(m.group(1), port, m.group(3) or "/")
     return BadRoute(404, f"route not found: {method} {path}")
+
+
+def _strip_sdk_prefix(path: str, port: int) -> str:
+    """Drop the ``/proxy`` prefix an SDK adds when ``E2B_SANDBOX_URL`` ends in ``/proxy``.
+
+    Only for envd and the code interpreter, whose paths are known; a user app keeps its path.
+    """
+    if port in SDK_PORTS and path.startswith("/proxy/") and not _PROXY_PATH_RE.match(path):
+        return path[len("/proxy") :]
+    return path
 
 
 def _parse_port(raw: str) -> int | None:
