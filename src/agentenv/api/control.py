@@ -166,25 +166,29 @@ def build_control_app(ctx: ControlContext) -> FastAPI:
             raise ApiError(400, "Idempotency-Key is longer than 256 characters")
         digest = hashlib.sha256(json.dumps(body.model_dump(), sort_keys=True).encode()).hexdigest()
         store = mgr.store
-        lock = ctx._idem_locks.setdefault((key.id, idem_key), asyncio.Lock())
-        async with lock:
-            store.expire_idempotency(time.time() - IDEMPOTENCY_TTL_S)
-            seen = store.idempotency(key.id, idem_key)
-            if seen is not None:
-                if seen[0] != digest:
-                    raise ApiError(409, "Idempotency-Key was already used with another body")
-                prior = store.get(seen[1]) if seen[1] else None
-                if prior is None:
-                    raise ApiError(409, "Idempotency-Key belongs to a create still in progress")
-                return JSONResponse(views.sandbox(prior, ctx.domain), status_code=201)
-            store.claim_idempotency(key.id, idem_key, digest)
-            try:
-                rec = await mgr.create(spec, key.id)
-            except BaseException:
-                store.release_idempotency(key.id, idem_key)
-                raise
-            store.complete_idempotency(key.id, idem_key, rec.id)
-        ctx._idem_locks.pop((key.id, idem_key), None)
+        slot = (key.id, idem_key)
+        lock = ctx._idem_locks.setdefault(slot, asyncio.Lock())
+        try:
+            async with lock:
+                store.expire_idempotency(time.time() - IDEMPOTENCY_TTL_S)
+                # The claim is the atomic step; the lock only spares waiters a 409.
+                if not store.claim_idempotency(key.id, idem_key, digest):
+                    seen = store.idempotency(key.id, idem_key)
+                    if seen is None or seen[0] != digest:
+                        raise ApiError(409, "Idempotency-Key was already used with another body")
+                    prior = store.get(seen[1]) if seen[1] else None
+                    if prior is None:
+                        raise ApiError(409, "Idempotency-Key belongs to a create in progress")
+                    return JSONResponse(views.sandbox(prior, ctx.domain), status_code=201)
+                try:
+                    rec = await mgr.create(spec, key.id)
+                except BaseException:
+                    store.release_idempotency(key.id, idem_key)
+                    raise
+                store.complete_idempotency(key.id, idem_key, rec.id)
+        finally:
+            if not lock.locked():
+                ctx._idem_locks.pop(slot, None)
         return JSONResponse(views.sandbox(rec, ctx.domain), status_code=201)
 
     @app.post("/v2/sandboxes", status_code=201, tags=["sandboxes"])
