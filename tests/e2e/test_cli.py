@@ -57,12 +57,15 @@ def aenv(env: dict[str, str], *args: str, timeout: float = 300) -> subprocess.Co
 
 
 def _pane(session: str) -> str:
-    return subprocess.run(
+    res = subprocess.run(
         ["tmux", "capture-pane", "-p", "-t", session, "-S", "-200"],
         capture_output=True,
         text=True,
-        check=True,
-    ).stdout
+        check=False,
+    )
+    if res.returncode != 0:
+        raise AssertionError(f"tmux session {session} is gone: {res.stderr.strip()}")
+    return res.stdout
 
 
 def _wait_for(session: str, needle: str, timeout_s: float) -> str:
