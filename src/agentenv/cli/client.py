@@ -143,6 +143,47 @@ def _cell(value: Any) -> str:
     return "" if value is None else str(value)
 
 
+# -- server ----------------------------------------------------------------------------------
+
+
+@client_app.command()
+def serve(
+    host: Annotated[
+        str | None,
+        typer.Option("--host", help="Bind address (default 127.0.0.1, or AGENTENV_BIND)."),
+    ] = None,
+    port: Annotated[int | None, typer.Option("--port", help="Port (default 8000).")] = None,
+    cert: Annotated[Path | None, typer.Option("--cert", help="TLS certificate (PEM).")] = None,
+    key: Annotated[Path | None, typer.Option("--key", help="TLS private key (PEM).")] = None,
+    runtime: Annotated[
+        str,
+        typer.Option("--runtime", help="vm (microVMs) or local (host processes, no isolation)."),
+    ] = "vm",
+    domain: Annotated[
+        str | None, typer.Option("--domain", help="Sandbox domain for {port}-{id}.{domain} hosts.")
+    ] = None,
+    log_level: Annotated[str, typer.Option("--log-level")] = "info",
+) -> None:
+    """Run the server: E2B-compatible API and sandbox proxy on one port."""
+    from agentenv.api.server import serve as run_server
+    from agentenv.config import ConfigError
+
+    if runtime not in ("vm", "local"):
+        _fail(f"--runtime must be vm or local, not {runtime!r}")
+    try:
+        run_server(
+            host,
+            port,
+            certfile=cert,
+            keyfile=key,
+            runtime="local" if runtime == "local" else "vm",
+            domain=domain,
+            log_level=log_level,
+        )
+    except (ConfigError, OSError) as exc:
+        _fail(str(exc))
+
+
 # -- configuration ---------------------------------------------------------------------------
 
 
