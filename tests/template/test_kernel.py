@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import subprocess
+from dataclasses import replace
 
 import pytest
 
@@ -60,3 +61,30 @@ def test_initramfs_holds_busybox_modules_and_init(guest_artifacts: GuestArtifact
         assert entry in listing
     # Uncompressed newc: gzip would cost ~1 s of boot under emulation.
     assert guest_artifacts.initramfs.read_bytes()[:6] == b"070701"
+
+
+@pytest.mark.vm
+def test_smoke_boot_accepts_a_good_kernel_and_rejects_a_broken_one(
+    settings: Settings, guest_artifacts: GuestArtifacts
+) -> None:
+    from agentenv.template.artifacts import NO_INITRAMFS_CMDLINE, kernel_cmdline
+    from agentenv.template.smoke import smoke_boot
+
+    arts = guest_artifacts
+    seconds = smoke_boot(
+        settings, arts.kernel, arts.initramfs, arts.tools_image, kernel_cmdline(arts, "tcg")
+    )
+    assert 0 < seconds < 180
+    if arts.initramfs is None:
+        return
+    # Debian's kernel has virtio as modules: without its initramfs it cannot find any disk.
+    broken = replace(arts, initramfs=None, cmdline_extra=list(NO_INITRAMFS_CMDLINE))
+    with pytest.raises(BuildError, match="did not reach the guest init"):
+        smoke_boot(
+            settings,
+            broken.kernel,
+            None,
+            broken.tools_image,
+            kernel_cmdline(broken, "tcg"),
+            timeout=90,
+        )
