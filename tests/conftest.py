@@ -108,3 +108,41 @@ def base_template(agentenv_home: Path) -> object:
     from agentenv.template.rootfs import ensure_base
 
     return ensure_base(replace(Settings.from_env(), home=agentenv_home), None)
+
+
+def _host_wide() -> set[str]:
+    """Every agentenv resource on the host, whoever made it: namespaces, slot links, the
+    nftables table, sandbox cgroups and QEMU processes."""
+    from agentenv.network import slot
+
+    found: set[str] = set()
+    if os.path.isdir("/run/netns"):
+        found |= {f"netns {n}" for n in os.listdir("/run/netns") if n.startswith("ae-")}
+    found |= {
+        f"link {n}" for n in os.listdir("/sys/class/net") if n.startswith(slot.HOST_VETH_PREFIX)
+    }
+    tables = subprocess.run(
+        ["nft", "list", "tables"], capture_output=True, text=True, check=False
+    ).stdout.splitlines()
+    found |= {f"nft {t}" for t in tables if "agentenv" in t}
+    found |= {f"cgroup {p}" for p in cgroup.stale()}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                cmd = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")[0]
+            except OSError:
+                continue
+            if b"qemu-system" in cmd:
+                found.add(f"qemu pid {entry}")
+    return found
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_leaks_at_session_end() -> Iterator[None]:
+    """The per-test check only sees what this process made; servers run as subprocesses make
+    their own slots and VMs. At the end of the session nothing new may remain on the host."""
+    before = _host_wide()
+    yield
+    left = sorted(_host_wide() - before)
+    if left:
+        pytest.fail(f"the test session left resources behind: {left}", pytrace=False)
