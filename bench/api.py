@@ -5,7 +5,7 @@
    proxy (header routing) and directly to the sandbox's slot address, both over keep-alive
    connections; prints the median of each and their ratio (small and 1 MiB bodies).
 
-    .venv/bin/python bench/api.py [-n 5] [--requests 200] [--runtime vm|local]
+    .venv/bin/python bench/api.py [-n 5] [--requests 200]
 
 The server is started as a child process on a free loopback port with its own data dir.
 """
@@ -26,6 +26,7 @@ from e2b import Sandbox
 from agentenv.api.devserver import ServerProcess
 from agentenv.config import Settings
 from agentenv.orchestrator.store import Store
+from agentenv.template.rootfs import ensure_base
 
 GUEST_PORT = 8080
 
@@ -59,9 +60,7 @@ def timed_gets(client: httpx.Client, url: str, headers: dict[str, str], n: int) 
     return times
 
 
-def proxy_overhead(
-    server: ServerProcess, opts: dict[str, str], n: int, local: bool
-) -> dict[str, float]:
+def proxy_overhead(server: ServerProcess, opts: dict[str, str], n: int) -> dict[str, float]:
     sbx = Sandbox.create(template="base", timeout=600, request_timeout=300, **opts)  # type: ignore[arg-type]
     try:
         rec = Store(server.home / "agentenv.db").get(sbx.sandbox_id)
@@ -69,10 +68,8 @@ def proxy_overhead(
         www = f"/tmp/aenv-bench-{sbx.sandbox_id}"
         sbx.commands.run(f"mkdir -p {www} && echo hi > {www}/small && "
                          f"head -c 1048576 /dev/urandom > {www}/big")  # fmt: skip
-        # Host-process sandboxes share the host's interfaces: bind only the sandbox's address.
-        bind = rec.address if local else "0.0.0.0"
         sbx.commands.run(
-            f"python3 -m http.server {GUEST_PORT} --bind {bind} --directory {www}",
+            f"python3 -m http.server {GUEST_PORT} --directory {www}",
             background=True,
             timeout=0,
         )
@@ -103,21 +100,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("-n", type=int, default=5, help="create→run→kill round trips")
     parser.add_argument("--requests", type=int, default=200, help="GETs per proxy measurement")
-    parser.add_argument("--runtime", choices=["vm", "local"], default="vm")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="aenv-bench-") as tmp:
         home = Path(tmp)
-        if args.runtime == "vm":
-            from agentenv.template.rootfs import ensure_base
-
-            ensure_base(replace(Settings.from_env(), home=home), None)
-        with ServerProcess(home, runtime=args.runtime, ready_timeout_s=180) as server:
+        ensure_base(replace(Settings.from_env(), home=home), None)
+        with ServerProcess(home, ready_timeout_s=180) as server:
             opts = {"api_key": server.api_key, "api_url": server.url, "sandbox_url": server.url}
-            print(f"server {server.url} (runtime {args.runtime})", flush=True)
+            print(f"server {server.url}", flush=True)
             trips = round_trips(opts, args.n)
-            overhead = proxy_overhead(server, opts, args.requests, args.runtime == "local")
+            overhead = proxy_overhead(server, opts, args.requests)
     report = {
-        "runtime": args.runtime,
         "round_trip_s": {
             "n": len(trips),
             "p50": round(statistics.median(trips), 2),

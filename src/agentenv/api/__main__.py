@@ -12,7 +12,6 @@ def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m agentenv.api")
     parser.add_argument("--host", default=None)
     parser.add_argument("--port", type=int, default=None)
-    parser.add_argument("--runtime", choices=["vm", "local"], default="vm")
     parser.add_argument("--domain", default=None)
     parser.add_argument("--cert", type=Path, default=None)
     parser.add_argument("--key", type=Path, default=None)
@@ -23,7 +22,6 @@ def main() -> None:
         args.port,
         certfile=args.cert,
         keyfile=args.key,
-        runtime=args.runtime,
         domain=args.domain,
         log_level=args.log_level,
     )

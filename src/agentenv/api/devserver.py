@@ -31,7 +31,6 @@ class ServerProcess:
         self,
         home: Path,
         *,
-        runtime: str = "local",
         port: int | None = None,
         domain: str | None = None,
         env: dict[str, str] | None = None,
@@ -40,7 +39,6 @@ class ServerProcess:
         ready_timeout_s: float = 60.0,
     ) -> None:
         self.home = home
-        self.runtime = runtime
         self.port = port or free_port()
         self.domain = domain
         self.env = env or {}
@@ -68,7 +66,7 @@ class ServerProcess:
     def start(self) -> ServerProcess:
         self.home.mkdir(parents=True, exist_ok=True)
         args = [sys.executable, "-m", "agentenv.api", "--host", "127.0.0.1"]
-        args += ["--port", str(self.port), "--runtime", self.runtime]
+        args += ["--port", str(self.port)]
         if self.domain:
             args += ["--domain", self.domain]
         if self.tls:

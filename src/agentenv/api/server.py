@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import Literal
 
 import uvicorn
 
@@ -18,7 +17,6 @@ from agentenv.orchestrator.runtime import Runtime, TemplateSource
 from agentenv.orchestrator.sandboxes import SandboxManager
 from agentenv.orchestrator.store import Store
 
-RuntimeKind = Literal["vm", "local"]
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
 
@@ -33,13 +31,7 @@ def envd_version() -> str:
     return ENVD_VERSION
 
 
-def build_runtime(settings: Settings, kind: RuntimeKind) -> tuple[Runtime, TemplateSource]:
-    if kind == "local":
-        from agentenv.orchestrator.local import LocalRuntime, StaticTemplates
-
-        return LocalRuntime(settings.run_dir / "local", default_user="root"), StaticTemplates(
-            ["base"]
-        )
+def build_runtime(settings: Settings) -> tuple[Runtime, TemplateSource]:
     from agentenv.orchestrator.node_runtime import CatalogTemplates, NodeRuntime
 
     return NodeRuntime(settings), CatalogTemplates(settings)
@@ -48,12 +40,11 @@ def build_runtime(settings: Settings, kind: RuntimeKind) -> tuple[Runtime, Templ
 def build_app(
     settings: Settings,
     *,
-    runtime: RuntimeKind = "vm",
     domain: str | None = None,
     store: Store | None = None,
 ) -> AgentenvApp:
     store = store or Store(db_path(settings))
-    rt, templates = build_runtime(settings, runtime)
+    rt, templates = build_runtime(settings)
     manager = SandboxManager(
         store,
         rt,
@@ -85,7 +76,6 @@ def serve(
     *,
     certfile: Path | None = None,
     keyfile: Path | None = None,
-    runtime: RuntimeKind = "vm",
     domain: str | None = None,
     log_level: str = "info",
 ) -> None:
@@ -110,7 +100,7 @@ def serve(
             f"API keys: `aenv keys ls`; the first key is in {key_file(settings.home)}",
             file=sys.stderr,
         )
-    app = build_app(settings, runtime=runtime, domain=domain, store=store)
+    app = build_app(settings, domain=domain, store=store)
     scheme = "https" if certfile else "http"
     print(f"agentenv listening on {scheme}://{host}:{port}", file=sys.stderr)
     config = uvicorn.Config(

@@ -155,10 +155,6 @@ def serve(
     port: Annotated[int | None, typer.Option("--port", help="Port (default 8000).")] = None,
     cert: Annotated[Path | None, typer.Option("--cert", help="TLS certificate (PEM).")] = None,
     key: Annotated[Path | None, typer.Option("--key", help="TLS private key (PEM).")] = None,
-    runtime: Annotated[
-        str,
-        typer.Option("--runtime", help="vm (microVMs) or local (host processes, no isolation)."),
-    ] = "vm",
     domain: Annotated[
         str | None, typer.Option("--domain", help="Sandbox domain for {port}-{id}.{domain} hosts.")
     ] = None,
@@ -168,15 +164,12 @@ def serve(
     from agentenv.api.server import serve as run_server
     from agentenv.config import ConfigError
 
-    if runtime not in ("vm", "local"):
-        _fail(f"--runtime must be vm or local, not {runtime!r}")
     try:
         run_server(
             host,
             port,
             certfile=cert,
             keyfile=key,
-            runtime="local" if runtime == "local" else "vm",
             domain=domain,
             log_level=log_level,
         )
