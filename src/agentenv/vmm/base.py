@@ -34,6 +34,9 @@ class Drive:
 class NetIface:
     tap: str
     mac: str
+    # A NIC whose tap lives in a throwaway network namespace of the VM's own: the guest sees
+    # the same device, nothing reaches it. For a VM that only converts a snapshot.
+    detached: bool = False
 
 
 @dataclass(frozen=True)
@@ -89,6 +92,17 @@ class VMM(Protocol):
         `mem_file`. The VM is left paused."""
         ...
 
-    async def snapshot_load(self, state_path: Path) -> None:
-        """On a VM started to receive a snapshot: load the device state and run."""
+    async def snapshot_load(self, state_path: Path, *, run: bool = True) -> None:
+        """On a VM started to receive a snapshot: load the device state and run (or stay
+        paused when `run` is false)."""
+        ...
+
+    async def stream_save(self, stream_path: Path) -> None:
+        """Pause the guest and write RAM and device state to `stream_path` (for guests whose
+        RAM is not in a shared file). The VM is left paused."""
+        ...
+
+    async def stream_load(self, stream_path: Path, *, run: bool = True) -> None:
+        """On a VM started to receive a snapshot: load RAM and device state from a stream
+        written by `stream_save`, then run (or stay paused)."""
         ...

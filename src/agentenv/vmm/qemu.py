@@ -161,7 +161,11 @@ class QemuVM:
 
     def _launch_argv(self) -> list[str]:
         argv = self.argv()
-        if self.netns is not None:
+        if self.net is not None and self.net.detached:
+            # The device state of virtio-net needs a tap backend (vnet_hdr); a namespace of
+            # its own gives it one that disappears with the process.
+            argv = ["unshare", "--net", "--", *argv]
+        elif self.netns is not None:
             argv = ["nsenter", f"--net=/run/netns/{self.netns}", "--", *argv]
         if self.cgroup is not None:
             # The shell joins the cgroup and then execs, so QEMU never runs outside it and
@@ -353,11 +357,12 @@ class QemuVM:
         """The file that currently takes the drive's writes."""
         return self._paths[drive_id]
 
-    async def _ignore_shared(self) -> None:
-        # RAM lives in the memory file, so migration writes device state only (~50 KB).
+    async def _ignore_shared(self, on: bool = True) -> None:
+        # On: RAM lives in the memory file, so migration writes device state only (~50 KB).
+        # Off: RAM goes into the stream too. Both ends must agree.
         await self._execute(
             "migrate-set-capabilities",
-            {"capabilities": [{"capability": "x-ignore-shared", "state": True}]},
+            {"capabilities": [{"capability": "x-ignore-shared", "state": on}]},
         )
 
     async def _wait_migration(self, what: str) -> None:
@@ -373,22 +378,51 @@ class QemuVM:
             await asyncio.sleep(0.002)
         raise VMMError(f"{self.name}: {what} did not finish in {SNAPSHOT_TIMEOUT_S:.0f}s")
 
+    async def _wait_incoming(self, what: str) -> None:
+        """The destination's `query-migrate` says completed before the state is applied on
+        some versions; the run state leaving `inmigrate` is the reliable signal."""
+        await self._wait_migration(what)
+        deadline = time.monotonic() + SNAPSHOT_TIMEOUT_S
+        while time.monotonic() < deadline:
+            reply = await self._execute("query-status")
+            if isinstance(reply, dict) and reply.get("status") != "inmigrate":
+                return
+            await asyncio.sleep(0.002)
+        raise VMMError(f"{self.name}: {what} did not finish in {SNAPSHOT_TIMEOUT_S:.0f}s")
+
+    async def _migrate_out(self, path: Path, what: str) -> None:
+        await self._execute("migrate-set-parameters", {"max-bandwidth": MIGRATE_BANDWIDTH})
+        await self._execute("stop")
+        uri = f"exec:cat > {shlex.quote(str(path))}"
+        await self._execute("migrate", {"uri": uri})
+        await self._wait_migration(what)
+
+    async def _migrate_in(self, path: Path, what: str, run: bool) -> None:
+        if not self.incoming:
+            raise VMMError(f"{self.name} was not started to receive a snapshot")
+        if not await asyncio.to_thread(path.is_file):
+            raise VMMError(f"{self.name}: snapshot state {path} does not exist")
+        await self._execute("migrate-incoming", {"uri": f"exec:cat {shlex.quote(str(path))}"})
+        await self._wait_incoming(what)
+        if run:
+            await self._execute("cont")
+
     async def snapshot_create(self, state_path: Path) -> None:
         if self.machine.mem_file is None or not self.machine.mem_shared:
             raise VMMError(f"{self.name}: snapshots need guest RAM in a shared memory file")
-        await self._ignore_shared()
-        await self._execute("migrate-set-parameters", {"max-bandwidth": MIGRATE_BANDWIDTH})
-        await self._execute("stop")
-        uri = f"exec:cat > {shlex.quote(str(state_path))}"
-        await self._execute("migrate", {"uri": uri})
-        await self._wait_migration("snapshot")
+        await self._ignore_shared(True)
+        await self._migrate_out(state_path, "snapshot")
 
-    async def snapshot_load(self, state_path: Path) -> None:
-        if not self.incoming:
-            raise VMMError(f"{self.name} was not started to receive a snapshot")
-        if not await asyncio.to_thread(state_path.is_file):
-            raise VMMError(f"{self.name}: snapshot state {state_path} does not exist")
-        await self._ignore_shared()
-        await self._execute("migrate-incoming", {"uri": f"exec:cat {shlex.quote(str(state_path))}"})
-        await self._wait_migration("restore")
-        await self._execute("cont")
+    async def snapshot_load(self, state_path: Path, *, run: bool = True) -> None:
+        if self.incoming:
+            await self._ignore_shared(True)
+        await self._migrate_in(state_path, "restore", run)
+
+    async def stream_save(self, stream_path: Path) -> None:
+        await self._ignore_shared(False)
+        await self._migrate_out(stream_path, "RAM snapshot")
+
+    async def stream_load(self, stream_path: Path, *, run: bool = True) -> None:
+        if self.incoming:
+            await self._ignore_shared(False)
+        await self._migrate_in(stream_path, "RAM restore", run)

@@ -1,0 +1,176 @@
+"""A guest that can be captured: its QEMU process, slot, writable disk and where its RAM is.
+
+RAM lives in one of two places, and that decides how a capture saves it:
+
+- `MemoryMode.OWN`: a memory file of the machine's own, mapped shared (``<workdir>/memory``).
+  The file *is* the RAM, so a capture writes only device state (~10 ms). Cold-booted template
+  builders and resumed sandboxes run like this.
+- `MemoryMode.SNAPSHOT`: a private copy-on-write mapping of a repository snapshot's memory
+  file (never written; every clone shares its page cache). A capture must save the RAM the
+  guest holds privately: a full migration stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import functools
+import re
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from agentenv.config import ENVD_PORT, Settings
+from agentenv.network import Slot
+from agentenv.snapshot.errors import RestoreFailed
+from agentenv.vmm.accel import AccelChoice, detect
+from agentenv.vmm.base import BootSource, Drive, MachineSpec, NetIface
+from agentenv.vmm.qemu import QemuVM
+
+ROOTFS = "rootfs.qcow2"
+MEMORY = "memory"
+HEALTH_POLL_S = 0.02
+RESTORE_HEALTH_TIMEOUT_S = 30.0
+
+
+class MemoryMode(enum.Enum):
+    OWN = "own"
+    SNAPSHOT = "snapshot"
+
+
+@dataclass(frozen=True)
+class GuestImage:
+    """What this host launches guests with (resolved once; cache hits do no work)."""
+
+    kernel: Path
+    initrd: Path | None
+    tools_image: Path
+    accel: AccelChoice
+    qemu_binary: str
+    # hostname → kernel command line; only cold boots use it.
+    cmdline: Callable[[str], str]
+
+    @classmethod
+    def resolve(cls, settings: Settings) -> GuestImage:
+        from agentenv.template import artifacts
+
+        arts = artifacts.ensure_all(settings, None)
+        accel = detect(settings)
+
+        def cmdline(hostname: str) -> str:
+            extra = artifacts.guest_args(settings, hostname=hostname)
+            return artifacts.kernel_cmdline(arts, accel.name, extra)
+
+        return cls(
+            arts.kernel, arts.initramfs, arts.tools_image, accel, settings.qemu_binary, cmdline
+        )
+
+    @property
+    def qemu_version(self) -> str:
+        return qemu_version(self.qemu_binary)
+
+
+@functools.cache
+def qemu_version(binary: str) -> str:
+    """`major.minor.patch` of a QEMU binary: device state only loads into the same version."""
+    out = subprocess.run([binary, "--version"], capture_output=True, text=True, check=False)
+    m = re.search(r"version (\d+\.\d+\.\d+)", out.stdout)
+    return m.group(1) if m else "unknown"
+
+
+@dataclass
+class Machine:
+    name: str
+    workdir: Path
+    vcpus: int
+    memory_mb: int
+    slot: Slot
+    vm: QemuVM
+    memory: MemoryMode
+    # The tools disk the guest has mounted (it must stay the same file across restores).
+    tools_image: Path
+    balloon: bool = True
+    # MemoryMode.SNAPSHOT: the snapshot whose memory file backs this guest's RAM.
+    snapshot_id: str | None = None
+
+    @property
+    def upper(self) -> Path:
+        """The file that takes the guest's disk writes now."""
+        return self.vm.disk_path("vda")
+
+    @property
+    def memory_file(self) -> Path:
+        return self.workdir / MEMORY
+
+    @property
+    def envd_url(self) -> str:
+        return f"http://{self.slot.slot_ip}:{ENVD_PORT}"
+
+
+def new_vm(
+    image: GuestImage,
+    *,
+    name: str,
+    workdir: Path,
+    vcpus: int,
+    memory_mb: int,
+    mem_file: Path,
+    shared: bool,
+    upper: Path,
+    tools_image: Path,
+    slot: Slot | None,
+    incoming: bool,
+    hostname: str = "",
+    balloon: bool = True,
+    upper_read_only: bool = False,
+) -> QemuVM:
+    """The one way snapshot code builds a QEMU: the device set must be identical between the
+    VM that saves a state and every VM that loads it. `slot=None` gives the NIC a throwaway
+    tap (for a VM that only converts a snapshot)."""
+    from agentenv.config import DEFAULT_GUEST_MAC
+
+    net = (
+        NetIface(slot.tap, slot.guest_mac)
+        if slot is not None
+        else NetIface("tap0", DEFAULT_GUEST_MAC, detached=True)
+    )
+    return QemuVM(
+        name=name,
+        workdir=workdir,
+        machine=MachineSpec(
+            vcpus=vcpus, memory_mb=memory_mb, mem_file=mem_file, mem_shared=shared, balloon=balloon
+        ),
+        boot=BootSource(image.kernel, image.initrd, image.cmdline(hostname or name)),
+        drives=[
+            Drive("vda", upper, read_only=upper_read_only, fmt="qcow2"),
+            Drive("vdb", tools_image, read_only=True, fmt="raw"),
+        ],
+        accel=image.accel,
+        net=net,
+        netns=None if slot is None else slot.netns,
+        qemu_binary=image.qemu_binary,
+        incoming=incoming,
+    )
+
+
+async def wait_envd(url: str, vm: QemuVM, timeout_s: float, poll_s: float = HEALTH_POLL_S) -> None:
+    """Until envd answers `/health` through the slot; fails early if QEMU exits."""
+    deadline = time.monotonic() + timeout_s
+    last = "no answer"
+    async with httpx.AsyncClient(timeout=2.0, trust_env=False) as http:
+        while time.monotonic() < deadline:
+            if vm.exit_code is not None:
+                raise RestoreFailed(f"{vm.name}: QEMU exited with {vm.exit_code}")
+            try:
+                resp = await http.get(f"{url}/health")
+                if resp.is_success:
+                    return
+                last = f"HTTP {resp.status_code}"
+            except httpx.TransportError as exc:
+                last = type(exc).__name__
+            await asyncio.sleep(poll_s)
+    raise RestoreFailed(f"{vm.name}: envd not healthy after {timeout_s:.0f}s ({last})")

@@ -1,0 +1,51 @@
+"""What the catalog records about one snapshot."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+
+@dataclass
+class Snapshot:
+    """An immutable capture of a guest: RAM image, device state and disk layers.
+
+    `layers` are layer-store digests bottom → top; a restored guest gets a fresh upper over
+    the top one. `tools_image` is the read-only tools disk the guest had mounted: its page
+    cache is part of the RAM image, so a restore must attach the very same file.
+    """
+
+    id: str
+    layers: list[str]
+    vcpus: int
+    memory_mb: int
+    balloon: bool
+    tools_image: str
+    accel: str
+    qemu_version: str
+    envd_version: str
+    # Bytes the memory file holds on disk (holes of never-touched RAM are not counted).
+    memory_bytes: int
+    state_bytes: int
+    names: list[str] = field(default_factory=list)
+    parent: str | None = None
+    # What it was captured from: "template:<name>" or a sandbox id.
+    source: str = ""
+    # Hash of the inputs a template snapshot was built from ("" for captures of sandboxes).
+    build_key: str = ""
+    created_at: float = field(default_factory=time.time)
+    # Sandboxes whose RAM is a private mapping of this snapshot's memory file.
+    holders: list[str] = field(default_factory=list)
+
+    @property
+    def top_layer(self) -> str:
+        return self.layers[-1]
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> Snapshot:
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in raw.items() if k in known})

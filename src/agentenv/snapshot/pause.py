@@ -1,0 +1,177 @@
+"""Pause and resume one sandbox: its QEMU exits and frees RAM and CPU, everything needed to
+bring it back stays in its workdir (so a paused sandbox survives a server restart).
+
+A paused sandbox keeps its disk upper in place (no other guest shares it, so sealing it
+would only lengthen its chain). Its RAM is saved the cheapest way its memory mode allows:
+
+- `MemoryMode.OWN`: device state only (~10 ms); the memory file stays where it is, and the
+  resumed QEMU maps it shared again, so every later pause/resume cycle is as cheap.
+- `MemoryMode.SNAPSHOT` (created from a template): a full migration stream. Resume loads it
+  into a memory file of the sandbox's own, which turns the sandbox into `OWN` mode.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from agentenv.network import Slot
+from agentenv.snapshot.errors import RestoreFailed, SnapshotError
+from agentenv.snapshot.machine import (
+    MEMORY,
+    RESTORE_HEALTH_TIMEOUT_S,
+    GuestImage,
+    Machine,
+    MemoryMode,
+    new_vm,
+    wait_envd,
+)
+from agentenv.snapshot.repository import SnapshotStore
+from agentenv.snapshot.restore import check_compatible
+from agentenv.vmm.errors import VMMError
+
+PAUSED = "paused.json"
+STATE = "state"
+STREAM = "stream"
+
+
+@dataclass(frozen=True)
+class PausedState:
+    name: str
+    vcpus: int
+    memory_mb: int
+    balloon: bool
+    tools_image: str
+    accel: str
+    qemu_version: str
+    # "state": device state over the sandbox's own memory file; "stream": RAM + state.
+    kind: str
+    upper: str  # file name of the writable disk in the workdir
+    paused_at: float
+
+
+def paused_state(workdir: Path) -> PausedState | None:
+    """The paused record in `workdir`, or None if the sandbox there is not paused."""
+    try:
+        raw = json.loads((workdir / PAUSED).read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        raise SnapshotError(f"{workdir / PAUSED} is unreadable: {exc}") from exc
+    try:
+        return PausedState(**raw)
+    except TypeError as exc:
+        raise SnapshotError(f"{workdir / PAUSED} is not a paused record: {exc}") from exc
+
+
+async def pause(machine: Machine, repo: SnapshotStore, image: GuestImage) -> PausedState:
+    """Save the guest into its workdir and end its QEMU. The slot is the caller's to release."""
+    vm = machine.vm
+    workdir = machine.workdir
+    kind = "state" if machine.memory is MemoryMode.OWN else "stream"
+    target = workdir / (STATE if kind == "state" else STREAM)
+    try:
+        if kind == "state":
+            await vm.snapshot_create(target)
+        else:
+            await vm.stream_save(target)
+    except BaseException as exc:
+        target.unlink(missing_ok=True)
+        if vm.exit_code is None:
+            with contextlib.suppress(Exception):
+                await vm.resume()
+        if isinstance(exc, VMMError):
+            raise SnapshotError(f"{machine.name}: pause failed: {exc}") from exc
+        raise
+    record = PausedState(
+        name=machine.name,
+        vcpus=machine.vcpus,
+        memory_mb=machine.memory_mb,
+        balloon=machine.balloon,
+        tools_image=str(machine.tools_image),
+        accel=image.accel.name,
+        qemu_version=image.qemu_version,
+        kind=kind,
+        upper=vm.disk_path("vda").name,
+        paused_at=time.time(),
+    )
+    tmp = workdir / (PAUSED + ".tmp")
+    await asyncio.to_thread(tmp.write_text, json.dumps(asdict(record)))
+    await asyncio.to_thread(os.replace, tmp, workdir / PAUSED)
+    await vm.kill()
+    if kind == "stream":
+        # The stream holds all of the guest's RAM: it no longer needs the snapshot's file.
+        await asyncio.to_thread(repo.unref_holder, machine.name)
+    return record
+
+
+async def resume(
+    workdir: Path,
+    image: GuestImage,
+    slot: Slot,
+    *,
+    health_timeout_s: float = RESTORE_HEALTH_TIMEOUT_S,
+) -> Machine:
+    """Bring back the sandbox paused in `workdir`, on `slot` (any slot: the guest side of
+    every slot is identical). Returns once envd answers; on failure it stays paused."""
+    record = await asyncio.to_thread(paused_state, workdir)
+    if record is None:
+        raise RestoreFailed(f"{workdir.name} is not paused")
+    check_compatible(
+        f"paused sandbox {record.name}",
+        image,
+        accel=record.accel,
+        qemu_version=record.qemu_version,
+        tools_image=record.tools_image,
+    )
+    memory = workdir / MEMORY
+    source = workdir / (STATE if record.kind == "state" else STREAM)
+    if record.kind == "stream":
+        # Whatever a failed earlier resume left; the stream refills it completely.
+        memory.unlink(missing_ok=True)
+    vm = new_vm(
+        image,
+        name=record.name,
+        workdir=workdir,
+        vcpus=record.vcpus,
+        memory_mb=record.memory_mb,
+        mem_file=memory,
+        shared=True,
+        upper=workdir / record.upper,
+        tools_image=Path(record.tools_image),
+        slot=slot,
+        incoming=True,
+        balloon=record.balloon,
+    )
+    machine = Machine(
+        name=record.name,
+        workdir=workdir,
+        vcpus=record.vcpus,
+        memory_mb=record.memory_mb,
+        slot=slot,
+        vm=vm,
+        memory=MemoryMode.OWN,
+        tools_image=Path(record.tools_image),
+        balloon=record.balloon,
+    )
+    await vm.start()
+    try:
+        if record.kind == "state":
+            await vm.snapshot_load(source)
+        else:
+            await vm.stream_load(source)
+        await wait_envd(machine.envd_url, vm, health_timeout_s)
+    except BaseException as exc:
+        await vm.kill()
+        if isinstance(exc, VMMError):
+            raise RestoreFailed(f"{record.name}: resume failed: {exc}") from exc
+        raise
+    # Running again: the saved state is stale from here on.
+    await asyncio.to_thread((workdir / PAUSED).unlink)
+    source.unlink(missing_ok=True)
+    return machine

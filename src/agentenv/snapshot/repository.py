@@ -1,0 +1,296 @@
+"""The snapshot repository: immutable, content-addressed snapshots on local disk.
+
+Layout under `root` (``<home>/snapshots``): ``<id>/memory`` (the RAM image, mode 0444),
+``<id>/state`` (QEMU device state), ``catalog.json`` (every snapshot's metadata, names and
+holders), rewritten atomically under ``.lock``. Disk layers live in the `LayerStore`, held
+there as ``snapshot:<id>``.
+
+A capture writes into a staging directory (`stage`) and `commit` turns it into a snapshot:
+the id is the hash of the device state, the memory file's data and the layer digests, so the
+same capture committed twice is one snapshot.
+"""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Protocol
+
+from agentenv.snapshot.digest import allocated_bytes, file_digest, sparse_digest
+from agentenv.snapshot.errors import (
+    InvalidSnapshotName,
+    SnapshotError,
+    SnapshotInUse,
+    SnapshotNotFound,
+)
+from agentenv.snapshot.model import Snapshot
+from agentenv.storage import LayerStore
+from agentenv.storage.errors import LayerInUse, LayerNotFound
+from agentenv.template.catalog import validate_name
+from agentenv.template.errors import CatalogError
+
+MEMORY = "memory"
+STATE = "state"
+CATALOG = "catalog.json"
+LAYER_HOLDER = "snapshot:"
+_STAGING_PREFIX = ".staging-"
+STALE_STAGING_S = 3600.0
+
+
+class SnapshotStore(Protocol):
+    """What the orchestrator needs from wherever snapshots live (local disk now; an object
+    store can implement it by fetching `memory`/`state` into a local cache on `memory_path`)."""
+
+    def stage(self) -> Path: ...
+
+    def discard(self, staging: Path) -> None: ...
+
+    def commit(self, staging: Path, draft: Snapshot) -> Snapshot: ...
+
+    def get(self, ref: str) -> Snapshot: ...
+
+    def list(self) -> list[Snapshot]: ...
+
+    def memory_path(self, snapshot_id: str) -> Path: ...
+
+    def state_path(self, snapshot_id: str) -> Path: ...
+
+    def add_name(self, snapshot_id: str, name: str) -> Snapshot: ...
+
+    def remove_name(self, name: str) -> Snapshot: ...
+
+    def ref(self, snapshot_id: str, holder: str) -> None: ...
+
+    def unref(self, snapshot_id: str, holder: str) -> None: ...
+
+    def unref_holder(self, holder: str) -> None: ...
+
+    def delete(self, ref: str) -> Snapshot: ...
+
+    def gc(self) -> builtins.list[str]: ...
+
+
+def check_name(name: str) -> str:
+    try:
+        return validate_name(name)
+    except CatalogError as exc:
+        raise InvalidSnapshotName(str(exc)) from None
+
+
+class SnapshotRepository:
+    def __init__(self, root: Path, layers: LayerStore) -> None:
+        self.root = root
+        self.layers = layers
+
+    # -- catalog ----------------------------------------------------------------------------
+
+    def _read(self) -> dict[str, Snapshot]:
+        try:
+            text = (self.root / CATALOG).read_text()
+        except FileNotFoundError:
+            return {}
+        if not text.strip():
+            return {}
+        try:
+            return {e["id"]: Snapshot.from_dict(e) for e in json.loads(text)["snapshots"]}
+        except (ValueError, KeyError, TypeError) as exc:
+            path = self.root / CATALOG
+            raise SnapshotError(f"snapshot catalog {path} is corrupt: {exc}") from exc
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[dict[str, Snapshot]]:
+        self.root.mkdir(parents=True, exist_ok=True)
+        with (self.root / ".lock").open("a+") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            snaps = self._read()
+            yield snaps
+            doc = {"version": 1, "snapshots": [s.to_dict() for s in snaps.values()]}
+            fd, tmp = tempfile.mkstemp(prefix=".catalog-", dir=self.root)
+            try:
+                with os.fdopen(fd, "w") as fh:
+                    json.dump(doc, fh, indent=1)
+                    fh.flush()
+                    os.fsync(fh.fileno())
+                os.replace(tmp, self.root / CATALOG)
+            except BaseException:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(tmp)
+                raise
+
+    @staticmethod
+    def _find(snaps: dict[str, Snapshot], ref: str) -> Snapshot:
+        if ref in snaps:
+            return snaps[ref]
+        for snap in snaps.values():
+            if ref in snap.names:
+                return snap
+        raise SnapshotNotFound(f"snapshot {ref!r} does not exist")
+
+    # -- queries ----------------------------------------------------------------------------
+
+    def get(self, ref: str) -> Snapshot:
+        return self._find(self._read(), ref)
+
+    def list(self) -> list[Snapshot]:
+        return sorted(self._read().values(), key=lambda s: s.created_at)
+
+    def memory_path(self, snapshot_id: str) -> Path:
+        return self.root / snapshot_id / MEMORY
+
+    def state_path(self, snapshot_id: str) -> Path:
+        return self.root / snapshot_id / STATE
+
+    # -- adding -----------------------------------------------------------------------------
+
+    def stage(self) -> Path:
+        """An empty directory on the repository's filesystem, for a capture to write into
+        (`memory`, `state`); moving a guest's memory file into it is a rename."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        return Path(tempfile.mkdtemp(prefix=_STAGING_PREFIX, dir=self.root))
+
+    def discard(self, staging: Path) -> None:
+        shutil.rmtree(staging, ignore_errors=True)
+
+    def commit(self, staging: Path, draft: Snapshot) -> Snapshot:
+        """Make the staged `memory` + `state` a snapshot with `draft`'s metadata (its `id` and
+        sizes are filled in here; its names and holders are taken in the same step, so `gc`
+        never sees it unclaimed). The staging directory is consumed."""
+        memory, state = staging / MEMORY, staging / STATE
+        for f in (memory, state):
+            if not f.is_file():
+                raise SnapshotError(f"staged snapshot {staging} has no {f.name}")
+        for name in draft.names:
+            check_name(name)
+        for digest in draft.layers:
+            self.layers.path(digest)
+        h = hashlib.sha256(b"agentenv-snapshot-v1\0")
+        h.update(file_digest(state).encode())
+        h.update(sparse_digest(memory).encode())
+        shape = [draft.layers, draft.vcpus, draft.memory_mb, draft.tools_image]
+        h.update(json.dumps(shape).encode())
+        snap_id = h.hexdigest()[:32]
+        memory.chmod(0o444)
+        state.chmod(0o444)
+        final = self.root / snap_id
+        with self._locked() as snaps:
+            existing = snaps.get(snap_id)
+            if existing is None:
+                if final.exists():  # left by a commit that died before the catalog write
+                    shutil.rmtree(final)
+                snap = Snapshot.from_dict(
+                    {
+                        **draft.to_dict(),
+                        "id": snap_id,
+                        "names": [],
+                        "memory_bytes": allocated_bytes(memory),
+                        "state_bytes": state.stat().st_size,
+                    }
+                )
+                for digest in snap.layers[-1:]:
+                    self.layers.ref(digest, LAYER_HOLDER + snap_id)
+                os.rename(staging, final)
+                final.chmod(0o755)
+                snaps[snap_id] = snap
+            else:
+                snap = existing
+                shutil.rmtree(staging, ignore_errors=True)
+                for holder in draft.holders:
+                    if holder not in snap.holders:
+                        snap.holders.append(holder)
+            for name in draft.names:
+                self._move_name(snaps, snap_id, name)
+            return snaps[snap_id]
+
+    # -- names and holders --------------------------------------------------------------------
+
+    @staticmethod
+    def _move_name(snaps: dict[str, Snapshot], snapshot_id: str, name: str) -> None:
+        """A name points at one snapshot; naming another one moves it (like a tag)."""
+        for other in snaps.values():
+            if name in other.names:
+                other.names.remove(name)
+        snaps[snapshot_id].names.append(name)
+
+    def add_name(self, snapshot_id: str, name: str) -> Snapshot:
+        check_name(name)
+        with self._locked() as snaps:
+            snap = self._find(snaps, snapshot_id)
+            self._move_name(snaps, snap.id, name)
+            return snap
+
+    def remove_name(self, name: str) -> Snapshot:
+        with self._locked() as snaps:
+            for snap in snaps.values():
+                if name in snap.names:
+                    snap.names.remove(name)
+                    return snap
+        raise SnapshotNotFound(f"snapshot {name!r} does not exist")
+
+    def ref(self, snapshot_id: str, holder: str) -> None:
+        with self._locked() as snaps:
+            snap = self._find(snaps, snapshot_id)
+            if holder not in snap.holders:
+                snap.holders.append(holder)
+
+    def unref(self, snapshot_id: str, holder: str) -> None:
+        with self._locked() as snaps:
+            snap = snaps.get(snapshot_id)
+            if snap is not None and holder in snap.holders:
+                snap.holders.remove(holder)
+
+    def unref_holder(self, holder: str) -> None:
+        with self._locked() as snaps:
+            for snap in snaps.values():
+                if holder in snap.holders:
+                    snap.holders.remove(holder)
+
+    # -- removal ------------------------------------------------------------------------------
+
+    def delete(self, ref: str) -> Snapshot:
+        """Remove a snapshot (by id or name) and the layers only it held. Refuses while
+        sandboxes map its memory."""
+        with self._locked() as snaps:
+            snap = self._find(snaps, ref)
+            if snap.holders:
+                raise SnapshotInUse(
+                    f"snapshot {ref!r} is in use by {len(snap.holders)} sandbox(es)"
+                )
+            del snaps[snap.id]
+        self._remove_files(snap)
+        return snap
+
+    def _remove_files(self, snap: Snapshot) -> None:
+        shutil.rmtree(self.root / snap.id, ignore_errors=True)
+        self.layers.unref_holder(LAYER_HOLDER + snap.id)
+        # Layers a capture added and nothing else holds; stop at the first one still in use
+        # (a template's base layer, another snapshot's chain).
+        for digest in reversed(snap.layers):
+            try:
+                self.layers.remove(digest)
+            except (LayerInUse, LayerNotFound):
+                break
+
+    def gc(self) -> builtins.list[str]:
+        """Delete snapshots with neither names nor holders, and leftover staging dirs."""
+        with self._locked() as snaps:
+            victims = [s for s in snaps.values() if not s.names and not s.holders]
+            for snap in victims:
+                del snaps[snap.id]
+        for snap in victims:
+            self._remove_files(snap)
+        # A staging dir that old belongs to a capture that died; younger ones may be live.
+        cutoff = time.time() - STALE_STAGING_S
+        for stale in self.root.glob(_STAGING_PREFIX + "*"):
+            with contextlib.suppress(OSError):
+                if stale.stat().st_mtime < cutoff:
+                    shutil.rmtree(stale, ignore_errors=True)
+        return [s.id for s in victims]

@@ -1,0 +1,126 @@
+"""Start a guest from a repository snapshot: private copy-on-write RAM, a fresh disk upper."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from pathlib import Path
+
+from agentenv.network import Slot
+from agentenv.snapshot.errors import IncompatibleSnapshot, RestoreFailed
+from agentenv.snapshot.machine import (
+    RESTORE_HEALTH_TIMEOUT_S,
+    ROOTFS,
+    GuestImage,
+    Machine,
+    MemoryMode,
+    new_vm,
+    wait_envd,
+)
+from agentenv.snapshot.repository import SnapshotStore
+from agentenv.storage import LayerStore, create_upper
+from agentenv.vmm.errors import VMMError
+from agentenv.vmm.qemu import QemuVM
+
+log = logging.getLogger(__name__)
+
+
+def check_compatible(
+    what: str, image: GuestImage, *, accel: str, qemu_version: str, tools_image: str
+) -> None:
+    if accel != image.accel.name:
+        raise IncompatibleSnapshot(
+            f"{what} needs accelerator {accel}, this host uses {image.accel.name}"
+        )
+    if qemu_version != image.qemu_version:
+        raise IncompatibleSnapshot(
+            f"{what} was taken with QEMU {qemu_version}, this host has {image.qemu_version}"
+        )
+    if not Path(tools_image).is_file():
+        raise IncompatibleSnapshot(f"{what} needs tools layer {tools_image}, which is gone")
+
+
+async def restore(
+    repo: SnapshotStore,
+    layers: LayerStore,
+    image: GuestImage,
+    ref: str,
+    *,
+    name: str,
+    workdir: Path,
+    slot: Slot,
+    disk_size_mb: int | None = None,
+    health_timeout_s: float = RESTORE_HEALTH_TIMEOUT_S,
+) -> Machine:
+    """Returns once envd answers through `slot`. The caller gives the guest its identity
+    (`identify`). On failure nothing it made is left (QEMU, upper, references)."""
+    snap = await asyncio.to_thread(repo.get, ref)
+    check_compatible(
+        f"snapshot {snap.names[0] if snap.names else snap.id[:12]}",
+        image,
+        accel=snap.accel,
+        qemu_version=snap.qemu_version,
+        tools_image=snap.tools_image,
+    )
+    t0 = time.monotonic()
+    await asyncio.to_thread(workdir.mkdir, 0o700, True, True)
+    upper = workdir / ROOTFS
+    vm: QemuVM | None = None
+    await asyncio.to_thread(repo.ref, snap.id, name)
+    try:
+        await asyncio.to_thread(layers.ref, snap.top_layer, name)
+        top = await asyncio.to_thread(layers.path, snap.top_layer)
+        await create_upper(top, upper, disk_size_mb)
+        vm = new_vm(
+            image,
+            name=name,
+            workdir=workdir,
+            vcpus=snap.vcpus,
+            memory_mb=snap.memory_mb,
+            mem_file=repo.memory_path(snap.id),
+            shared=False,
+            upper=upper,
+            tools_image=Path(snap.tools_image),
+            slot=slot,
+            incoming=True,
+            balloon=snap.balloon,
+        )
+        await vm.start()
+        try:
+            await vm.snapshot_load(repo.state_path(snap.id))
+        except VMMError as exc:
+            raise RestoreFailed(f"{name}: loading snapshot {snap.id[:12]} failed: {exc}") from exc
+        machine = Machine(
+            name=name,
+            workdir=workdir,
+            vcpus=snap.vcpus,
+            memory_mb=snap.memory_mb,
+            slot=slot,
+            vm=vm,
+            memory=MemoryMode.SNAPSHOT,
+            tools_image=Path(snap.tools_image),
+            balloon=snap.balloon,
+            snapshot_id=snap.id,
+        )
+        await wait_envd(machine.envd_url, vm, health_timeout_s)
+    except BaseException:
+        if vm is not None:
+            await vm.kill()
+        with contextlib.suppress(Exception):
+            await asyncio.to_thread(layers.unref_holder, name)
+        with contextlib.suppress(Exception):
+            await asyncio.to_thread(repo.unref_holder, name)
+        upper.unlink(missing_ok=True)
+        raise
+    log.info("%s restored from %s in %.3fs", name, snap.id[:12], time.monotonic() - t0)
+    return machine
+
+
+async def release(machine: Machine, repo: SnapshotStore, layers: LayerStore) -> None:
+    """Stop the guest and drop what it holds in the repository and layer store (not its
+    workdir or slot, which belong to the caller)."""
+    await machine.vm.kill()
+    await asyncio.to_thread(repo.unref_holder, machine.name)
+    await asyncio.to_thread(layers.unref_holder, machine.name)

@@ -1,0 +1,180 @@
+"""A template is a snapshot: boot the template's disk once, wait for envd, capture.
+
+Sandboxes are then created by restoring that snapshot, never by booting a kernel. The
+snapshot is named ``<template>.<cpu>c.<memory>m`` (RAM size and vCPU count are fixed in a
+snapshot, so each shape is its own) and carries a build key over everything the guest was
+booted from; while that key is unchanged `ensure_template_snapshot` does no work.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import hashlib
+import json
+import logging
+import secrets
+import shutil
+from pathlib import Path
+
+from agentenv.config import Settings
+from agentenv.network import create_slot, destroy_slot
+from agentenv.snapshot.capture import capture
+from agentenv.snapshot.errors import SnapshotNotFound
+from agentenv.snapshot.machine import MEMORY, ROOTFS, GuestImage, Machine, MemoryMode, new_vm
+from agentenv.snapshot.machine import wait_envd as _wait_envd
+from agentenv.snapshot.model import Snapshot
+from agentenv.snapshot.repository import SnapshotRepository
+from agentenv.storage import LayerStore, create_upper
+from agentenv.template.catalog import TemplateCatalog
+
+log = logging.getLogger(__name__)
+
+# Bump when the way a template snapshot is made changes.
+RECIPE = "1"
+
+
+def snapshots_dir(settings: Settings) -> Path:
+    return settings.home / "snapshots"
+
+
+def repository(settings: Settings) -> SnapshotRepository:
+    return SnapshotRepository(snapshots_dir(settings), LayerStore(settings.layers_dir))
+
+
+def template_alias(template: str, cpu: int, memory_mb: int) -> str:
+    return f"{template}.{cpu}c.{memory_mb}m"
+
+
+def build_key(image: GuestImage, layers: list[str], template_key: str, cpu: int, mem: int) -> str:
+    inputs = {
+        "recipe": RECIPE,
+        "layers": layers,
+        "template": template_key,
+        "kernel": str(image.kernel),
+        "initrd": str(image.initrd),
+        "tools": str(image.tools_image),
+        "cmdline": image.cmdline("template"),
+        "accel": image.accel.name,
+        "qemu": image.qemu_version,
+        "shape": [cpu, mem],
+    }
+    return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:32]
+
+
+def find_template_snapshot(
+    settings: Settings, image: GuestImage, template: str, cpu: int, memory_mb: int
+) -> Snapshot | None:
+    """The current snapshot of this template shape, or None if it needs (re)building."""
+    tpl = TemplateCatalog(settings).get(template)
+    key = build_key(image, tpl.layers, tpl.build_key, cpu, memory_mb)
+    try:
+        snap = repository(settings).get(template_alias(template, cpu, memory_mb))
+    except SnapshotNotFound:
+        return None
+    return snap if snap.build_key == key else None
+
+
+async def ensure_template_snapshot(
+    settings: Settings,
+    name: str = "base",
+    memory_mb: int = 512,
+    cpu: int = 1,
+    image: GuestImage | None = None,
+) -> Snapshot:
+    """The snapshot sandboxes of template `name` start from, built if missing or stale.
+
+    Raises `TemplateNotFound` for an unknown template. Builds of one template are
+    serialised across processes by a lock file."""
+    if image is None:
+        image = await asyncio.to_thread(GuestImage.resolve, settings)
+    tpl = await asyncio.to_thread(TemplateCatalog(settings).get, name)
+    key = build_key(image, tpl.layers, tpl.build_key, cpu, memory_mb)
+    alias = template_alias(name, cpu, memory_mb)
+    repo = repository(settings)
+    root = snapshots_dir(settings)
+    await asyncio.to_thread(root.mkdir, 0o755, True, True)
+    lock = await asyncio.to_thread(open, root / f".build-{alias}.lock", "a+")
+    try:
+        await asyncio.to_thread(fcntl.flock, lock, fcntl.LOCK_EX)
+        with contextlib.suppress(SnapshotNotFound):
+            snap = await asyncio.to_thread(repo.get, alias)
+            if snap.build_key == key:
+                return snap
+        return await _build(settings, image, repo, tpl.layers[-1], name, alias, key, cpu, memory_mb)
+    finally:
+        lock.close()
+
+
+async def _build(
+    settings: Settings,
+    image: GuestImage,
+    repo: SnapshotRepository,
+    top_layer: str,
+    template: str,
+    alias: str,
+    key: str,
+    cpu: int,
+    memory_mb: int,
+) -> Snapshot:
+    vm_name = f"tpl-{template[:20]}-{secrets.token_hex(4)}"
+    workdir = snapshots_dir(settings) / f".build-{vm_name}"
+    layers = repo.layers
+    slot = await create_slot(settings.network)
+    try:
+        await asyncio.to_thread(workdir.mkdir, 0o700)
+        await asyncio.to_thread(layers.ref, top_layer, vm_name)
+        upper = workdir / ROOTFS
+        await create_upper(await asyncio.to_thread(layers.path, top_layer), upper, None)
+        vm = new_vm(
+            image,
+            name=vm_name,
+            workdir=workdir,
+            vcpus=cpu,
+            memory_mb=memory_mb,
+            mem_file=workdir / MEMORY,
+            shared=True,
+            upper=upper,
+            tools_image=image.tools_image,
+            slot=slot,
+            incoming=False,
+            hostname=template,
+        )
+        machine = Machine(
+            name=vm_name,
+            workdir=workdir,
+            vcpus=cpu,
+            memory_mb=memory_mb,
+            slot=slot,
+            vm=vm,
+            memory=MemoryMode.OWN,
+            tools_image=image.tools_image,
+        )
+        await vm.start()
+        try:
+            await _wait_envd(machine.envd_url, vm, settings.boot_timeout_s, poll_s=0.1)
+            cap = await capture(
+                machine,
+                repo,
+                layers,
+                image,
+                keep_running=False,
+                names=[alias],
+                source=f"template:{template}",
+                build_key=key,
+            )
+        finally:
+            await vm.kill()
+        log.info(
+            "template %s: snapshot %s (%d MB of RAM image)",
+            alias,
+            cap.snapshot.id[:12],
+            cap.snapshot.memory_bytes // (1024 * 1024),
+        )
+        return cap.snapshot
+    finally:
+        await destroy_slot(slot)
+        with contextlib.suppress(Exception):
+            await asyncio.to_thread(layers.unref_holder, vm_name)
+        await asyncio.to_thread(shutil.rmtree, workdir, True)
