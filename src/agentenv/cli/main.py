@@ -102,5 +102,5 @@ def main() -> None:
         if os.environ.get("AGENTENV_DEBUG"):
             raise
         message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        console.print(f"[red]error:[/red] {message}", highlight=False)
+        console.print(f"[red]error:[/red] {message}", highlight=False, soft_wrap=True)
         sys.exit(1)

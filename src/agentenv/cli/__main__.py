@@ -1,0 +1,5 @@
+"""`python -m agentenv.cli` runs `aenv`."""
+
+from agentenv.cli.main import main
+
+main()

@@ -1,0 +1,38 @@
+"""`aenv doctor` names the accelerator the node would use and why."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from agentenv.config import Settings
+from agentenv.vmm.accel import detect
+
+
+def test_doctor_reports_the_detected_accelerator() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "agentenv.cli", "doctor"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    choice = detect(Settings.from_env())
+    assert f"accelerator: {choice.name}" in proc.stderr, proc.stderr
+    assert choice.reason.split()[0] in proc.stderr
+    # Every line is either ok or a fix; the exit code says whether anything is missing.
+    missing = proc.stderr.count(" fix ")
+    assert (proc.returncode == 0) == (missing == 0), proc.stderr
+
+
+def test_doctor_rejects_an_impossible_forced_accelerator() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "agentenv.cli", "doctor"],
+        env={"AGENTENV_ACCEL": "warp", "PATH": "/usr/sbin:/usr/bin:/sbin:/bin"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 1
+    assert "AGENTENV_ACCEL" in proc.stderr
