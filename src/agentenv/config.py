@@ -93,6 +93,10 @@ class Settings:
     slot_pool_low: int = 0
     slot_pool_high: int = 0
     boot_timeout_s: float = 120.0
+    # Create sandboxes by restoring their template's snapshot instead of booting a kernel.
+    snapshots: bool = True
+    # Paused sandboxes older than this are deleted (0: keep them forever).
+    paused_retention_s: float = 7 * 24 * 3600.0
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -116,6 +120,8 @@ class Settings:
             slot_pool_low=_env_int("AGENTENV_SLOT_POOL_LOW", 0),
             slot_pool_high=_env_int("AGENTENV_SLOT_POOL_HIGH", 0),
             boot_timeout_s=float(_env_int("AGENTENV_BOOT_TIMEOUT", 120)),
+            snapshots=_env_int("AGENTENV_SNAPSHOTS", 1) != 0,
+            paused_retention_s=float(_env_int("AGENTENV_PAUSED_RETENTION", 7 * 24 * 3600)),
         )
 
     # Layout of the data dir. Components create what they use.

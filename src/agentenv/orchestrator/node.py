@@ -1,5 +1,12 @@
-"""A single host's sandboxes: `create` boots one and returns when envd answers, `delete` frees
-everything it held (VM, cgroup, slot, upper layer, layer reference).
+"""A single host's sandboxes: `create` starts one and returns when envd answers, `delete` frees
+everything it held (VM, cgroup, slot, upper layer, layer and snapshot references).
+
+With snapshots on (the default), create = resume: the template's snapshot (built once by a cold
+boot, `snapshot.templates`) is restored with private copy-on-write RAM and the guest gets its
+identity through envd `/init`; nobody boots a kernel. A cold boot remains for disks larger
+than the template (a restored guest cannot grow its filesystem) and as the fallback when the
+template snapshot cannot be built. `pause`/`resume`, `snapshot` and `fork` use `snapshot/`;
+a paused sandbox lives only in its workdir, so it survives a restart of the node.
 
 Creation is ordered so that validation happens before any resource exists, and every step
 after that has its undo registered; a failure anywhere unwinds in reverse.
@@ -8,7 +15,9 @@ after that has its undo registered; a failure anywhere unwinds in reverse.
 from __future__ import annotations
 
 import asyncio
+import builtins
 import contextlib
+import json
 import logging
 import secrets
 import shutil
@@ -20,6 +29,7 @@ from pathlib import Path
 
 import httpx
 
+from agentenv import snapshot as snaps
 from agentenv.config import ENVD_PORT, Settings
 from agentenv.network import Slot, SlotPool
 from agentenv.orchestrator.node_errors import (
@@ -27,10 +37,16 @@ from agentenv.orchestrator.node_errors import (
     CpuOutOfRange,
     DiskTooSmallForTemplate,
     MemoryOutOfRange,
+    NotPausable,
     SandboxError,
+    SandboxNotPaused,
+    SandboxPaused,
     UnknownSandbox,
     UnknownTemplate,
 )
+from agentenv.snapshot import GuestImage, Machine, MemoryMode, Snapshot, SnapshotError
+from agentenv.snapshot.fork import MAX_CHILDREN, ForkTarget
+from agentenv.snapshot.pause import PAUSED
 from agentenv.storage import DiskTooSmall, LayerStore, create_upper, info
 from agentenv.vmm.accel import AccelChoice, detect
 from agentenv.vmm.base import BootSource, Drive, MachineSpec, NetIface
@@ -42,6 +58,8 @@ _ID_ALPHABET = string.ascii_lowercase + string.digits
 HEALTH_POLL_S = 0.1
 HEALTH_REQUEST_TIMEOUT_S = 2.0
 ROOTFS = "rootfs.qcow2"
+# What a paused sandbox needs besides `snapshot.pause`'s record to come back as a handle.
+META = "sandbox.json"
 
 
 def new_sandbox_id() -> str:
@@ -63,6 +81,11 @@ class SandboxHandle:
     # create() call → healthy, and VMM process spawn → healthy.
     boot_s: float = 0.0
     spawn_to_healthy_s: float = 0.0
+    # Set when the sandbox can be captured (snapshots on); `vm` is always `machine.vm`.
+    machine: Machine | None = field(default=None, repr=False)
+    paused: bool = False
+    # "restore" (from the template snapshot or a named snapshot), "boot" (cold) or "fork".
+    origin: str = "boot"
 
     @property
     def address(self) -> str:
@@ -93,14 +116,20 @@ class _Boot:
 
 
 class Node:
-    def __init__(self, settings: Settings, *, mem_file: bool = False) -> None:
+    def __init__(
+        self, settings: Settings, *, mem_file: bool = False, snapshots: bool | None = None
+    ) -> None:
         self.settings = settings
-        self.mem_file = mem_file
+        self.snapshots = settings.snapshots if snapshots is None else snapshots
+        # Snapshots need guest RAM in a file (pause saves only device state over it).
+        self.mem_file = mem_file or self.snapshots
         self.layers = LayerStore(settings.layers_dir)
+        self.repo = snaps.SnapshotRepository(settings.home / "snapshots", self.layers)
         self.pool = SlotPool(settings.network, settings.slot_pool_low, settings.slot_pool_high)
         self._sandboxes: dict[str, SandboxHandle] = {}
         self._accel: AccelChoice | None = None
         self._boot: _Boot | None = None
+        self._image: GuestImage | None = None
 
     @property
     def accel(self) -> AccelChoice:
@@ -123,12 +152,30 @@ class Node:
             return artifacts.kernel_cmdline(arts, accel_name, extra)
 
         self._boot = _Boot(arts.kernel, arts.initramfs, arts.tools_image, cmdline)
+        self._image = GuestImage(
+            arts.kernel,
+            arts.initramfs,
+            arts.tools_image,
+            self._accel,
+            self.settings.qemu_binary,
+            cmdline,
+        )
         self.settings.sandboxes_dir.mkdir(parents=True, exist_ok=True)
         await self.pool.start()
 
+    @property
+    def image(self) -> GuestImage:
+        if self._image is None:
+            raise SandboxError("node is not started")
+        return self._image
+
     async def close(self) -> None:
-        """Delete every sandbox of this node and release pooled slots."""
-        for sandbox_id in list(self._sandboxes):
+        """Delete every running sandbox of this node and release pooled slots. Paused
+        sandboxes stay on disk: a later node resumes them."""
+        for sandbox_id, sb in list(self._sandboxes.items()):
+            if sb.paused:
+                self._sandboxes.pop(sandbox_id, None)
+                continue
             with contextlib.suppress(Exception):
                 await self.delete(sandbox_id)
         await self.pool.close()
@@ -152,14 +199,22 @@ class Node:
         return list(self._sandboxes.values())
 
     def is_alive(self, sandbox_id: str) -> bool:
+        """Running here, or paused (in memory or on disk from an earlier node)."""
         sb = self._sandboxes.get(sandbox_id)
-        return sb is not None and sb.vm.pid is not None and sb.vm.exit_code is None
+        if sb is not None and not sb.paused:
+            return sb.vm.pid is not None and sb.vm.exit_code is None
+        return self._paused_on_disk(sandbox_id)
+
+    def _paused_on_disk(self, sandbox_id: str) -> bool:
+        if "/" in sandbox_id or sandbox_id in ("", ".", ".."):
+            return False
+        return (self.settings.sandboxes_dir / sandbox_id / PAUSED).is_file()
 
     # -- create / delete --------------------------------------------------------------------
 
     def _validate(
         self, template: str, cpu: int, memory_mb: int, disk_size_mb: int | None
-    ) -> tuple[str, Path, int]:
+    ) -> tuple[str, Path, int, int]:
         s = self.settings
         if not 1 <= cpu <= s.max_cpu:
             raise CpuOutOfRange(f"cpu must be between 1 and {s.max_cpu}, got {cpu}")
@@ -184,7 +239,7 @@ class Node:
             raise DiskTooSmallForTemplate(
                 f"disk of {disk_size_mb} MB is smaller than template {template!r} ({base_mb} MB)"
             )
-        return top, top_path, disk_size_mb or base_mb
+        return top, top_path, disk_size_mb or base_mb, base_mb
 
     async def create(
         self,
@@ -195,9 +250,15 @@ class Node:
     ) -> SandboxHandle:
         if self._boot is None or self._accel is None:
             raise SandboxError("node is not started")
-        top, top_path, disk_mb = await asyncio.to_thread(
+        named = await asyncio.to_thread(self._named_snapshot, template)
+        if named is not None:
+            return await self._create_from_snapshot(named, template)
+        top, top_path, disk_mb, base_mb = await asyncio.to_thread(
             self._validate, template, cpu, memory_mb, disk_size_mb
         )
+        snap = None
+        if self.snapshots and disk_mb == base_mb:
+            snap = await self._template_snapshot(template, cpu, memory_mb)
         t0 = time.monotonic()
         sandbox_id = new_sandbox_id()
         workdir = self.settings.sandboxes_dir / sandbox_id
@@ -213,6 +274,14 @@ class Node:
             undo.append(lambda: self.pool.release(slot))
 
             upper = workdir / ROOTFS
+            await self._write_meta(workdir, template, cpu, memory_mb, disk_mb, top)
+            if snap is not None:
+                handle = await self._restore(snap.id, sandbox_id, template, workdir, slot, top)
+                undo.append(lambda: self._release(handle))
+                handle.boot_s = time.monotonic() - t0
+                self._sandboxes[sandbox_id] = handle
+                log.info("sandbox %s restored in %.2fs at %s", sandbox_id, handle.boot_s, slot)
+                return handle
             try:
                 await create_upper(top_path, upper, disk_mb if disk_size_mb is not None else None)
             except DiskTooSmall as exc:
@@ -253,6 +322,17 @@ class Node:
                 top_layer=top,
                 vm=vm,
             )
+            if self.snapshots:
+                handle.machine = Machine(
+                    name=sandbox_id,
+                    workdir=workdir,
+                    vcpus=cpu,
+                    memory_mb=memory_mb,
+                    slot=slot,
+                    vm=vm,
+                    memory=MemoryMode.OWN,
+                    tools_image=self._boot.tools_image,
+                )
             await self._wait_healthy(handle)
             now = time.monotonic()
             handle.boot_s = now - t0
@@ -298,13 +378,232 @@ class Node:
     async def delete(self, sandbox_id: str) -> None:
         sb = self._sandboxes.pop(sandbox_id, None)
         if sb is None:
-            raise UnknownSandbox(f"sandbox {sandbox_id!r} does not exist")
+            if not self._paused_on_disk(sandbox_id):
+                raise UnknownSandbox(f"sandbox {sandbox_id!r} does not exist")
+            workdir = self.settings.sandboxes_dir / sandbox_id
+        else:
+            workdir = sb.workdir
         try:
-            await sb.vm.kill()
+            if sb is not None and not sb.paused:
+                await sb.vm.kill()
         finally:
-            await self.pool.release(sb.slot)
+            if sb is not None and not sb.paused:
+                await self.pool.release(sb.slot)
             await asyncio.to_thread(self.layers.unref_holder, sandbox_id)
-            await asyncio.to_thread(shutil.rmtree, sb.workdir, True)
+            await asyncio.to_thread(self.repo.unref_holder, sandbox_id)
+            await asyncio.to_thread(shutil.rmtree, workdir, True)
+        # The snapshot a fork made goes with its last child.
+        await asyncio.to_thread(self.repo.gc)
+
+    # -- snapshots --------------------------------------------------------------------------
+
+    def _named_snapshot(self, ref: str) -> Snapshot | None:
+        """A snapshot created through the API (`POST /sandboxes/{id}/snapshots`), by name or
+        id; template names win over snapshot names."""
+        if not self.snapshots:
+            return None
+        from agentenv.template.catalog import TemplateCatalog, TemplateNotFound
+
+        try:
+            TemplateCatalog(self.settings).get(ref)
+            return None
+        except TemplateNotFound:
+            pass
+        try:
+            return self.repo.get(ref)
+        except SnapshotError:
+            return None
+
+    async def _template_snapshot(self, template: str, cpu: int, memory_mb: int) -> Snapshot | None:
+        try:
+            return await snaps.ensure_template_snapshot(
+                self.settings, template, memory_mb, cpu, self.image
+            )
+        except Exception as exc:
+            log.warning("template %s: no snapshot (%s); cold boot instead", template, exc)
+            return None
+
+    async def _write_meta(
+        self, workdir: Path, template: str, cpu: int, memory_mb: int, disk_mb: int, top: str
+    ) -> None:
+        meta = {
+            "template": template,
+            "cpu": cpu,
+            "memory_mb": memory_mb,
+            "disk_size_mb": disk_mb,
+            "top_layer": top,
+        }
+        await asyncio.to_thread((workdir / META).write_text, json.dumps(meta))
+
+    async def _restore(
+        self,
+        ref: str,
+        sandbox_id: str,
+        template: str,
+        workdir: Path,
+        slot: Slot,
+        top: str,
+        origin: str = "restore",
+    ) -> SandboxHandle:
+        """Restore `ref` as `sandbox_id` and give it its hostname; cleans up after itself."""
+        t0 = time.monotonic()
+        machine = await snaps.restore(
+            self.repo, self.layers, self.image, ref, name=sandbox_id, workdir=workdir, slot=slot
+        )
+        handle = self._handle(machine, template, top)
+        handle.origin = origin
+        token = (await asyncio.to_thread(self.repo.get, ref)).envd_token
+        try:
+            # The caller (the control plane) sets the sandbox's own token next.
+            await snaps.identify(
+                machine.envd_url,
+                hostname=sandbox_id,
+                current_token=token,
+                access_token="" if token else None,
+            )
+        except BaseException:
+            await self._release(handle)
+            raise
+        handle.spawn_to_healthy_s = time.monotonic() - t0
+        return handle
+
+    def _handle(self, machine: Machine, template: str, top: str) -> SandboxHandle:
+        return SandboxHandle(
+            id=machine.name,
+            template=template,
+            cpu=machine.vcpus,
+            memory_mb=machine.memory_mb,
+            disk_size_mb=-(-info(machine.upper).virtual_size // (1024 * 1024)),
+            slot=machine.slot,
+            workdir=machine.workdir,
+            upper=machine.upper,
+            top_layer=top,
+            vm=machine.vm,
+            machine=machine,
+        )
+
+    async def _release(self, handle: SandboxHandle) -> None:
+        """Undo of a restore: the VM and its references (the caller owns slot and workdir)."""
+        if handle.machine is not None:
+            await snaps.release(handle.machine, self.repo, self.layers)
+
+    async def _create_from_snapshot(self, snap: Snapshot, ref: str) -> SandboxHandle:
+        sandbox_id = new_sandbox_id()
+        workdir = self.settings.sandboxes_dir / sandbox_id
+        t0 = time.monotonic()
+        await asyncio.to_thread(workdir.mkdir, 0o700, False, False)
+        slot: Slot | None = None
+        try:
+            slot = await self.pool.acquire()
+            await self._write_meta(workdir, ref, snap.vcpus, snap.memory_mb, 0, snap.top_layer)
+            handle = await self._restore(snap.id, sandbox_id, ref, workdir, slot, snap.top_layer)
+        except BaseException:
+            if slot is not None:
+                await self.pool.release(slot)
+            await asyncio.to_thread(shutil.rmtree, workdir, True)
+            raise
+        handle.boot_s = time.monotonic() - t0
+        self._sandboxes[sandbox_id] = handle
+        return handle
+
+    def _machine(self, sandbox_id: str) -> tuple[SandboxHandle, Machine]:
+        sb = self.get(sandbox_id)
+        if sb.paused:
+            raise SandboxPaused(f"sandbox {sandbox_id} is paused")
+        if sb.machine is None:
+            raise NotPausable(f"sandbox {sandbox_id} was started without snapshot support")
+        return sb, sb.machine
+
+    async def pause(self, sandbox_id: str) -> None:
+        """Save the sandbox into its workdir; its QEMU exits and its slot is released."""
+        sb, machine = self._machine(sandbox_id)
+        try:
+            await snaps.pause(machine, self.repo, self.image)
+        except SnapshotError as exc:
+            raise SandboxError(str(exc)) from exc
+        sb.paused = True
+        await self.pool.release(sb.slot)
+
+    async def resume(self, sandbox_id: str) -> SandboxHandle:
+        """Bring a paused sandbox back on a free slot (also one paused by an earlier node)."""
+        sb = self._sandboxes.get(sandbox_id)
+        if sb is not None and not sb.paused:
+            raise SandboxNotPaused(f"sandbox {sandbox_id} is running")
+        if sb is None and not self._paused_on_disk(sandbox_id):
+            raise UnknownSandbox(f"sandbox {sandbox_id!r} does not exist")
+        workdir = self.settings.sandboxes_dir / sandbox_id
+        t0 = time.monotonic()
+        slot = await self.pool.acquire()
+        try:
+            machine = await snaps.resume(workdir, self.image, slot)
+        except BaseException:
+            await self.pool.release(slot)
+            raise
+        if sb is None:
+            meta = json.loads(await asyncio.to_thread((workdir / META).read_text))
+            sb = self._handle(machine, meta["template"], meta["top_layer"])
+            self._sandboxes[sandbox_id] = sb
+        sb.machine, sb.vm, sb.slot, sb.upper, sb.paused = (
+            machine,
+            machine.vm,
+            slot,
+            machine.upper,
+            False,
+        )
+        sb.spawn_to_healthy_s = sb.boot_s = time.monotonic() - t0
+        return sb
+
+    async def snapshot(
+        self, sandbox_id: str, name: str | None = None, envd_token: str | None = None
+    ) -> Snapshot:
+        """A persistent snapshot of a running sandbox (which keeps running); other sandboxes
+        start from it by name. Unnamed ones get a generated name."""
+        sb, machine = self._machine(sandbox_id)
+        label = name or f"snapshot-{secrets.token_hex(6)}"
+        cap = await snaps.capture(
+            machine,
+            self.repo,
+            self.layers,
+            self.image,
+            keep_running=True,
+            names=[label],
+            envd_token=envd_token,
+        )
+        sb.vm, sb.upper = machine.vm, machine.upper
+        return cap.snapshot
+
+    async def fork(
+        self, sandbox_id: str, count: int, envd_token: str | None = None
+    ) -> builtins.list[SandboxHandle]:
+        """`count` new sandboxes from one capture of a running sandbox, which keeps running."""
+        sb, machine = self._machine(sandbox_id)
+        if not 1 <= count <= MAX_CHILDREN:
+            raise SandboxError(f"fork count must be between 1 and {MAX_CHILDREN}, got {count}")
+        targets: list[ForkTarget] = []
+        try:
+            for _ in range(count):
+                child_id = new_sandbox_id()
+                workdir = self.settings.sandboxes_dir / child_id
+                await asyncio.to_thread(workdir.mkdir, 0o700, False, False)
+                targets.append(ForkTarget(child_id, workdir, await self.pool.acquire()))
+            res = await snaps.fork(
+                machine, targets, self.repo, self.layers, self.image, envd_token=envd_token
+            )
+        except BaseException:
+            for t in targets:
+                await self.pool.release(t.slot)
+                await asyncio.to_thread(shutil.rmtree, t.workdir, True)
+            raise
+        sb.vm, sb.upper = machine.vm, machine.upper
+        handles = []
+        for child in res.children:
+            top = res.capture.snapshot.top_layer
+            await self._write_meta(child.workdir, sb.template, sb.cpu, sb.memory_mb, 0, top)
+            h = self._handle(child, sb.template, top)
+            h.origin = "fork"
+            self._sandboxes[child.name] = h
+            handles.append(h)
+        return handles
 
 
 def _tail(path: Path, lines: int = 3) -> str:

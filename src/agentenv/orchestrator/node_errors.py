@@ -34,3 +34,15 @@ class UnknownSandbox(SandboxError):
 
 class BootFailed(SandboxError):
     """The VM did not get to a healthy envd; everything it held was released."""
+
+
+class NotPausable(SandboxError):
+    """The sandbox cannot be paused or snapshotted (booted without snapshot support)."""
+
+
+class SandboxPaused(SandboxError):
+    """The operation needs a running sandbox and this one is paused."""
+
+
+class SandboxNotPaused(SandboxError):
+    """Resume of a sandbox that is running."""

@@ -65,6 +65,7 @@ async def capture(
     source: str = "",
     build_key: str = "",
     holders: Sequence[str] = (),
+    envd_token: str | None = None,
 ) -> Capture:
     """Snapshot `machine`. With `keep_running` the guest runs on afterwards (its open
     connections survive the short stop); otherwise its QEMU is gone when this returns.
@@ -122,6 +123,7 @@ async def capture(
             source=source or machine.name,
             build_key=build_key,
             holders=[*holders, *rehomed],
+            envd_token=envd_token,
         )
         snap = await asyncio.to_thread(repo.commit, staging, draft)
     except BaseException:

@@ -46,6 +46,7 @@ async def fork(
     *,
     env_vars: Mapping[str, str] | None = None,
     concurrency: int = RESTORE_CONCURRENCY,
+    envd_token: str | None = None,
 ) -> ForkResult:
     """All children or none: a failure releases the children already started. The capture
     is an unnamed snapshot held by the children; `repo.gc()` drops it after the last one."""
@@ -54,7 +55,14 @@ async def fork(
     t0 = time.monotonic()
     claim = f"fork:{source.name}:{t0}"
     cap = await capture(
-        source, repo, layers, image, keep_running=True, source=source.name, holders=[claim]
+        source,
+        repo,
+        layers,
+        image,
+        keep_running=True,
+        source=source.name,
+        holders=[claim],
+        envd_token=envd_token,
     )
     sem = asyncio.Semaphore(concurrency)
     children: list[Machine] = []
@@ -65,7 +73,13 @@ async def fork(
                 repo, layers, image, cap.snapshot.id, name=t.name, workdir=t.workdir, slot=t.slot
             )
             children.append(child)
-            await identify(child.envd_url, hostname=t.name, env_vars=env_vars)
+            await identify(
+                child.envd_url,
+                hostname=t.name,
+                env_vars=env_vars,
+                current_token=envd_token,
+                access_token="" if envd_token else None,
+            )
 
     try:
         results = await asyncio.gather(*(one(t) for t in targets), return_exceptions=True)

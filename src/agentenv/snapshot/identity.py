@@ -21,8 +21,11 @@ async def identify(
     env_vars: Mapping[str, str] | None = None,
     access_token: str | None = None,
     default_user: str | None = None,
+    current_token: str | None = None,
 ) -> None:
-    async with EnvdClient(envd_url) as envd:
+    """`current_token` is the token the captured guest's envd already has (a capture of a
+    sandbox that was initialised); `access_token=""` clears it."""
+    async with EnvdClient(envd_url, access_token=current_token) as envd:
         await envd.init(
             hostname=hostname,
             entropy=os.urandom(ENTROPY_BYTES),

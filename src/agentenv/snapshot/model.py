@@ -37,6 +37,8 @@ class Snapshot:
     created_at: float = field(default_factory=time.time)
     # Sandboxes whose RAM is a private mapping of this snapshot's memory file.
     holders: list[str] = field(default_factory=list)
+    # envd's access token inside the captured guest: a restore needs it for its first `/init`.
+    envd_token: str | None = None
 
     @property
     def top_layer(self) -> str:

@@ -120,6 +120,8 @@ class SnapshotRepository:
                     json.dump(doc, fh, indent=1)
                     fh.flush()
                     os.fsync(fh.fileno())
+                # It holds envd tokens of captured guests.
+                os.chmod(tmp, 0o600)
                 os.replace(tmp, self.root / CATALOG)
             except BaseException:
                 with contextlib.suppress(FileNotFoundError):
