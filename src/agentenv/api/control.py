@@ -28,10 +28,12 @@ from agentenv.api import views
 from agentenv.api.keys import KeyRing
 from agentenv.api.models import (
     ConnectBody,
+    ForkBody,
     NewSandbox,
     PauseBody,
     RefreshBody,
     ResumeBody,
+    SnapshotBody,
     TimeoutBody,
 )
 from agentenv.orchestrator.errors import BadRequest, Conflict, OrchestratorError, SandboxNotFound
@@ -302,6 +304,46 @@ def build_control_app(ctx: ControlContext) -> FastAPI:
             raise ApiError(409, exc.message) from exc
         return JSONResponse(views.sandbox(rec, ctx.domain), status_code=201 if resumed else 200)
 
+    @app.post("/sandboxes/{sandbox_id}/snapshots", status_code=201, tags=["snapshots"])
+    async def create_snapshot(
+        sandbox_id: str, _: Auth, body: SnapshotBody | None = None
+    ) -> JSONResponse:
+        if body is not None and body.memory is False:
+            raise ApiError(400, "filesystem-only snapshots are not supported by this server")
+        info = await mgr.snapshot(sandbox_id, body.name if body else None)
+        return JSONResponse({"snapshotID": info.snapshot_id, "names": info.names}, 201)
+
+    @app.get("/snapshots", tags=["snapshots"])
+    async def list_snapshots(
+        _: Auth,
+        sandboxID: str | None = None,
+        name: str | None = None,
+        limit: Annotated[int, Query(ge=1, le=MAX_PAGE)] = MAX_PAGE,
+        nextToken: str | None = None,
+    ) -> JSONResponse:
+        runtime_id = None
+        if sandboxID is not None:
+            rec = mgr.store.get(sandboxID)
+            runtime_id = (rec.runtime_id or rec.id) if rec is not None else sandboxID
+        rows = [
+            s
+            for s in sorted(mgr.snapshots(), key=lambda s: (s.created_at, s.snapshot_id))
+            if (runtime_id is None or s.source == runtime_id)
+            and (name is None or name in s.names or name == s.snapshot_id)
+        ]
+        start = _decode_token(nextToken) if nextToken else 0
+        page = rows[start : start + limit]
+        more = start + limit < len(rows)
+        headers = {"x-next-token": _encode_token(start + limit)} if more else {}
+        body = [{"snapshotID": s.snapshot_id, "names": s.names} for s in page]
+        return JSONResponse(body, headers=headers)
+
+    @app.post("/sandboxes/{sandbox_id}/fork", status_code=201, tags=["sandboxes"])
+    async def fork(sandbox_id: str, key: Auth, body: ForkBody | None = None) -> JSONResponse:
+        body = body or ForkBody()
+        children = await mgr.fork(sandbox_id, body.count, body.timeout, key.id)
+        return JSONResponse([{"sandbox": views.sandbox(c, ctx.domain)} for c in children], 201)
+
     @app.post("/sandboxes/{sandbox_id}/connect", tags=["sandboxes"])
     async def connect_v1(sandbox_id: str, _: Auth, body: ConnectBody | None = None) -> JSONResponse:
         return await connect(sandbox_id, body)
@@ -371,10 +413,7 @@ def build_control_app(ctx: ControlContext) -> FastAPI:
 
     # Routes the SDK knows that this server does not implement answer clearly, not 404.
     unsupported = {
-        "/sandboxes/{sandbox_id}/snapshots": ["POST"],
-        "/sandboxes/{sandbox_id}/fork": ["POST"],
         "/sandboxes/{sandbox_id}/network": ["PUT"],
-        "/snapshots": ["GET"],
         "/sandboxes/metrics": ["GET"],
     }
     for path, methods in unsupported.items():

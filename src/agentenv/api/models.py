@@ -107,6 +107,17 @@ class PauseBody(_Strict):
     requireHealthyGuest: StrictBool | None = None
 
 
+class SnapshotBody(_Strict):
+    name: Annotated[str, Field(min_length=1, max_length=63)] | None = None
+    # Only memory snapshots exist here; `false` (filesystem only) is refused.
+    memory: StrictBool | None = None
+
+
+class ForkBody(_Strict):
+    count: Annotated[StrictInt, Field(ge=1, le=100)] = 1
+    timeout: Timeout | None = None
+
+
 class ResumeBody(_Strict):
     timeout: Timeout | None = None
     autoPause: StrictBool | None = None

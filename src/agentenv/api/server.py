@@ -54,6 +54,7 @@ def build_app(
         default_cpu=settings.default_cpu,
         default_memory_mb=settings.default_memory_mb,
         max_cpu=settings.max_cpu,
+        paused_retention_s=settings.paused_retention_s,
         min_memory_mb=settings.min_memory_mb,
         max_memory_mb=settings.max_memory_mb,
     )

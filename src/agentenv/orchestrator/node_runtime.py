@@ -2,17 +2,37 @@
 
 from __future__ import annotations
 
+from agentenv import snapshot as snaps
 from agentenv.config import Settings
-from agentenv.orchestrator.errors import BadRequest
-from agentenv.orchestrator.node import Node
-from agentenv.orchestrator.node_errors import InvalidResources, UnknownSandbox, UnknownTemplate
+from agentenv.orchestrator.errors import BadRequest, Conflict
+from agentenv.orchestrator.node import Node, SandboxHandle
+from agentenv.orchestrator.node_errors import (
+    InvalidResources,
+    NotPausable,
+    UnknownSandbox,
+    UnknownTemplate,
+)
 from agentenv.orchestrator.runtime import (
     Placement,
+    SnapshotInfo,
     TemplateInfo,
     TemplateUnavailable,
     Unsupported,
 )
+from agentenv.snapshot.fork import MAX_CHILDREN
+from agentenv.storage import LayerStore, info
 from agentenv.template.catalog import Template, TemplateCatalog, TemplateNotFound
+
+# Snapshots made by `POST /sandboxes/{id}/snapshots` (templates and fork captures are not).
+_TEMPLATE_SOURCE = "template:"
+
+
+def snapshot_info(s: snaps.Snapshot) -> SnapshotInfo:
+    return SnapshotInfo(s.id, list(s.names), s.source, s.created_at, s.vcpus, s.memory_mb)
+
+
+def _placement(h: SandboxHandle) -> Placement:
+    return Placement(h.id, h.address, h.envd_url)
 
 
 class NodeRuntime:
@@ -42,21 +62,62 @@ class NodeRuntime:
             return
 
     async def pause(self, runtime_id: str) -> None:
-        raise Unsupported("pause is not available yet: this node cannot snapshot sandboxes")
+        try:
+            await self.node.pause(runtime_id)
+        except NotPausable as exc:
+            raise Unsupported(str(exc)) from exc
 
     async def resume(self, runtime_id: str) -> Placement:
-        raise Unsupported("resume is not available yet: this node cannot snapshot sandboxes")
+        return _placement(await self.node.resume(runtime_id))
 
     def is_alive(self, runtime_id: str) -> bool:
         return self.node.is_alive(runtime_id)
 
+    async def snapshot(
+        self, runtime_id: str, name: str | None, envd_token: str | None
+    ) -> SnapshotInfo:
+        try:
+            snap = await self.node.snapshot(runtime_id, name, envd_token)
+        except NotPausable as exc:
+            raise Unsupported(str(exc)) from exc
+        except snaps.InvalidSnapshotName as exc:
+            raise BadRequest(str(exc)) from exc
+        return snapshot_info(snap)
+
+    async def fork(self, runtime_id: str, count: int, envd_token: str | None) -> list[Placement]:
+        if not 1 <= count <= MAX_CHILDREN:
+            raise BadRequest(f"count must be between 1 and {MAX_CHILDREN}")
+        try:
+            children = await self.node.fork(runtime_id, count, envd_token)
+        except NotPausable as exc:
+            raise Unsupported(str(exc)) from exc
+        return [_placement(h) for h in children]
+
+    def snapshots(self) -> list[SnapshotInfo]:
+        return [
+            snapshot_info(s)
+            for s in self.node.repo.list()
+            if s.names and not s.source.startswith(_TEMPLATE_SOURCE)
+        ]
+
 
 class CatalogTemplates:
-    """The host's template catalog, seen as ``TemplateInfo`` rows."""
+    """The host's template catalog, seen as ``TemplateInfo`` rows; persistent snapshots are
+    templates too (created from by id or name, deleted through `delete`)."""
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.catalog = TemplateCatalog(settings)
+        self.layers = LayerStore(settings.layers_dir)
+        self.repo = snaps.SnapshotRepository(settings.home / "snapshots", self.layers)
+
+    def _snapshot(self, ref: str) -> TemplateInfo:
+        try:
+            s = self.repo.get(ref)
+            size = -(-info(self.layers.path(s.top_layer)).virtual_size // (1024 * 1024))
+        except (snaps.SnapshotError, Exception) as exc:
+            raise TemplateUnavailable(ref) from exc
+        return TemplateInfo(ref, size, s.created_at, s.created_at, s.vcpus, s.memory_mb)
 
     def _info(self, tpl: Template) -> TemplateInfo:
         return TemplateInfo(
@@ -71,8 +132,8 @@ class CatalogTemplates:
     def get(self, name: str) -> TemplateInfo:
         try:
             return self._info(self.catalog.get(name))
-        except TemplateNotFound as exc:
-            raise TemplateUnavailable(name) from exc
+        except TemplateNotFound:
+            return self._snapshot(name)
 
     def list(self) -> list[TemplateInfo]:
         return [self._info(t) for t in self.catalog.list()]
@@ -81,5 +142,13 @@ class CatalogTemplates:
         try:
             self.catalog.delete(name)
         except TemplateNotFound:
+            pass
+        else:
+            return True
+        try:
+            self.repo.delete(name)
+        except snaps.SnapshotNotFound:
             return False
+        except snaps.SnapshotInUse as exc:
+            raise Conflict(str(exc)) from exc
         return True

@@ -32,6 +32,17 @@ class TemplateUnavailable(RuntimeFailure):
     """The runtime has no template by that name."""
 
 
+@dataclass(frozen=True)
+class SnapshotInfo:
+    snapshot_id: str
+    names: list[str]
+    # The sandbox (runtime id) or template it was captured from.
+    source: str
+    created_at: float
+    cpu: int
+    memory_mb: int
+
+
 class Runtime(Protocol):
     async def start(self) -> None: ...
 
@@ -52,7 +63,24 @@ class Runtime(Protocol):
         ...
 
     def is_alive(self, runtime_id: str) -> bool:
-        """Whether the runtime still holds this sandbox (used after a server restart)."""
+        """Whether the runtime still holds this sandbox, running or paused (used after a
+        server restart)."""
+        ...
+
+    async def snapshot(
+        self, runtime_id: str, name: str | None, envd_token: str | None
+    ) -> SnapshotInfo:
+        """Capture a running sandbox (which keeps running) as a snapshot others can start
+        from by id or name; `envd_token` is the guest's current envd token."""
+        ...
+
+    async def fork(self, runtime_id: str, count: int, envd_token: str | None) -> list[Placement]:
+        """`count` new sandboxes from one capture of a running one; each child's envd has no
+        access token yet (the caller initialises it)."""
+        ...
+
+    def snapshots(self) -> list[SnapshotInfo]:
+        """Persistent snapshots (not template snapshots or fork captures)."""
         ...
 
 

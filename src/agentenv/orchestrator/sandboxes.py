@@ -36,6 +36,7 @@ from agentenv.orchestrator.metrics import Metrics
 from agentenv.orchestrator.runtime import (
     Placement,
     Runtime,
+    SnapshotInfo,
     TemplateSource,
     TemplateUnavailable,
     Unsupported,
@@ -49,6 +50,8 @@ MAX_TIMEOUT_S = 24 * 3600
 _ID_ALPHABET = string.ascii_lowercase + string.digits
 # How often the reaper looks for expired sandboxes when nothing is due sooner.
 _REAPER_TICK_S = 1.0
+# How often paused sandboxes are checked against the retention limit.
+_RETENTION_CHECK_S = 30.0
 
 
 def new_sandbox_id() -> str:
@@ -88,6 +91,7 @@ class SandboxManager:
         max_cpu: int = 8,
         min_memory_mb: int = 128,
         max_memory_mb: int = 16384,
+        paused_retention_s: float = 0.0,
     ) -> None:
         self.store = store
         self.runtime = runtime
@@ -99,6 +103,9 @@ class SandboxManager:
         self.max_cpu = max_cpu
         self.min_memory_mb = min_memory_mb
         self.max_memory_mb = max_memory_mb
+        # Paused sandboxes whose timeout passed longer ago than this are deleted (0: never).
+        self.paused_retention_s = paused_retention_s
+        self._retention_checked = 0.0
         self._locks: dict[str, asyncio.Lock] = {}
         self._reaper: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
@@ -112,13 +119,14 @@ class SandboxManager:
         self._reaper = asyncio.create_task(self._reap_forever(), name="sandbox-reaper")
 
     async def close(self) -> None:
-        """Stop the reaper and tear down every live sandbox (nothing survives the server yet)."""
+        """Stop the reaper and tear down every running sandbox. Paused ones stay: the runtime
+        keeps them on disk and the next server resumes them."""
         if self._reaper is not None:
             self._reaper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._reaper
             self._reaper = None
-        for rec in self.store.select(LIVE_STATES):
+        for rec in self.store.select(LIVE_STATES - {SandboxState.PAUSED}):
             with contextlib.suppress(SandboxNotFound):
                 await self.kill(rec.id, reason="server shutdown")
         await self.runtime.close()
@@ -288,6 +296,96 @@ class SandboxManager:
         if resp.status_code >= 300:
             raise CreateFailed(f"envd /init answered {resp.status_code}: {resp.text[:200]}")
 
+    async def _reinit_envd(self, rec: SandboxRecord, placement: Placement) -> None:
+        """After a resume: the guest's clock stood still while it was paused."""
+        body = {
+            "timestamp": datetime.now(UTC).isoformat(),
+            "entropy": base64.b64encode(secrets.token_bytes(32)).decode(),
+        }
+        headers = {"X-Access-Token": rec.envd_token} if rec.envd_token else {}
+        resp = await self._http.post(f"{placement.envd_url}/init", json=body, headers=headers)
+        if resp.status_code >= 300:
+            raise CreateFailed(f"envd /init answered {resp.status_code}: {resp.text[:200]}")
+
+    async def snapshot(self, sandbox_id: str, name: str | None) -> SnapshotInfo:
+        """A persistent snapshot of a running sandbox; it keeps running."""
+        async with self._locked(sandbox_id):
+            rec = self.get(sandbox_id)
+            if rec.state is not SandboxState.RUNNING:
+                raise Conflict(f"sandbox {sandbox_id} is {rec.state.value}, not running")
+            try:
+                info = await self.runtime.snapshot(rec.runtime_id or rec.id, name, rec.envd_token)
+            except Unsupported as exc:
+                raise NotSupported(str(exc)) from exc
+            # The guest may have moved to another QEMU (same slot, same address).
+            self.store.log(sandbox_id, f"snapshot {info.snapshot_id} {info.names}")
+        return info
+
+    async def fork(
+        self, sandbox_id: str, count: int, lifetime_s: int | None, api_key_id: str | None = None
+    ) -> list[SandboxRecord]:
+        """`count` new running sandboxes from one capture of a running one."""
+        async with self._locked(sandbox_id):
+            src = self.get(sandbox_id)
+            if src.state is not SandboxState.RUNNING:
+                raise Conflict(f"sandbox {sandbox_id} is {src.state.value}, not running")
+            try:
+                placements = await self.runtime.fork(
+                    src.runtime_id or src.id, count, src.envd_token
+                )
+            except Unsupported as exc:
+                raise NotSupported(str(exc)) from exc
+            self.store.log(sandbox_id, f"forked {len(placements)} sandbox(es)")
+        children: list[SandboxRecord] = []
+        seconds = lifetime_s if lifetime_s is not None else DEFAULT_TIMEOUT_S
+        for i, placement in enumerate(placements):
+            now = time.time()
+            rec = SandboxRecord(
+                id=new_sandbox_id(),
+                template=src.template,
+                alias=src.alias,
+                state=SandboxState.CREATING,
+                started_at=now,
+                end_at=now + seconds,
+                cpu=src.cpu,
+                memory_mb=src.memory_mb,
+                disk_mb=src.disk_mb,
+                envd_version=self.envd_version,
+                metadata=dict(src.metadata),
+                env_vars=dict(src.env_vars),
+                envd_token=secrets.token_urlsafe(24) if src.envd_token else None,
+                traffic_token=secrets.token_urlsafe(24) if src.traffic_token else None,
+                auto_pause=src.auto_pause,
+                auto_resume=src.auto_resume,
+                allow_internet=src.allow_internet,
+                network=dict(src.network),
+                api_key_id=api_key_id,
+            )
+            self.store.insert(rec)
+            self.store.log(rec.id, f"forked from {sandbox_id}")
+            try:
+                await self._init_envd(rec, placement)
+            except BaseException as exc:
+                await self._teardown_failed_create(rec, placement, exc)
+                for rest in placements[i + 1 :]:
+                    with contextlib.suppress(Exception):
+                        await self.runtime.delete(rest.runtime_id)
+                raise
+            self.store.transition(
+                rec.id,
+                SandboxState.CREATING,
+                SandboxState.RUNNING,
+                address=placement.address,
+                envd_url=placement.envd_url,
+                runtime_id=placement.runtime_id,
+            )
+            children.append(self.get(rec.id))
+        self._wake.set()
+        return children
+
+    def snapshots(self) -> list[SnapshotInfo]:
+        return self.runtime.snapshots()
+
     async def kill(self, sandbox_id: str, *, reason: str = "killed") -> None:
         async with self._locked(sandbox_id):
             rec = self.store.get(sandbox_id)
@@ -358,6 +456,12 @@ class SandboxManager:
         started = time.monotonic()
         try:
             placement = await self.runtime.resume(rec.runtime_id or rec.id)
+            try:
+                await self._reinit_envd(rec, placement)
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    await self.runtime.pause(placement.runtime_id)
+                raise
         except BaseException as exc:
             self.store.transition(rec.id, SandboxState.RESUMING, SandboxState.PAUSED)
             if isinstance(exc, Unsupported):
@@ -409,11 +513,23 @@ class SandboxManager:
             await self.reap_expired()
 
     async def reap_expired(self) -> None:
+        await self._reap_paused()
         for rec in self.store.expired(time.time()):
             try:
                 await self._expire(rec.id)
             except Exception as exc:
                 log.error("sandbox %s expiry failed: %r", rec.id, exc)
+
+    async def _reap_paused(self) -> None:
+        """Paused sandboxes past their retention go, with everything only they held."""
+        now = time.time()
+        if self.paused_retention_s <= 0 or now - self._retention_checked < _RETENTION_CHECK_S:
+            return
+        self._retention_checked = now
+        for rec in self.store.select([SandboxState.PAUSED]):
+            if rec.end_at + self.paused_retention_s <= now:
+                with contextlib.suppress(SandboxNotFound, Conflict):
+                    await self.kill(rec.id, reason="paused longer than the retention limit")
 
     async def _expire(self, sandbox_id: str) -> None:
         async with self._locked(sandbox_id):
