@@ -1,16 +1,24 @@
-"""The sandbox state machine with real envd processes (local runtime) behind it."""
+"""The sandbox state machine with real microVMs (`NodeRuntime`) behind it.
+
+Tests marked `vm` boot sandboxes, never more than two at a time; each test that is about a
+create or a kill boots its own, since that is what it checks.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import os
+import secrets
 import time
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
 import pytest
 
+from agentenv.config import Settings
+from agentenv.guest.envd.client import EnvdClient
 from agentenv.orchestrator.errors import (
     BadRequest,
     Conflict,
@@ -19,37 +27,47 @@ from agentenv.orchestrator.errors import (
     SandboxNotFound,
     TemplateNotFound,
 )
-from agentenv.orchestrator.local import LocalRuntime, StaticTemplates
+from agentenv.orchestrator.node_runtime import CatalogTemplates, NodeRuntime
 from agentenv.orchestrator.runtime import Placement
 from agentenv.orchestrator.sandboxes import CreateSpec, SandboxManager
 from agentenv.orchestrator.store import SandboxRecord, SandboxState, Store
 
 
-class BrokenInitRuntime(LocalRuntime):
-    """A runtime whose sandboxes come up but whose envd then refuses `/init`.
+class ClaimedEnvdRuntime(NodeRuntime):
+    """Boots a real sandbox, then claims its envd with an access token of its own.
 
-    A real envd only refuses `/init` on bad input, which the API already rejects; this fault is
-    injected by pointing the placement at a port where nothing listens.
+    The manager's `/init` then arrives without that token and the real envd refuses it (401),
+    so the create fails after a VM exists: the fault a manager must tear down.
     """
+
+    last_pid: int | None = None
 
     async def create(self, template: str, cpu: int, memory_mb: int, disk_size_mb: int) -> Placement:
         placed = await super().create(template, cpu, memory_mb, disk_size_mb)
-        self.last_pid = self._procs[placed.runtime_id].process.pid
-        return Placement(placed.runtime_id, placed.address, f"http://{placed.address}:1")
+        self.last_pid = self.node.get(placed.runtime_id).pid
+        async with httpx.AsyncClient(trust_env=False, timeout=30) as http:
+            claim = await http.post(
+                f"{placed.envd_url}/init", json={"accessToken": secrets.token_urlsafe(16)}
+            )
+        if claim.status_code != 204:
+            raise AssertionError(f"claiming envd failed: {claim.status_code} {claim.text}")
+        return placed
 
 
-def _manager(tmp_path: Path, runtime: LocalRuntime | None = None) -> SandboxManager:
+def _manager(settings: Settings, db: Path, runtime: NodeRuntime | None = None) -> SandboxManager:
     return SandboxManager(
-        Store(tmp_path / "db.sqlite"),
-        runtime or LocalRuntime(tmp_path / "run", default_user="root"),
-        StaticTemplates(["base"]),
+        Store(db),
+        runtime or NodeRuntime(settings),
+        CatalogTemplates(settings),
         envd_version="0.6.4",
     )
 
 
 @pytest.fixture
-async def mgr(tmp_path: Path) -> AsyncIterator[SandboxManager]:
-    m = _manager(tmp_path)
+async def mgr(
+    settings: Settings, base_template: object, tmp_path: Path
+) -> AsyncIterator[SandboxManager]:
+    m = _manager(settings, tmp_path / "db.sqlite")
     await m.start()
     try:
         yield m
@@ -65,35 +83,53 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _envd_pid(mgr: SandboxManager, rec: SandboxRecord) -> int:
-    assert isinstance(mgr.runtime, LocalRuntime) and rec.runtime_id
-    return mgr.runtime._procs[rec.runtime_id].process.pid
+def _node_runtime(mgr: SandboxManager) -> NodeRuntime:
+    assert isinstance(mgr.runtime, NodeRuntime)
+    return mgr.runtime
 
 
+def _qemu_pid(mgr: SandboxManager, rec: SandboxRecord) -> int:
+    assert rec.runtime_id
+    pid = _node_runtime(mgr).node.get(rec.runtime_id).pid
+    assert pid is not None
+    return pid
+
+
+def _released(mgr: SandboxManager, pid: int) -> bool:
+    """The VM's process is gone and the node holds no sandbox (slot, upper, cgroup freed)."""
+    return not _alive(pid) and _node_runtime(mgr).node.list() == []
+
+
+@pytest.mark.vm
 async def test_create_inits_envd_and_kill_releases_it(mgr: SandboxManager) -> None:
     rec = await mgr.create(CreateSpec("base", timeout=60, env_vars={"FOO": "bar"}))
     assert rec.state is SandboxState.RUNNING and rec.address and rec.envd_token
-    pid = _envd_pid(mgr, rec)
-    async with httpx.AsyncClient(trust_env=False) as http:
+    assert rec.address.startswith("198.18.")
+    pid = _qemu_pid(mgr, rec)
+    async with httpx.AsyncClient(trust_env=False, timeout=30) as http:
         # /init set the access token: envd now refuses requests without it.
         envs = await http.get(f"{rec.envd_url}/envs")
         assert envs.status_code == 401
         envs = await http.get(f"{rec.envd_url}/envs", headers={"X-Access-Token": rec.envd_token})
         assert envs.json()["FOO"] == "bar"
     await mgr.kill(rec.id)
-    assert not _alive(pid)
+    assert _released(mgr, pid)
     assert mgr.store.get(rec.id).state is SandboxState.GONE  # type: ignore[union-attr]
     with pytest.raises(SandboxNotFound):
         await mgr.kill(rec.id)
 
 
+@pytest.mark.vm
 async def test_concurrent_kills_are_serialised_and_only_one_wins(mgr: SandboxManager) -> None:
     rec = await mgr.create(CreateSpec("base", timeout=60))
+    pid = _qemu_pid(mgr, rec)
     results = await asyncio.gather(*(mgr.kill(rec.id) for _ in range(5)), return_exceptions=True)
     assert sum(r is None for r in results) == 1
     assert all(isinstance(r, SandboxNotFound) for r in results if r is not None)
+    assert _released(mgr, pid)
 
 
+@pytest.mark.vm
 async def test_timeout_change_racing_a_kill_never_resurrects(mgr: SandboxManager) -> None:
     rec = await mgr.create(CreateSpec("base", timeout=60))
     results = await asyncio.gather(
@@ -102,6 +138,7 @@ async def test_timeout_change_racing_a_kill_never_resurrects(mgr: SandboxManager
     assert results[0] is None
     assert results[1] is None or isinstance(results[1], SandboxNotFound)
     assert mgr.store.get(rec.id).state is SandboxState.GONE  # type: ignore[union-attr]
+    assert _node_runtime(mgr).node.list() == []
 
 
 def test_compare_and_set_refuses_a_stale_expected_state(tmp_path: Path) -> None:
@@ -124,16 +161,19 @@ def test_compare_and_set_refuses_a_stale_expected_state(tmp_path: Path) -> None:
     assert store.get("iabc").state is SandboxState.PAUSING  # type: ignore[union-attr]
 
 
-async def test_failed_init_tears_the_sandbox_down(tmp_path: Path) -> None:
-    runtime = BrokenInitRuntime(tmp_path / "run", default_user="root")
-    m = _manager(tmp_path, runtime)
+@pytest.mark.vm
+async def test_failed_init_tears_the_sandbox_down(
+    settings: Settings, base_template: object, tmp_path: Path
+) -> None:
+    runtime = ClaimedEnvdRuntime(settings)
+    m = _manager(settings, tmp_path / "db.sqlite", runtime)
     await m.start()
     try:
-        with pytest.raises(CreateFailed):
+        with pytest.raises(CreateFailed, match="401"):
             await m.create(CreateSpec("base", timeout=60))
-        # The envd process that did start was stopped and nothing is left in a live state.
-        assert not _alive(runtime.last_pid)
-        assert runtime._procs == {}
+        # The VM that did boot was stopped and nothing is left in a live state.
+        assert runtime.last_pid is not None
+        assert _released(m, runtime.last_pid)
         rows = m.store.select()
         assert [r.state for r in rows] == [SandboxState.GONE]
         assert any("create failed" in ln.message for ln in m.store.logs(rows[0].id))
@@ -149,41 +189,107 @@ async def test_bad_input_creates_nothing(mgr: SandboxManager) -> None:
         await mgr.create(CreateSpec("base", cpu=99))
     with pytest.raises(BadRequest):
         await mgr.create(CreateSpec("base", memory_mb=1))
+    with pytest.raises(BadRequest):
+        await mgr.create(CreateSpec("base", disk_mb=1))
     assert mgr.store.select() == []
+    assert _node_runtime(mgr).node.list() == []
 
 
-async def test_pause_unsupported_rolls_back_to_running(mgr: SandboxManager) -> None:
-    rec = await mgr.create(CreateSpec("base", timeout=60))
-    with pytest.raises(NotSupported, match="snapshot"):
-        await mgr.pause(rec.id)
-    assert mgr.get(rec.id).state is SandboxState.RUNNING
+async def _wait_states(
+    mgr: SandboxManager, want: dict[str, SandboxState], timeout_s: float = 15
+) -> dict[str, SandboxState]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        got = {sid: mgr.store.get(sid).state for sid in want}  # type: ignore[union-attr]
+        if got == want or time.monotonic() > deadline:
+            return got
+        await asyncio.sleep(0.1)
+
+
+@pytest.mark.vm
+async def test_pause_and_resume_keep_the_guest_running_where_it_was(
+    mgr: SandboxManager,
+) -> None:
+    rec = await mgr.create(CreateSpec("base", timeout=60, env_vars={"FOO": "bar"}))
+    assert rec.envd_token
+    pid = _qemu_pid(mgr, rec)
+    # /tmp is a tmpfs: only a memory snapshot brings the file back.
+    async with EnvdClient(rec.envd_url, access_token=rec.envd_token) as guest:
+        assert (await guest.run("echo $FOO > /tmp/mark")).exit_code == 0
     with pytest.raises(Conflict):
         await mgr.resume(rec.id, None)
+    await mgr.pause(rec.id)
+    assert mgr.get(rec.id).state is SandboxState.PAUSED
+    assert not _alive(pid)
+    with pytest.raises(Conflict):
+        await mgr.pause(rec.id)
+    back = await mgr.resume(rec.id, 60)
+    assert back.state is SandboxState.RUNNING and back.envd_url
+    async with EnvdClient(back.envd_url, access_token=rec.envd_token) as guest:
+        assert (await guest.run("cat /tmp/mark")).stdout == "bar\n"
     await mgr.kill(rec.id)
+    node = _node_runtime(mgr).node
+    assert node.list() == []
+    assert not (node.settings.sandboxes_dir / (rec.runtime_id or "")).exists()
 
 
-async def test_expiry_kills_and_auto_pause_falls_back_to_kill(mgr: SandboxManager) -> None:
+@pytest.mark.vm
+async def test_without_snapshots_pause_rolls_back_and_auto_pause_kills(
+    settings: Settings, base_template: object, tmp_path: Path
+) -> None:
+    # A node with snapshots switched off (AGENTENV_SNAPSHOTS=0) cold-boots and cannot pause.
+    m = _manager(settings, tmp_path / "db.sqlite", NodeRuntime(replace(settings, snapshots=False)))
+    await m.start()
+    try:
+        rec = await m.create(CreateSpec("base", timeout=60, auto_pause=True))
+        pid = _qemu_pid(m, rec)
+        with pytest.raises(NotSupported, match="snapshot"):
+            await m.pause(rec.id)
+        assert m.get(rec.id).state is SandboxState.RUNNING
+        # Still the same live VM, still answering.
+        assert _alive(pid) and _node_runtime(m).is_alive(rec.runtime_id or "")
+        async with httpx.AsyncClient(trust_env=False, timeout=30) as http:
+            assert (await http.get(f"{rec.envd_url}/health")).status_code == 204
+        with pytest.raises(Conflict):
+            await m.resume(rec.id, None)
+        # At its timeout it would be paused; since it cannot be, it is killed.
+        await m.set_timeout(rec.id, 1)
+        assert await _wait_states(m, {rec.id: SandboxState.GONE}) == {rec.id: SandboxState.GONE}
+        assert _released(m, pid)
+        assert any("auto-pause unavailable" in ln.message for ln in m.store.logs(rec.id))
+    finally:
+        await m.close()
+
+
+@pytest.mark.vm
+async def test_expiry_kills_or_pauses(mgr: SandboxManager) -> None:
     plain = await mgr.create(CreateSpec("base", timeout=1))
+    pids = [_qemu_pid(mgr, plain)]
     paused = await mgr.create(CreateSpec("base", timeout=1, auto_pause=True))
-    pids = [_envd_pid(mgr, plain), _envd_pid(mgr, paused)]
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        states = {mgr.store.get(r.id).state for r in (plain, paused)}  # type: ignore[union-attr]
-        if states == {SandboxState.GONE}:
-            break
-        await asyncio.sleep(0.1)
-    assert states == {SandboxState.GONE}
+    pids.append(_qemu_pid(mgr, paused))
+    want = {plain.id: SandboxState.GONE, paused.id: SandboxState.PAUSED}
+    assert await _wait_states(mgr, want) == want
     assert not any(_alive(p) for p in pids)
-    assert any("auto-pause unavailable" in ln.message for ln in mgr.store.logs(paused.id))
+    assert any("paused on timeout" in ln.message for ln in mgr.store.logs(paused.id))
+    assert any("killed on timeout" in ln.message for ln in mgr.store.logs(plain.id))
+    # A paused sandbox is not expired again; killing it frees what it kept on disk.
+    await mgr.kill(paused.id)
+    assert _node_runtime(mgr).node.list() == []
 
 
-async def test_restart_marks_rows_of_vanished_sandboxes_gone(tmp_path: Path) -> None:
-    m = _manager(tmp_path)
+@pytest.mark.vm
+async def test_restart_marks_rows_of_vanished_sandboxes_gone(
+    settings: Settings, base_template: object, tmp_path: Path
+) -> None:
+    db = tmp_path / "db.sqlite"
+    m = _manager(settings, db)
     await m.start()
     rec = await m.create(CreateSpec("base", timeout=60))
-    # Simulate a crash: the runtime's processes die without the manager noticing.
+    pid = _qemu_pid(m, rec)
+    # Simulate a crash: the VMs go away without the manager noticing.
     await m.runtime.close()
-    m2 = _manager(tmp_path)
+    assert not _alive(pid)
+    m2 = _manager(settings, db)
     await m2.start()
     try:
         assert m2.store.get(rec.id).state is SandboxState.GONE  # type: ignore[union-attr]
