@@ -8,14 +8,30 @@ from dataclasses import replace
 import pytest
 
 from agentenv.config import Settings
-from agentenv.template.artifacts import GuestArtifacts
+from agentenv.template.artifacts import NO_INITRAMFS_CMDLINE, GuestArtifacts, kernel_cmdline
 from agentenv.template.errors import BuildError
+from agentenv.template.initramfs import ensure_initramfs
 from agentenv.template.kernel import (
     LZ4_LEGACY_MAGIC,
     ensure_debian_kernel,
     extract_vmlinux,
+    find_custom,
     has_pvh_note,
 )
+from agentenv.template.smoke import smoke_boot
+from agentenv.template.tools import ensure_tools_image
+
+
+@pytest.fixture
+def debian_artifacts(settings: Settings) -> GuestArtifacts:
+    """Debian's kernel and our initramfs, whichever kernel ensure_all would pick."""
+    kernel = ensure_debian_kernel(settings)
+    return GuestArtifacts(
+        kernel.vmlinux,
+        ensure_initramfs(settings, kernel),
+        ensure_tools_image(settings),
+        "debian-cloud",
+    )
 
 
 def test_debian_kernel_is_a_pvh_elf_with_virtio_modules(settings: Settings) -> None:
@@ -38,14 +54,14 @@ def test_garbage_is_not_a_kernel() -> None:
     with pytest.raises(BuildError, match="not an ELF"):
         extract_vmlinux(b"MZ" + LZ4_LEGACY_MAGIC + b"\0" * 64)
     assert not has_pvh_note(b"\x7fELF" + b"\0" * 60)
+    assert not has_pvh_note(b"\x7fELF\x02" + b"\xff" * 60)  # headers point past the end
 
 
-def test_initramfs_holds_busybox_modules_and_init(guest_artifacts: GuestArtifacts) -> None:
-    if guest_artifacts.initramfs is None:
-        pytest.skip("the selected kernel boots without an initramfs")
+def test_initramfs_holds_busybox_modules_and_init(debian_artifacts: GuestArtifacts) -> None:
+    assert debian_artifacts.initramfs is not None
     listing = subprocess.run(
         ["cpio", "-it", "--quiet"],
-        stdin=guest_artifacts.initramfs.open("rb"),
+        stdin=debian_artifacts.initramfs.open("rb"),
         capture_output=True,
         text=True,
         check=True,
@@ -60,23 +76,18 @@ def test_initramfs_holds_busybox_modules_and_init(guest_artifacts: GuestArtifact
     ):
         assert entry in listing
     # Uncompressed newc: gzip would cost ~1 s of boot under emulation.
-    assert guest_artifacts.initramfs.read_bytes()[:6] == b"070701"
+    assert debian_artifacts.initramfs.read_bytes()[:6] == b"070701"
 
 
 @pytest.mark.vm
 def test_smoke_boot_accepts_a_good_kernel_and_rejects_a_broken_one(
-    settings: Settings, guest_artifacts: GuestArtifacts
+    settings: Settings, debian_artifacts: GuestArtifacts
 ) -> None:
-    from agentenv.template.artifacts import NO_INITRAMFS_CMDLINE, kernel_cmdline
-    from agentenv.template.smoke import smoke_boot
-
-    arts = guest_artifacts
+    arts = debian_artifacts
     seconds = smoke_boot(
         settings, arts.kernel, arts.initramfs, arts.tools_image, kernel_cmdline(arts, "tcg")
     )
     assert 0 < seconds < 180
-    if arts.initramfs is None:
-        return
     # Debian's kernel has virtio as modules: without its initramfs it cannot find any disk.
     broken = replace(arts, initramfs=None, cmdline_extra=list(NO_INITRAMFS_CMDLINE))
     with pytest.raises(BuildError, match="did not reach the guest init"):
@@ -88,3 +99,14 @@ def test_smoke_boot_accepts_a_good_kernel_and_rejects_a_broken_one(
             kernel_cmdline(broken, "tcg"),
             timeout=90,
         )
+
+
+@pytest.mark.vm
+def test_custom_kernel_if_built_boots_without_initramfs(settings: Settings) -> None:
+    custom = find_custom(settings)
+    if custom is None:
+        pytest.skip("no custom kernel in the cache (`aenv kernel build`)")
+    assert custom.modules_dir is None and has_pvh_note(custom.vmlinux.read_bytes())
+    tools = ensure_tools_image(settings)
+    arts = GuestArtifacts(custom.vmlinux, None, tools, "custom", list(NO_INITRAMFS_CMDLINE))
+    assert smoke_boot(settings, custom.vmlinux, None, tools, kernel_cmdline(arts, "tcg")) < 180

@@ -134,6 +134,13 @@ def extract_vmlinux(vmlinuz: bytes) -> bytes:
 
 
 def has_pvh_note(elf: bytes) -> bool:
+    try:
+        return _find_pvh_note(elf)
+    except (struct.error, IndexError):  # truncated or corrupt headers
+        return False
+
+
+def _find_pvh_note(elf: bytes) -> bool:
     if elf[:4] != ELF_MAGIC or elf[4] != 2:  # ELFCLASS64
         return False
     phoff = struct.unpack_from("<Q", elf, 0x20)[0]
