@@ -136,7 +136,7 @@ def extract_vmlinux(vmlinuz: bytes) -> bytes:
 def has_pvh_note(elf: bytes) -> bool:
     try:
         return _find_pvh_note(elf)
-    except (struct.error, IndexError):  # truncated or corrupt headers
+    except (struct.error, IndexError, OverflowError):  # truncated or corrupt headers
         return False
 
 
