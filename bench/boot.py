@@ -48,7 +48,7 @@ def recorded_build_times(settings: Settings) -> dict[str, float | None]:
 async def boot_runs(settings: Settings, n: int, cpu: int, memory_mb: int, mem_file: bool) -> None:
     spawn: list[float] = []
     create: list[float] = []
-    async with Node(settings, mem_file=mem_file) as node:
+    async with Node(settings, mem_file=mem_file, snapshots=False) as node:
         print(
             f"accelerator: {node.accel.name} ({node.accel.reason}); guest RAM in a file: {mem_file}"
         )

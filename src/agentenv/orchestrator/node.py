@@ -523,6 +523,9 @@ class Node:
             raise SandboxError(str(exc)) from exc
         sb.paused = True
         await self.pool.release(sb.slot)
+        # A paused sandbox no longer maps the snapshot it came from; it may have been the
+        # last holder of a deleted one.
+        await asyncio.to_thread(self.repo.gc)
 
     async def resume(self, sandbox_id: str) -> SandboxHandle:
         """Bring a paused sandbox back on a free slot (also one paused by an earlier node)."""

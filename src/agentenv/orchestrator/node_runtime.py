@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from agentenv import snapshot as snaps
 from agentenv.config import Settings
-from agentenv.orchestrator.errors import BadRequest, Conflict
+from agentenv.orchestrator.errors import BadRequest
 from agentenv.orchestrator.node import Node, SandboxHandle
 from agentenv.orchestrator.node_errors import (
     InvalidResources,
@@ -149,6 +149,4 @@ class CatalogTemplates:
             self.repo.delete(name)
         except snaps.SnapshotNotFound:
             return False
-        except snaps.SnapshotInUse as exc:
-            raise Conflict(str(exc)) from exc
         return True

@@ -17,7 +17,6 @@ from agentenv.snapshot.errors import (
     InvalidSnapshotName,
     RestoreFailed,
     SnapshotError,
-    SnapshotInUse,
     SnapshotNotFound,
 )
 from agentenv.snapshot.fork import ForkResult, ForkTarget, fork
@@ -48,7 +47,6 @@ __all__ = [
     "RestoreFailed",
     "Snapshot",
     "SnapshotError",
-    "SnapshotInUse",
     "SnapshotNotFound",
     "SnapshotRepository",
     "SnapshotStore",

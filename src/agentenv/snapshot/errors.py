@@ -11,10 +11,6 @@ class SnapshotNotFound(SnapshotError):
     """No snapshot has that id or name."""
 
 
-class SnapshotInUse(SnapshotError):
-    """The snapshot still has names or running sandboxes mapped onto it."""
-
-
 class IncompatibleSnapshot(SnapshotError):
     """The snapshot needs a QEMU, accelerator or tools layer this host does not have."""
 

@@ -39,6 +39,8 @@ class Snapshot:
     holders: list[str] = field(default_factory=list)
     # envd's access token inside the captured guest: a restore needs it for its first `/init`.
     envd_token: str | None = None
+    # Deleted while sandboxes still mapped it: invisible, removed when the last one is gone.
+    deleted: bool = False
 
     @property
     def top_layer(self) -> str:

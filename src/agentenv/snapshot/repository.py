@@ -29,7 +29,6 @@ from agentenv.snapshot.digest import allocated_bytes, file_digest, sparse_digest
 from agentenv.snapshot.errors import (
     InvalidSnapshotName,
     SnapshotError,
-    SnapshotInUse,
     SnapshotNotFound,
 )
 from agentenv.snapshot.model import Snapshot
@@ -130,10 +129,10 @@ class SnapshotRepository:
 
     @staticmethod
     def _find(snaps: dict[str, Snapshot], ref: str) -> Snapshot:
-        if ref in snaps:
+        if ref in snaps and not snaps[ref].deleted:
             return snaps[ref]
         for snap in snaps.values():
-            if ref in snap.names:
+            if ref in snap.names and not snap.deleted:
                 return snap
         raise SnapshotNotFound(f"snapshot {ref!r} does not exist")
 
@@ -143,7 +142,9 @@ class SnapshotRepository:
         return self._find(self._read(), ref)
 
     def list(self) -> list[Snapshot]:
-        return sorted(self._read().values(), key=lambda s: s.created_at)
+        return sorted(
+            (s for s in self._read().values() if not s.deleted), key=lambda s: s.created_at
+        )
 
     def memory_path(self, snapshot_id: str) -> Path:
         return self.root / snapshot_id / MEMORY
@@ -185,6 +186,8 @@ class SnapshotRepository:
         final = self.root / snap_id
         with self._locked() as snaps:
             existing = snaps.get(snap_id)
+            if existing is not None and existing.deleted:
+                existing.deleted = False
             if existing is None:
                 if final.exists():  # left by a commit that died before the catalog write
                     shutil.rmtree(final)
@@ -258,14 +261,14 @@ class SnapshotRepository:
     # -- removal ------------------------------------------------------------------------------
 
     def delete(self, ref: str) -> Snapshot:
-        """Remove a snapshot (by id or name) and the layers only it held. Refuses while
-        sandboxes map its memory."""
+        """Remove a snapshot (by id or name) and the layers only it held. While sandboxes map
+        its memory it only disappears from view; `gc` removes it after the last one."""
         with self._locked() as snaps:
             snap = self._find(snaps, ref)
             if snap.holders:
-                raise SnapshotInUse(
-                    f"snapshot {ref!r} is in use by {len(snap.holders)} sandbox(es)"
-                )
+                snap.names = []
+                snap.deleted = True
+                return snap
             del snaps[snap.id]
         self._remove_files(snap)
         return snap

@@ -12,8 +12,9 @@ import struct
 from .errors import FailedPrecondition
 
 CLOCK_REALTIME = 0
-# _IOW('R', 0x03, int[2]) from <linux/random.h>
+# _IOW('R', 0x03, int[2]) and _IO('R', 0x07) from <linux/random.h>
 RNDADDENTROPY = 0x40085203
+RNDRESEEDCRNG = 0x5207
 
 
 class _Timespec(ctypes.Structure):
@@ -38,6 +39,9 @@ def add_entropy(data: bytes) -> None:
     fd = os.open("/dev/urandom", os.O_WRONLY)
     try:
         fcntl.ioctl(fd, RNDADDENTROPY, info)
+        # Added entropy reaches the output only at the next reseed (up to a minute away);
+        # clones of one snapshot would read identical bytes until then.
+        fcntl.ioctl(fd, RNDRESEEDCRNG)
     finally:
         os.close(fd)
 

@@ -1,0 +1,208 @@
+"""Snapshot benchmark, one run, every number side by side:
+
+- create from the template snapshot (p50/p99) vs a cold boot of the same template, and ratio;
+- pause and resume of 256 MiB and 1 GiB guests with 10% and 50% of their RAM dirtied (the
+  first pause of a sandbox created from a template writes a RAM stream; later ones only
+  device state);
+- fork of 1, 8 and 32 children (total and per child);
+- host memory (PSS of the QEMU process) per idle sandbox: N restored from one 512 MiB
+  template vs N cold-booted;
+- how many idle 512 MiB sandboxes would fit before host memory is 80% used (extrapolated from
+  the PSS above; nothing is started to fill the host).
+
+    .venv/bin/python bench/snapshots.py [--creates 20] [--cold 3] [--idle 20] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+
+from agentenv.config import Settings
+from agentenv.guest.envd.client import EnvdClient
+from agentenv.orchestrator.node import Node, SandboxHandle
+
+MIB = 1024 * 1024
+
+
+def pct(xs: Sequence[float], p: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, round(p / 100 * (len(s) - 1)))]
+
+
+def pss_mb(pid: int | None) -> float:
+    if pid is None:
+        return 0.0
+    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+        if line.startswith("Pss:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def meminfo_mb() -> dict[str, float]:
+    out = {}
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        k, v = line.split(":", 1)
+        out[k] = int(v.split()[0]) / 1024
+    return out
+
+
+async def sh(sb: SandboxHandle, cmd: str) -> str:
+    async with EnvdClient(sb.envd_url) as envd:
+        code, out, err = await envd.run(cmd, user="root", timeout=300)
+    if code != 0:
+        raise RuntimeError(f"{cmd!r} failed: {err}")
+    return out
+
+
+async def create_vs_cold(settings: Settings, creates: int, cold: int) -> dict[str, float]:
+    res: dict[str, float] = {}
+    async with Node(settings) as node:
+        t0 = time.monotonic()
+        first = await node.create("base", memory_mb=512)  # builds the template snapshot
+        print(f"  template snapshot build + first create: {time.monotonic() - t0:.2f}s")
+        await node.delete(first.id)
+        xs = []
+        for _ in range(creates):
+            t0 = time.monotonic()
+            sb = await node.create("base", memory_mb=512)
+            xs.append(time.monotonic() - t0)
+            await node.delete(sb.id)
+    res["restore_p50"], res["restore_p99"] = pct(xs, 50), pct(xs, 99)
+    ys = []
+    async with Node(settings, snapshots=False) as node:
+        for _ in range(cold):
+            t0 = time.monotonic()
+            sb = await node.create("base", memory_mb=512)
+            ys.append(time.monotonic() - t0)
+            await node.delete(sb.id)
+    res["cold_p50"], res["cold_p99"] = pct(ys, 50), pct(ys, 99)
+    print(
+        f"create from template snapshot ({creates} runs): p50 {res['restore_p50']:.3f}s  "
+        f"p99 {res['restore_p99']:.3f}s\n"
+        f"cold boot of the same template ({cold} runs): p50 {res['cold_p50']:.2f}s  "
+        f"p99 {res['cold_p99']:.2f}s\n"
+        f"ratio cold/restore (p50): {res['cold_p50'] / res['restore_p50']:.1f}x",
+        flush=True,
+    )
+    return res
+
+
+DIRTY = (
+    'setsid nohup python3 -c "import os,time; b=bytearray(os.urandom({n})); '
+    "open('/tmp/dirty.ready','w').write('1'); time.sleep(1e9)\" >/dev/null 2>&1 &"
+    " for i in $(seq 600); do test -e /tmp/dirty.ready && break; sleep 0.2; done"
+)
+
+
+async def pause_resume(settings: Settings, sizes: Sequence[int], fracs: Sequence[float]) -> None:
+    print("pause / resume (s)  [first = RAM stream from a template clone; next = state only]")
+    async with Node(settings) as node:
+        for mem in sizes:
+            for frac in fracs:
+                sb = await node.create("base", memory_mb=mem)
+                try:
+                    await sh(sb, DIRTY.format(n=int(mem * MIB * frac)))
+                    row = []
+                    for _ in range(2):
+                        t0 = time.monotonic()
+                        await node.pause(sb.id)
+                        t1 = time.monotonic()
+                        sb = await node.resume(sb.id)
+                        t2 = time.monotonic()
+                        row.append((t1 - t0, t2 - t1))
+                    await sh(sb, "test -e /tmp/dirty.ready")
+                    print(
+                        f"  {mem:5d} MiB, {frac:4.0%} dirty: first pause {row[0][0]:.3f} "
+                        f"resume {row[0][1]:.3f} | next pause {row[1][0]:.3f} "
+                        f"resume {row[1][1]:.3f}",
+                        flush=True,
+                    )
+                finally:
+                    await node.delete(sb.id)
+
+
+async def forks(settings: Settings, counts: Sequence[int]) -> None:
+    print("fork (one capture, N restores with identity)")
+    async with Node(settings) as node:
+        src = await node.create("base", memory_mb=512)
+        try:
+            await sh(src, "echo parent > /root/p")
+            for n in counts:
+                t0 = time.monotonic()
+                kids = await node.fork(src.id, n)
+                total = time.monotonic() - t0
+                print(
+                    f"  {n:3d} children: total {total:6.2f}s  per child {total / n:.3f}s",
+                    flush=True,
+                )
+                for k in kids:
+                    await node.delete(k.id)
+        finally:
+            await node.delete(src.id)
+
+
+async def idle_memory(settings: Settings, n: int, cold: bool) -> float:
+    """Mean PSS (MB) of `n` idle sandboxes side by side."""
+    async with Node(settings, snapshots=not cold) as node:
+        sbs = []
+        try:
+            for _ in range(n):
+                sbs.append(await node.create("base", memory_mb=512))
+            await asyncio.sleep(10)  # let boot-time work settle
+            pss = [pss_mb(sb.pid) for sb in sbs]
+        finally:
+            for sb in sbs:
+                await node.delete(sb.id)
+    return statistics.mean(pss)
+
+
+async def main_async(args: argparse.Namespace, settings: Settings) -> None:
+    await create_vs_cold(settings, args.creates, args.cold)
+    sizes = [256] if args.quick else [256, 1024]
+    await pause_resume(settings, sizes, [0.1, 0.5])
+    await forks(settings, [1, 8] if args.quick else [1, 8, 32])
+    restored = await idle_memory(settings, args.idle, cold=False)
+    cold = await idle_memory(settings, args.idle_cold, cold=True)
+    print(
+        f"host memory per idle 512 MiB sandbox (PSS): restored {restored:.1f} MB "
+        f"({args.idle} side by side) vs cold-booted {cold:.1f} MB ({args.idle_cold})"
+    )
+    mi = meminfo_mb()
+    room = 0.8 * mi["MemTotal"] - (mi["MemTotal"] - mi["MemAvailable"])
+    print(
+        f"fit before 80% of host memory ({mi['MemTotal'] / 1024:.1f} GiB, "
+        f"{room / 1024:.1f} GiB free up to 80%): restored ~{int(room / restored)} "
+        f"(overcommit {512 / restored:.1f}x), cold ~{int(room / cold)} "
+        f"({512 / cold:.1f}x) "
+        "[balloon with free-page reporting on; balloon off not measured]"
+    )
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--creates", type=int, default=20)
+    ap.add_argument("--cold", type=int, default=3)
+    ap.add_argument("--idle", type=int, default=20)
+    ap.add_argument("--idle-cold", type=int, default=20)
+    ap.add_argument("--quick", action="store_true", help="fewer sizes and children")
+    args = ap.parse_args()
+    base = Settings.from_env()
+    with tempfile.TemporaryDirectory(prefix="aenv-bench-snap-") as tmp:
+        settings = replace(base, home=Path(tmp) / "home")
+        from agentenv.template import rootfs
+
+        rootfs.ensure_base(settings, None)
+        asyncio.run(main_async(args, settings))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
