@@ -367,6 +367,25 @@ def resume(sandbox_id: str, timeout: int = typer.Option(300, "--timeout", "-t"))
     err.print(f"resumed {sandbox_id}")
 
 
+@client_app.command()
+def fork(
+    sandbox_id: str,
+    count: int = typer.Option(1, "--count", "-n", help="how many children (1-100)"),
+    timeout: int = typer.Option(300, "--timeout", "-t", help="children's lifetime in seconds"),
+) -> None:
+    """Start COUNT sandboxes from one snapshot of a running sandbox (which keeps running)."""
+    if not 1 <= count <= 100:
+        _fail("--count must be between 1 and 100")
+    resp = _guard(
+        lambda: _api().call(
+            "POST", f"/sandboxes/{sandbox_id}/fork", json={"count": count, "timeout": timeout}
+        )
+    )
+    rows = [entry["sandbox"] for entry in resp.json() if "sandbox" in entry]
+    _emit(rows, [("SANDBOX", "sandboxID"), ("TEMPLATE", "templateID")])
+    err.print(f"forked {len(rows)} sandbox(es) from {sandbox_id}")
+
+
 @client_app.command("timeout")
 def set_timeout(sandbox_id: str, seconds: int) -> None:
     """Make the sandbox expire SECONDS from now."""
