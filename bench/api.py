@@ -17,16 +17,13 @@ import json
 import statistics
 import tempfile
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import httpx
 from e2b import Sandbox
 
-from agentenv.api.devserver import ServerProcess
-from agentenv.config import Settings
+from agentenv.api.devserver import ServerProcess, prepare_home
 from agentenv.orchestrator.store import Store
-from agentenv.template.rootfs import ensure_base
 
 GUEST_PORT = 8080
 
@@ -102,8 +99,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=200, help="GETs per proxy measurement")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="aenv-bench-") as tmp:
-        home = Path(tmp)
-        ensure_base(replace(Settings.from_env(), home=home), None)
+        home = prepare_home(Path(tmp))
         with ServerProcess(home, ready_timeout_s=180) as server:
             opts = {"api_key": server.api_key, "api_url": server.url, "sandbox_url": server.url}
             print(f"server {server.url}", flush=True)

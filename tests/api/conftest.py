@@ -1,8 +1,12 @@
-"""A real server process (`python -m agentenv.api --runtime local`): sandboxes are envd
-processes on 127.77.x.y, so the whole HTTP surface runs without booting VMs."""
+"""A real server process (`python -m agentenv.api`) whose sandboxes are QEMU microVMs.
+
+One server per module: its start (slot pool, guest artifacts from the cache) costs a few
+seconds, and tests that never create a sandbox run against it without booting anything.
+"""
 
 from __future__ import annotations
 
+import os
 import signal
 from collections.abc import Iterator
 from pathlib import Path
@@ -10,45 +14,55 @@ from pathlib import Path
 import httpx
 import pytest
 
-from agentenv.api.devserver import ServerProcess
+from agentenv.api.devserver import ServerProcess, prepare_home
+
+# Generous: a create boots a VM under software emulation while other tests share the CPUs.
+REQUEST_TIMEOUT_S = 300.0
+
+
+def qemu_processes(home: Path) -> list[str]:
+    """QEMU processes whose command line points into ``home`` (a server's sandboxes)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if "qemu-system" in cmd and str(home) in cmd:
+            found.append(f"{entry.name} {cmd[:100]}")
+    return found
+
+
+def stop_and_check(srv: ServerProcess) -> None:
+    """Stop the server and fail if it did not shut down cleanly or left a VM behind."""
+    code = srv.stop(timeout_s=120)
+    # uvicorn re-raises the SIGTERM it handled once shutdown is complete.
+    assert code in (0, -signal.SIGTERM), f"server exited with {code}: {srv.log_tail()}"
+    assert "Application shutdown complete" in srv.log_tail(40)
+    assert not qemu_processes(srv.home), "server left QEMU processes behind"
+    sandboxes = srv.home / "sandboxes"
+    assert not (sandboxes.is_dir() and os.listdir(sandboxes)), "server left sandbox dirs"
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    home = tmp_path_factory.mktemp("api-home")
-    srv = ServerProcess(home, runtime="local", domain="sbx.test").start()
+    home = prepare_home(tmp_path_factory.mktemp("api-home"))
+    srv = ServerProcess(home, domain="sbx.test", ready_timeout_s=180).start()
     try:
         yield srv
     finally:
-        code = srv.stop()
-        # uvicorn re-raises the SIGTERM it handled once shutdown is complete.
-        assert code in (0, -signal.SIGTERM), f"server exited with {code}: {srv.log_tail()}"
-        assert "Application shutdown complete" in srv.log_tail(40)
-        assert not envd_processes(home), "server left envd processes behind"
+        stop_and_check(srv)
 
 
 @pytest.fixture
 def api(server: ServerProcess) -> Iterator[httpx.Client]:
     with httpx.Client(
-        base_url=server.url, headers={"X-API-Key": server.api_key}, timeout=30.0
+        base_url=server.url, headers={"X-API-Key": server.api_key}, timeout=REQUEST_TIMEOUT_S
     ) as client:
         yield client
 
 
 def db_path(server: ServerProcess) -> Path:
     return server.home / "agentenv.db"
-
-
-def envd_processes(home: Path) -> list[int]:
-    """PIDs of local-runtime envd processes (or their commands) working under ``home``."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            cwd = (entry / "cwd").resolve()
-        except OSError:
-            continue
-        if str(cwd).startswith(str(home / "run" / "local")):
-            found.append(int(entry.name))
-    return found

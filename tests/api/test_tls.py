@@ -23,7 +23,7 @@ def test_tls_serves_the_api(tmp_path: Path) -> None:
         check=True,
         capture_output=True,
     )  # fmt: skip
-    with ServerProcess(tmp_path / "home", runtime="local", tls=(cert, key)) as srv:
+    with ServerProcess(tmp_path / "home", tls=(cert, key)) as srv:
         assert srv.url.startswith("https://")
         with httpx.Client(verify=ssl.create_default_context(cafile=cert), timeout=10) as c:
             assert c.get(f"{srv.url}/health").json() == {"status": "ok"}

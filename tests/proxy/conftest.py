@@ -1,9 +1,14 @@
-"""A real server (local runtime: envd processes on 127.77.x.y) with one sandbox that runs a
-user HTTP server and a WebSocket echo server, both real processes started through envd."""
+"""A real server whose sandboxes are microVMs, with one sandbox that runs a user HTTP server
+and a WebSocket echo server, both real processes in the guest started through envd.
+
+The guest's Python has no `websockets`; the host venv's copy (pure Python; its optional C
+speedups are left out) is uploaded with the app.
+"""
 
 from __future__ import annotations
 
-import sys
+import io
+import tarfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -11,10 +16,19 @@ from pathlib import Path
 
 import httpx
 import pytest
+import websockets
 from e2b import Sandbox
 
-from agentenv.api.devserver import ServerProcess, free_port
+from agentenv.api.devserver import ServerProcess, prepare_home
 from agentenv.orchestrator.store import Store
+
+# A create restores a snapshot in about a second, but can boot a VM under emulation.
+REQUEST_TIMEOUT_S = 300.0
+
+# Guest ports of the user servers: the guest is a machine of its own, any free port will do.
+HTTP_PORT = 8080
+WS_PORT = 8081
+GUEST_LIB = "/tmp/agentenv-proxy-lib"
 
 APP = r"""
 import hashlib, json, sys, time
@@ -105,15 +119,34 @@ class Guest:
 
 @pytest.fixture(scope="module")
 def proxy_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    srv = ServerProcess(tmp_path_factory.mktemp("proxy-home"), runtime="local").start()
+    home = prepare_home(tmp_path_factory.mktemp("proxy-home"))
+    srv = ServerProcess(home, domain="sbx.test", ready_timeout_s=180).start()
     try:
         yield srv
     finally:
-        srv.stop()
+        srv.stop(timeout_s=120)
+        sandboxes = home / "sandboxes"
+        assert not (sandboxes.is_dir() and any(sandboxes.iterdir())), "sandboxes left behind"
 
 
-def sdk_opts(server: ServerProcess) -> dict[str, str]:
-    return {"api_key": server.api_key, "api_url": server.url, "sandbox_url": server.url}
+def sdk_opts(server: ServerProcess) -> dict[str, object]:
+    return {
+        "api_key": server.api_key,
+        "api_url": server.url,
+        "sandbox_url": server.url,
+        "request_timeout": REQUEST_TIMEOUT_S,
+    }
+
+
+def websockets_tarball() -> bytes:
+    """The host's `websockets` package as a .tar.gz of its Python sources."""
+    root = Path(websockets.__file__).parent
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+        for path in sorted(root.rglob("*.py")):
+            if "__pycache__" not in path.parts:
+                tar.add(path, arcname=str(path.relative_to(root.parent)))
+    return buf.getvalue()
 
 
 def wait_port(client: httpx.Client, guest_headers: dict[str, str], path: str = "/") -> None:
@@ -129,22 +162,21 @@ def wait_port(client: httpx.Client, guest_headers: dict[str, str], path: str = "
 @pytest.fixture(scope="module")
 def guest(proxy_server: ServerProcess) -> Iterator[Guest]:
     sbx = Sandbox.create(template="base", timeout=600, **sdk_opts(proxy_server))  # type: ignore[arg-type]
-    app_path = f"/tmp/agentenv-proxy-app-{sbx.sandbox_id}.py"
     try:
         rec = Store(proxy_server.home / "agentenv.db").get(sbx.sandbox_id)
         assert rec is not None and rec.address
-        http_port, ws_port = free_port(), free_port()
-        sbx.files.write(app_path, APP)
+        sbx.files.write(f"{GUEST_LIB}.tgz", websockets_tarball())
+        sbx.files.write(f"{GUEST_LIB}/app.py", APP)
+        sbx.commands.run(f"tar -xzf {GUEST_LIB}.tgz -C {GUEST_LIB}")
         sbx.commands.run(
-            f"{sys.executable} {app_path} {rec.address} {http_port} {ws_port}",
+            f"python3 {GUEST_LIB}/app.py 0.0.0.0 {HTTP_PORT} {WS_PORT}",
             background=True,
             timeout=0,
+            envs={"PYTHONPATH": GUEST_LIB},
         )
-        g = Guest(proxy_server, sbx, rec.address, http_port, ws_port)
+        g = Guest(proxy_server, sbx, rec.address, HTTP_PORT, WS_PORT)
         with httpx.Client(base_url=proxy_server.url, timeout=10) as client:
             wait_port(client, g.headers(), "/ready")
         yield g
     finally:
         sbx.kill()
-        # The local runtime's "sandbox" filesystem is the host's.
-        Path(app_path).unlink(missing_ok=True)

@@ -1,5 +1,5 @@
 """The data-plane proxy against real upstreams: a user HTTP server and a WebSocket echo server
-running in a (local-runtime) sandbox, and envd itself."""
+running in a microVM sandbox, and envd itself."""
 
 from __future__ import annotations
 
@@ -19,6 +19,8 @@ from agentenv.api.devserver import ServerProcess
 from agentenv.orchestrator.store import Store
 
 from .conftest import Guest, sdk_opts, wait_port
+
+pytestmark = pytest.mark.vm
 
 
 @pytest.fixture
@@ -133,14 +135,10 @@ def test_traffic_token_required_when_public_traffic_is_off(proxy_server: ServerP
         token = sbx.traffic_access_token
         assert token
         rec = Store(proxy_server.home / "agentenv.db").get(sbx.sandbox_id)
-        assert rec is not None
-        from agentenv.api.devserver import free_port
-
-        port = free_port()
+        assert rec is not None and rec.traffic_token == token
+        port = 8000
         sbx.commands.run(
-            f"python3 -m http.server {port} --bind {rec.address} --directory /tmp",
-            background=True,
-            timeout=0,
+            f"python3 -m http.server {port} --directory /tmp", background=True, timeout=0
         )
         hdrs = {"e2b-sandbox-id": sbx.sandbox_id, "e2b-sandbox-port": str(port)}
         with httpx.Client(base_url=proxy_server.url, timeout=10) as c:

@@ -20,6 +20,19 @@ class ServerStartError(RuntimeError):
     """The server process exited or did not answer /health in time."""
 
 
+def prepare_home(home: Path) -> Path:
+    """Make ``home`` a data dir with the `base` template registered; its rootfs is built on
+    first use and otherwise taken from the artifact cache (`AGENTENV_CACHE`)."""
+    from dataclasses import replace
+
+    from agentenv.config import Settings
+    from agentenv.template.rootfs import ensure_base
+
+    home.mkdir(parents=True, exist_ok=True)
+    ensure_base(replace(Settings.from_env(), home=home), None)
+    return home
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
