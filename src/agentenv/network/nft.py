@@ -8,11 +8,16 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+from pathlib import Path
 
 from agentenv.network.errors import NetworkError
 
 TABLE = "agentenv"
 HOST_PREFIX = "ae-h"
+IP_FORWARD = Path("/proc/sys/net/ipv4/ip_forward")
+# Present while agentenv is the reason the host forwards IPv4: the host then routes nothing
+# but slot traffic, and forwarding goes back off with the last slot.
+FORWARD_MARK = Path("/run/agentenv-ip-forward")
 
 
 async def run_in_netns(netns: str | None, script: str, stdin: str = "") -> None:
@@ -76,9 +81,15 @@ table inet {TABLE} {{
 """
 
 
-def host_ruleset() -> str:
+def host_ruleset(*, slots_only: bool = False) -> str:
     """Host-side rules shared by all slots: slots may not open connections to the host itself
-    or to each other; replies to the host's own connections pass."""
+    or to each other; replies to the host's own connections pass; nothing routed through the
+    host may open a connection into a slot (the proxy is the way in). Guest traffic leaving the
+    host is masqueraded to the outgoing interface's address. With `slots_only` (forwarding was
+    off before agentenv turned it on) the host forwards nothing that is not slot traffic."""
+    others = (
+        f'    iifname != "{HOST_PREFIX}*" oifname != "{HOST_PREFIX}*" drop\n' if slots_only else ""
+    )
     return f"""
 table inet {TABLE}
 delete table inet {TABLE}
@@ -91,7 +102,9 @@ table inet {TABLE} {{
   chain forward {{
     type filter hook forward priority filter; policy accept;
     iifname "{HOST_PREFIX}*" oifname "{HOST_PREFIX}*" drop
-  }}
+    oifname "{HOST_PREFIX}*" ct state established,related accept
+    oifname "{HOST_PREFIX}*" drop
+{others}  }}
   chain postrouting {{
     type nat hook postrouting priority srcnat; policy accept;
     iifname "{HOST_PREFIX}*" oifname != "{HOST_PREFIX}*" masquerade
@@ -100,8 +113,21 @@ table inet {TABLE} {{
 """
 
 
+def _enable_forwarding() -> bool:
+    """Turn on host IPv4 forwarding (guests reach beyond the host only through it); returns
+    whether agentenv owns that setting, i.e. it was off before the first slot."""
+    if FORWARD_MARK.exists():
+        return True
+    if IP_FORWARD.read_text().strip() == "1":
+        return False
+    FORWARD_MARK.touch()
+    IP_FORWARD.write_text("1")
+    return True
+
+
 async def apply_host_rules() -> None:
-    await run_in_netns(None, "nft -f -", host_ruleset())
+    owned = await asyncio.to_thread(_enable_forwarding)
+    await run_in_netns(None, "nft -f -", host_ruleset(slots_only=owned))
 
 
 async def host_table_exists() -> bool:
@@ -120,3 +146,11 @@ async def host_table_exists() -> bool:
 async def remove_host_rules() -> None:
     if await host_table_exists():
         await run_in_netns(None, f"nft delete table inet {TABLE}")
+    await asyncio.to_thread(_restore_forwarding)
+
+
+def _restore_forwarding() -> None:
+    """Leave the host as agentenv found it."""
+    if FORWARD_MARK.exists():
+        IP_FORWARD.write_text("0")
+        FORWARD_MARK.unlink()

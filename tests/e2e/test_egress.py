@@ -1,0 +1,156 @@
+"""Guest egress on a real microVM: the guest reaches a host beyond the node (the test's own
+"internet", a namespace it creates), but not the node's addresses, and nothing routed through
+the node can open a connection into the slot."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from agentenv.config import Settings
+from agentenv.guest.envd.client import EnvdClient
+from agentenv.network import nft
+from agentenv.orchestrator.node import Node, SandboxHandle
+
+pytestmark = pytest.mark.vm
+
+NETNS = "aet-inet"
+HOST_END, INET_END = "aet-i0", "aet-i1"
+# TEST-NET-2: documentation space, routed nowhere; both ends live on this machine.
+HOST_IP, INET_IP = "198.51.100.1", "198.51.100.2"
+PORT = 8080
+
+
+@dataclass
+class Internet:
+    node_server: subprocess.Popen[bytes]
+    inet_server: subprocess.Popen[bytes]
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True)
+
+
+def _serve(argv_prefix: list[str], bind: str, root: Path) -> subprocess.Popen[bytes]:
+    proc = subprocess.Popen(
+        [*argv_prefix, sys.executable, "-m", "http.server", str(PORT), "--bind", bind],
+        cwd=root,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    return proc
+
+
+def _wait_listening(netns: str | None, url: str) -> None:
+    prefix = ["ip", "netns", "exec", netns] if netns else []
+    for _ in range(100):
+        done = subprocess.run(
+            [
+                *prefix,
+                "python3",
+                "-c",
+                f"import urllib.request as u; u.urlopen({url!r}, timeout=1)",
+            ],
+            capture_output=True,
+            check=False,
+        )
+        if done.returncode == 0:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"{url} never answered")
+
+
+@contextlib.contextmanager
+def internet(tmp_path: Path) -> Iterator[Internet]:
+    (tmp_path / "hello.txt").write_text("from the internet\n")
+    procs: list[subprocess.Popen[bytes]] = []
+    _ip("netns", "add", NETNS)
+    try:
+        _ip("link", "add", HOST_END, "type", "veth", "peer", "name", INET_END, "netns", NETNS)
+        _ip("addr", "add", f"{HOST_IP}/30", "dev", HOST_END)
+        _ip("link", "set", HOST_END, "up")
+        ns = ["-n", NETNS]
+        _ip(*ns, "addr", "add", f"{INET_IP}/30", "dev", INET_END)
+        _ip(*ns, "link", "set", INET_END, "up")
+        _ip(*ns, "link", "set", "lo", "up")
+        # The "internet" knows the way back to the whole slot range: it will try to reach in.
+        _ip(
+            *ns,
+            "route",
+            "add",
+            Settings.from_env().network.slot_cidr.with_prefixlen,
+            "via",
+            HOST_IP,
+        )
+        procs.append(_serve(["ip", "netns", "exec", NETNS], INET_IP, tmp_path))
+        procs.append(_serve([], HOST_IP, tmp_path))
+        _wait_listening(NETNS, f"http://{INET_IP}:{PORT}/hello.txt")
+        _wait_listening(None, f"http://{HOST_IP}:{PORT}/hello.txt")
+        yield Internet(node_server=procs[1], inet_server=procs[0])
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+        with contextlib.suppress(subprocess.CalledProcessError):
+            _ip("link", "del", HOST_END)
+        _ip("netns", "del", NETNS)
+
+
+@pytest.fixture
+async def node(settings: Settings, base_template: Any) -> AsyncIterator[Node]:
+    async with Node(settings) as n:
+        yield n
+
+
+async def sh(sb: SandboxHandle, cmd: str) -> tuple[int, str]:
+    async with EnvdClient(sb.envd_url) as client:
+        res = await client.run(cmd, user="user", timeout=60)
+    return res[0], res[1]
+
+
+async def test_guest_reaches_beyond_the_node_but_not_the_node(node: Node, tmp_path: Path) -> None:
+    forwarding_before = nft.IP_FORWARD.read_text().strip()
+    with internet(tmp_path):
+        sb = await node.create("base", memory_mb=384)
+        try:
+            code, out = await sh(sb, f"curl -sS -m 20 http://{INET_IP}:{PORT}/hello.txt")
+            assert (code, out) == (0, "from the internet\n")
+
+            # The node's own address on that link serves the same file, yet stays out of reach.
+            code, _ = await sh(sb, f"curl -sS -m 5 http://{HOST_IP}:{PORT}/hello.txt")
+            assert code != 0
+
+            # From the internet side, the slot address is routed through the node but closed.
+            probe = await asyncio.to_thread(
+                subprocess.run,
+                [
+                    "ip",
+                    "netns",
+                    "exec",
+                    NETNS,
+                    "python3",
+                    "-c",
+                    f"import socket; socket.create_connection(({sb.address!r}, 49983), timeout=3)",
+                ],
+                capture_output=True,
+                check=False,
+            )
+            assert probe.returncode != 0
+            # The node itself still reaches the guest.
+            async with httpx.AsyncClient(trust_env=False) as http:
+                assert (await http.get(f"{sb.envd_url}/health")).status_code < 300
+        finally:
+            await node.delete(sb.id)
+    await node.close()
+    # With the last slot gone, host forwarding is back to what it was.
+    assert nft.IP_FORWARD.read_text().strip() == forwarding_before
