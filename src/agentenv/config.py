@@ -93,6 +93,8 @@ class Settings:
     slot_pool_low: int = 0
     slot_pool_high: int = 0
     boot_timeout_s: float = 120.0
+    # Nameservers written into a guest's /etc/resolv.conf at first boot (template build).
+    dns: tuple[str, ...] = ()
     # Create sandboxes by restoring their template's snapshot instead of booting a kernel.
     snapshots: bool = True
     # Paused sandboxes older than this are deleted (0: keep them forever).
@@ -122,6 +124,7 @@ class Settings:
             boot_timeout_s=float(_env_int("AGENTENV_BOOT_TIMEOUT", 120)),
             snapshots=_env_int("AGENTENV_SNAPSHOTS", 1) != 0,
             paused_retention_s=float(_env_int("AGENTENV_PAUSED_RETENTION", 7 * 24 * 3600)),
+            dns=_dns_servers(),
         )
 
     # Layout of the data dir. Components create what they use.
@@ -140,6 +143,35 @@ class Settings:
     @property
     def run_dir(self) -> Path:
         return self.home / "run"
+
+
+def _dns_servers() -> tuple[str, ...]:
+    """`AGENTENV_DNS` (comma-separated), else the host's own resolvers that a guest can reach
+    through its slot: a loopback resolver (systemd-resolved, dnsmasq) is the host's alone."""
+    raw = os.environ.get("AGENTENV_DNS")
+    if raw is not None:
+        servers = [s.strip() for s in raw.split(",") if s.strip()]
+        for server in servers:
+            try:
+                ipaddress.IPv4Address(server)
+            except ValueError as exc:
+                raise ConfigError(f"AGENTENV_DNS: {server!r} is not an IPv4 address") from exc
+        return tuple(servers)
+    found: list[str] = []
+    try:
+        lines = Path("/etc/resolv.conf").read_text().splitlines()
+    except OSError:
+        return ()
+    for line in lines:
+        parts = line.split()
+        if len(parts) >= 2 and parts[0] == "nameserver":
+            try:
+                addr = ipaddress.ip_address(parts[1])
+            except ValueError:
+                continue
+            if addr.version == 4 and not addr.is_loopback:
+                found.append(str(addr))
+    return tuple(found)
 
 
 def _parse_net(name: str, raw: str, max_prefix: int) -> ipaddress.IPv4Network:

@@ -3,7 +3,7 @@
 Started by the tools layer's /init after it pivoted into the sandbox rootfs, with the tools
 layer at /.agentenv. Standard library only: it runs on the tools layer's Python, whatever the
 rootfs holds. Settings come from the kernel command line (``agentenv.ip=169.254.0.2/30
-agentenv.gw=169.254.0.1 agentenv.hostname=NAME agentenv.dns=ADDR``).
+agentenv.gw=169.254.0.1 agentenv.hostname=NAME agentenv.dns=ADDR[,ADDR]``).
 """
 
 from __future__ import annotations
@@ -199,7 +199,7 @@ def write_resolv_conf(opts: Mapping[str, str]) -> None:
     dns = opts.get("dns")
     if dns and not resolv.exists() and not resolv.is_symlink():
         try:
-            resolv.write_text(f"nameserver {dns}\n")
+            resolv.write_text("".join(f"nameserver {d}\n" for d in dns.split(",") if d))
         except OSError as exc:
             log(f"resolv.conf: {exc}")
 

@@ -118,6 +118,7 @@ def guest_args(
     ]
     if hostname:
         args.append(f"agentenv.hostname={hostname}")
-    if dns:
-        args.append(f"agentenv.dns={dns}")
+    servers = dns or ",".join(settings.dns)
+    if servers:
+        args.append(f"agentenv.dns={servers}")
     return args

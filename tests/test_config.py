@@ -1,0 +1,44 @@
+"""Settings from the environment: defaults, overrides and clear errors."""
+
+from __future__ import annotations
+
+import ipaddress
+
+import pytest
+
+from agentenv.config import ConfigError, Settings
+
+
+def test_defaults_stay_out_of_rfc1918(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("AGENTENV_GUEST_CIDR", "AGENTENV_SLOT_CIDR"):
+        monkeypatch.delenv(name, raising=False)
+    net = Settings.from_env().network
+    private = [ipaddress.IPv4Network(n) for n in ("10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16")]
+    for ours in (net.guest_cidr, net.slot_cidr):
+        assert not any(ours.overlaps(p) for p in private)
+    assert net.guest_ip in net.guest_cidr and net.gateway_ip in net.guest_cidr
+
+
+def test_dns_override(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AGENTENV_DNS", "198.51.100.53, 198.51.100.54")
+    assert Settings.from_env().dns == ("198.51.100.53", "198.51.100.54")
+    monkeypatch.setenv("AGENTENV_DNS", "")
+    assert Settings.from_env().dns == ()
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "needle"),
+    [
+        ("AGENTENV_DNS", "resolver.example", "AGENTENV_DNS"),
+        ("AGENTENV_SLOT_CIDR", "198.18.0.0/31", "too small"),
+        ("AGENTENV_GUEST_CIDR", "not-a-net", "AGENTENV_GUEST_CIDR"),
+        ("AGENTENV_ACCEL", "warp", "kvm, pvm or tcg"),
+        ("AGENTENV_BOOT_TIMEOUT", "soon", "AGENTENV_BOOT_TIMEOUT"),
+    ],
+)
+def test_bad_values_are_named(
+    monkeypatch: pytest.MonkeyPatch, name: str, value: str, needle: str
+) -> None:
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ConfigError, match=needle):
+        Settings.from_env()
