@@ -106,3 +106,17 @@ class VMM(Protocol):
         """On a VM started to receive a snapshot: load RAM and device state from a stream
         written by `stream_save`, then run (or stay paused)."""
         ...
+
+    @property
+    def balloon_reclaims(self) -> bool:
+        """Whether inflating the balloon is safe and returns memory to the host."""
+        ...
+
+    async def balloon_set(self, target_bytes: int) -> None:
+        """Ask the guest to shrink to (or grow back to) `target_bytes` of RAM; returns once
+        asked, not when the guest got there."""
+        ...
+
+    async def balloon_query(self) -> int:
+        """Bytes of RAM the guest holds now (memory size minus the balloon)."""
+        ...

@@ -13,3 +13,7 @@ class VMStartError(VMMError):
 
 class AccelUnavailable(VMMError):
     """The requested accelerator cannot run guests on this host."""
+
+
+class BalloonUnsupported(VMMError):
+    """The VM has no balloon device, or reclaiming through it would be unsafe."""

@@ -18,7 +18,7 @@ from agentenv.storage.images import create_overlay_sync
 from agentenv.vmm.accel import AccelChoice
 from agentenv.vmm.base import BootSource, Drive, MachineSpec, NetIface, VMStatus
 from agentenv.vmm.cgroup import Cgroup, Limits
-from agentenv.vmm.errors import VMMError, VMStartError
+from agentenv.vmm.errors import BalloonUnsupported, VMMError, VMStartError
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +50,24 @@ _STATUS = {
     "watchdog": VMStatus.PAUSED,
     "debug": VMStatus.PAUSED,
 }
+
+
+def balloon_device(machine: MachineSpec) -> str:
+    """The balloon's QEMU device. Free page reporting only when guest RAM is anonymous: QEMU
+    7.2 discards reported (and ballooned) pages of file-backed RAM by punching holes into the
+    file even when it is mapped private, which zeroes a template snapshot under every clone
+    of it. The device set must be the same for every VM that saves or loads a snapshot, and
+    those always have a memory file, so they never negotiate the feature."""
+    opts = "virtio-balloon-device,deflate-on-oom=on"
+    if machine.mem_file is None:
+        opts += ",free-page-reporting=on"
+    return opts
+
+
+def balloon_reclaims(machine: MachineSpec) -> bool:
+    """Whether inflating the balloon returns memory to the host without touching a file that
+    other guests map: anonymous RAM, or a memory file of this VM's own (shared mapping)."""
+    return machine.balloon and (machine.mem_file is None or machine.mem_shared)
 
 
 def cgroup_limits(machine: MachineSpec) -> Limits:
@@ -154,7 +172,7 @@ class QemuVM:
                 f"virtio-net-device,netdev=n0,mac={self.net.mac}",
             ]
         if m.balloon:
-            args += ["-device", "virtio-balloon-device,free-page-reporting=on,deflate-on-oom=on"]
+            args += ["-device", balloon_device(m)]
         if self.incoming:
             args += ["-S", "-incoming", "defer"]
         return args
@@ -426,3 +444,35 @@ class QemuVM:
         if self.incoming:
             await self._ignore_shared(False)
         await self._migrate_in(stream_path, "RAM restore", run)
+
+    # -- balloon ----------------------------------------------------------------------------
+
+    @property
+    def balloon_reclaims(self) -> bool:
+        return balloon_reclaims(self.machine)
+
+    async def balloon_set(self, target_bytes: int) -> None:
+        """Ask the guest to give back memory until it has `target_bytes` (the full size
+        deflates). Returns at once; the guest moves towards the target on its own
+        (`balloon_query`). Inflating a guest whose RAM is a private mapping of a shared file
+        raises `BalloonUnsupported` (see `balloon_device`)."""
+        full = self.machine.memory_mb * 1024 * 1024
+        if not self.machine.balloon:
+            raise BalloonUnsupported(f"{self.name} has no balloon device")
+        if not 0 < target_bytes <= full:
+            raise VMMError(f"{self.name}: balloon target {target_bytes} is outside 1..{full} bytes")
+        if target_bytes < full and not self.balloon_reclaims:
+            raise BalloonUnsupported(
+                f"{self.name}: RAM is a private mapping of a shared snapshot file; "
+                "inflating the balloon would punch holes into that file"
+            )
+        await self._execute("balloon", {"value": target_bytes})
+
+    async def balloon_query(self) -> int:
+        """Bytes of RAM the guest holds now (guest memory minus the balloon)."""
+        if not self.machine.balloon:
+            raise BalloonUnsupported(f"{self.name} has no balloon device")
+        reply = await self._execute("query-balloon")
+        if not isinstance(reply, dict) or not isinstance(reply.get("actual"), int):
+            raise VMMError(f"{self.name}: query-balloon answered {reply!r}")
+        return int(reply["actual"])
