@@ -1,23 +1,24 @@
-"""The `aenv` client commands against a server booting real microVMs; the interactive shell is
-driven through tmux like a person at a terminal."""
+"""The `aenv` client commands against a server whose sandboxes are real microVMs: auth, keys and
+errors, detached start/exec/pause/resume/rm, and the interactive shell, driven through tmux like
+a person at a terminal."""
 
 from __future__ import annotations
 
 import json
 import os
 import shutil
+import stat
 import subprocess
 import sys
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import replace
+from pathlib import Path
 
 import httpx
 import pytest
 
-from agentenv.api.devserver import ServerProcess
-from agentenv.config import Settings
+from agentenv.api.devserver import ServerProcess, prepare_home
 
 pytestmark = pytest.mark.vm
 
@@ -26,11 +27,8 @@ CLI = [sys.executable, "-m", "agentenv.cli.client"]
 
 @pytest.fixture(scope="module")
 def vm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    from agentenv.template.rootfs import ensure_base
-
-    home = tmp_path_factory.mktemp("cli-home")
-    ensure_base(replace(Settings.from_env(), home=home), None)
-    srv = ServerProcess(home, runtime="vm", ready_timeout_s=180).start()
+    home = prepare_home(tmp_path_factory.mktemp("cli-home"))
+    srv = ServerProcess(home, ready_timeout_s=180).start()
     try:
         yield srv
     finally:
@@ -50,10 +48,53 @@ def cli_env(vm_server: ServerProcess, tmp_path: object) -> dict[str, str]:
     return env
 
 
+@pytest.fixture
+def saved_auth_env(vm_server: ServerProcess, tmp_path: Path) -> dict[str, str]:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("E2B_", "AGENTENV_"))}
+    # No URL or key in the environment: commands must use what `aenv auth` saved.
+    clean.update(
+        {"XDG_CONFIG_HOME": str(tmp_path / "config"), "AGENTENV_HOME": str(vm_server.home)}
+    )
+    return clean
+
+
 def aenv(env: dict[str, str], *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [*CLI, *args], env=env, capture_output=True, text=True, timeout=timeout, check=False
     )
+
+
+def test_auth_keys_and_errors(
+    vm_server: ServerProcess, saved_auth_env: dict[str, str], tmp_path: Path
+) -> None:
+    env = saved_auth_env
+    bad = aenv(env, "auth", "--url", vm_server.url, "--key", "aenv_nope")
+    assert bad.returncode == 1 and "invalid API key" in bad.stderr
+    ok = aenv(env, "auth", "--url", vm_server.url, "--key", vm_server.api_key)
+    assert ok.returncode == 0, ok.stderr
+    saved = tmp_path / "config" / "agentenv" / "client.json"
+    assert stat.S_IMODE(saved.stat().st_mode) == 0o600
+    assert json.loads(saved.read_text())["url"] == vm_server.url
+    assert aenv(env, "ls").returncode == 0
+
+    created = aenv(env, "keys", "create", "ci")
+    assert created.returncode == 0, created.stderr
+    secret = created.stdout.strip()
+    assert secret.startswith("aenv_")
+    keys = json.loads(aenv(env, "keys", "ls").stdout)
+    ci = next(k for k in keys if k["name"] == "ci")
+    assert secret not in json.dumps(keys)
+
+    as_ci = {**env, "E2B_API_KEY": secret}
+    assert aenv(as_ci, "ls").returncode == 0
+    assert aenv(env, "keys", "revoke", ci["id"]).returncode == 0
+    denied = aenv(as_ci, "ls")
+    assert denied.returncode == 1 and "invalid API key" in denied.stderr
+    again = aenv(env, "keys", "revoke", ci["id"])
+    assert again.returncode == 1 and len(again.stderr.strip().splitlines()) == 1
+
+    down = aenv({**env, "AGENTENV_URL": "http://127.0.0.1:9"}, "ls")
+    assert down.returncode == 1 and "cannot reach" in down.stderr
 
 
 def _pane(session: str) -> str:
@@ -132,15 +173,26 @@ def test_detached_start_exec_ls_and_rm(vm_server: ServerProcess, cli_env: dict[s
         assert [r["sandboxID"] for r in rows] == [sid]
 
         assert aenv(cli_env, "timeout", sid, "120").returncode == 0
+        # Pause and resume keep the guest as it was (/tmp is in its memory).
+        marked = aenv(cli_env, "exec", sid, "--", "sh", "-c", "echo kept > /tmp/mark")
+        assert marked.returncode == 0, marked.stderr
         paused = aenv(cli_env, "pause", sid)
-        assert paused.returncode == 1 and "snapshot" in paused.stderr
-        assert len(paused.stderr.strip().splitlines()) == 1
+        assert paused.returncode == 0, paused.stderr
+        twice = aenv(cli_env, "pause", sid)
+        assert twice.returncode == 1 and "paused" in twice.stderr
+        assert len(twice.stderr.strip().splitlines()) == 1
+        resumed = aenv(cli_env, "resume", sid)
+        assert resumed.returncode == 0, resumed.stderr
+        mark = aenv(cli_env, "exec", sid, "--", "cat", "/tmp/mark")
+        assert (mark.returncode, mark.stdout) == (0, "kept\n"), mark.stderr
         logs = aenv(cli_env, "logs", sid)
         assert "timeout set to 120s" in logs.stdout
+        assert "paused" in logs.stdout and "resumed" in logs.stdout
     finally:
         assert aenv(cli_env, "rm", sid).returncode == 0
     again = aenv(cli_env, "rm", sid)
     assert again.returncode == 1 and "not found" in again.stderr
     assert len(again.stderr.strip().splitlines()) == 1
+    assert aenv(cli_env, "exec", sid, "--", "true").returncode == 1
     missing = aenv(cli_env, "start", "-d", "no-such-template")
     assert missing.returncode == 1 and "no-such-template" in missing.stderr
