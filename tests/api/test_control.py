@@ -38,7 +38,7 @@ def _create(api: httpx.Client, **body: object) -> dict[str, object]:
 def _assert_error(resp: httpx.Response, status: int) -> dict[str, object]:
     assert resp.status_code == status, resp.text
     assert resp.headers["content-type"].startswith("application/json")
-    body = resp.json()
+    body: dict[str, object] = resp.json()
     assert body["code"] == status
     assert isinstance(body["message"], str) and body["message"]
     return body

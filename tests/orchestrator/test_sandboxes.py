@@ -211,7 +211,7 @@ async def test_pause_and_resume_keep_the_guest_running_where_it_was(
     mgr: SandboxManager,
 ) -> None:
     rec = await mgr.create(CreateSpec("base", timeout=60, env_vars={"FOO": "bar"}))
-    assert rec.envd_token
+    assert rec.envd_token and rec.envd_url
     pid = _qemu_pid(mgr, rec)
     # /tmp is a tmpfs: only a memory snapshot brings the file back.
     async with EnvdClient(rec.envd_url, access_token=rec.envd_token) as guest:
