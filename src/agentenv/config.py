@@ -99,6 +99,11 @@ class Settings:
     snapshots: bool = True
     # Paused sandboxes older than this are deleted (0: keep them forever).
     paused_retention_s: float = 7 * 24 * 3600.0
+    # Balloon of a sandbox without envd traffic for this long is inflated to the floor (0: off).
+    idle_reclaim_s: float = 60.0
+    balloon_floor_mb: int = 128
+    # Host memory use in percent above which the idlest sandboxes are inflated (0: off).
+    memory_pressure_pct: float = 80.0
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -110,6 +115,15 @@ class Settings:
         accel = os.environ.get("AGENTENV_ACCEL") or None
         if accel is not None and accel not in ("kvm", "pvm", "tcg"):
             raise ConfigError(f"AGENTENV_ACCEL={accel!r}: expected kvm, pvm or tcg")
+        pressure = _env_int("AGENTENV_MEMORY_PRESSURE_PCT", 80)
+        if not 0 <= pressure <= 100:
+            raise ConfigError(f"AGENTENV_MEMORY_PRESSURE_PCT={pressure}: expected 0..100")
+        floor = _env_int("AGENTENV_BALLOON_FLOOR_MB", 128)
+        if floor < 64:
+            raise ConfigError(f"AGENTENV_BALLOON_FLOOR_MB={floor}: a guest needs at least 64")
+        idle = _env_int("AGENTENV_IDLE_RECLAIM_S", 60)
+        if idle < 0:
+            raise ConfigError(f"AGENTENV_IDLE_RECLAIM_S={idle}: expected 0 (off) or more")
         return cls(
             home=_env_path("AGENTENV_HOME", Path("/var/lib/agentenv")),
             cache=_env_path("AGENTENV_CACHE", Path.home() / ".cache" / "agentenv"),

@@ -32,8 +32,9 @@ class AgentenvApp:
         self.manager = manager
         self.keys = keys
         self.control = build_control_app(ControlContext(manager, keys, templates, domain))
-        self.proxy = SandboxProxy(self._resolve, manager.metrics)
+        self.proxy = SandboxProxy(self._resolve, manager.metrics, manager.note_activity)
         manager.metrics.watch_states(manager.store.count_by_state)
+        manager.metrics.watch_host_memory(manager.host_memory_all)
         self._started = False
 
     async def startup(self) -> None:

@@ -250,7 +250,8 @@ def build_control_app(ctx: ControlContext) -> FastAPI:
                 break
             page.append(rec)
         headers = {"x-next-token": _encode_token(page[-1].seq)} if more else {}
-        return JSONResponse([views.listed(r) for r in page], headers=headers)
+        body = [views.host_memory(views.listed(r), mgr.host_memory(r)) for r in page]
+        return JSONResponse(body, headers=headers)
 
     @app.get("/sandboxes", tags=["sandboxes"])
     async def list_v1(request: Request, _: Auth) -> JSONResponse:
@@ -260,7 +261,7 @@ def build_control_app(ctx: ControlContext) -> FastAPI:
             for r in mgr.store.select([SandboxState.RUNNING, SandboxState.PAUSING])
             if all(r.metadata.get(k) == v for k, v in meta.items())
         ]
-        return JSONResponse([views.listed(r) for r in recs])
+        return JSONResponse([views.host_memory(views.listed(r), mgr.host_memory(r)) for r in recs])
 
     # -- one sandbox -----------------------------------------------------------------------
 
@@ -269,7 +270,7 @@ def build_control_app(ctx: ControlContext) -> FastAPI:
         rec = mgr.get(sandbox_id)
         if views.listed_state(rec) is None:
             raise SandboxNotFound(sandbox_id)
-        return JSONResponse(views.detail(rec, ctx.domain))
+        return JSONResponse(views.host_memory(views.detail(rec, ctx.domain), mgr.host_memory(rec)))
 
     @app.delete("/sandboxes/{sandbox_id}", status_code=204, tags=["sandboxes"])
     async def kill(sandbox_id: str, _: Auth) -> Response:
@@ -356,7 +357,9 @@ def build_control_app(ctx: ControlContext) -> FastAPI:
     async def sandbox_metrics(sandbox_id: str, _: Auth) -> JSONResponse:
         rec = mgr.get(sandbox_id)
         raw = await mgr.guest_metrics(rec)
-        return JSONResponse([_metric_sample(rec, raw)] if raw else [])
+        if not raw:
+            return JSONResponse([])
+        return JSONResponse([views.host_memory(_metric_sample(rec, raw), mgr.host_memory(rec))])
 
     @app.get("/sandboxes/{sandbox_id}/logs", tags=["sandboxes"])
     async def logs_v1(

@@ -5,6 +5,7 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Any
 
+from agentenv.orchestrator.memory import HostMemory
 from agentenv.orchestrator.runtime import TemplateInfo
 from agentenv.orchestrator.store import LogLine, SandboxRecord, SandboxState
 
@@ -71,6 +72,14 @@ def detail(rec: SandboxRecord, domain: str | None) -> dict[str, Any]:
             },
         }
     )
+    return body
+
+
+def host_memory(body: dict[str, Any], mem: HostMemory | None) -> dict[str, Any]:
+    """Adds what the sandbox holds on the host (PSS, MiB) when it runs; the SDK keeps fields
+    it does not know as additional properties."""
+    if mem is not None:
+        body["hostMemoryPssMB"] = round(mem.pss / (1024 * 1024), 1)
     return body
 
 

@@ -12,6 +12,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from agentenv.orchestrator.memory import HostMemory
 from agentenv.orchestrator.store import SandboxState
 
 _LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 3, 5, 8, 13, 20, 30, 60, 120)
@@ -30,6 +31,29 @@ class _StateCollector(Collector):
             if state is not SandboxState.GONE:
                 family.add_metric([state.value], counts.get(state.value, 0))
         return [family]
+
+
+class _HostMemoryCollector(Collector):
+    """Per running sandbox, read at scrape time: a sandbox's series ends with it."""
+
+    def __init__(self, samples: Callable[[], dict[str, HostMemory]]) -> None:
+        self._samples = samples
+
+    def collect(self) -> list[GaugeMetricFamily]:
+        pss = GaugeMetricFamily(
+            "agentenv_sandbox_host_pss_bytes",
+            "Host memory of a running sandbox's VMM process (proportional set size)",
+            labels=["sandbox_id"],
+        )
+        rss = GaugeMetricFamily(
+            "agentenv_sandbox_host_rss_bytes",
+            "Resident memory of a running sandbox's VMM process (shared pages counted in full)",
+            labels=["sandbox_id"],
+        )
+        for sandbox_id, mem in sorted(self._samples().items()):
+            pss.add_metric([sandbox_id], mem.pss)
+            rss.add_metric([sandbox_id], mem.rss)
+        return [pss, rss]
 
 
 class Metrics:
@@ -67,3 +91,6 @@ class Metrics:
 
     def watch_states(self, counts: Callable[[], dict[str, int]]) -> None:
         self.registry.register(_StateCollector(counts))
+
+    def watch_host_memory(self, samples: Callable[[], dict[str, HostMemory]]) -> None:
+        self.registry.register(_HostMemoryCollector(samples))

@@ -32,6 +32,7 @@ import httpx
 from agentenv import snapshot as snaps
 from agentenv.config import ENVD_PORT, Settings
 from agentenv.network import Slot, SlotPool
+from agentenv.orchestrator.memory import HostMemory, MemoryManager, MemoryPolicy, host_memory
 from agentenv.orchestrator.node_errors import (
     BootFailed,
     CpuOutOfRange,
@@ -130,6 +131,15 @@ class Node:
         self._accel: AccelChoice | None = None
         self._boot: _Boot | None = None
         self._image: GuestImage | None = None
+        # Balloons of idle sandboxes (orchestrator.memory); captures hold it off a sandbox.
+        self.memory = MemoryManager(
+            self.list,
+            MemoryPolicy(
+                idle_s=settings.idle_reclaim_s,
+                floor_mb=settings.balloon_floor_mb,
+                pressure_pct=settings.memory_pressure_pct,
+            ),
+        )
 
     @property
     def accel(self) -> AccelChoice:
@@ -162,6 +172,7 @@ class Node:
         )
         self.settings.sandboxes_dir.mkdir(parents=True, exist_ok=True)
         await self.pool.start()
+        self.memory.start()
 
     @property
     def image(self) -> GuestImage:
@@ -172,6 +183,7 @@ class Node:
     async def close(self) -> None:
         """Delete every running sandbox of this node and release pooled slots. Paused
         sandboxes stay on disk: a later node resumes them."""
+        await self.memory.close()
         for sandbox_id, sb in list(self._sandboxes.items()):
             if sb.paused:
                 self._sandboxes.pop(sandbox_id, None)
@@ -204,6 +216,12 @@ class Node:
         if sb is not None and not sb.paused:
             return sb.vm.pid is not None and sb.vm.exit_code is None
         return self._paused_on_disk(sandbox_id)
+
+    def host_memory(self, sandbox_id: str) -> HostMemory | None:
+        """What the sandbox's QEMU holds on the host (PSS), None unless it runs."""
+        sb = self._sandboxes.get(sandbox_id)
+        pid = None if sb is None or sb.paused else sb.vm.pid
+        return None if pid is None else host_memory(pid)
 
     def _paused_on_disk(self, sandbox_id: str) -> bool:
         if "/" in sandbox_id or sandbox_id in ("", ".", ".."):
@@ -377,6 +395,7 @@ class Node:
 
     async def delete(self, sandbox_id: str) -> None:
         sb = self._sandboxes.pop(sandbox_id, None)
+        self.memory.forget(sandbox_id)
         if sb is None:
             if not self._paused_on_disk(sandbox_id):
                 raise UnknownSandbox(f"sandbox {sandbox_id!r} does not exist")
@@ -518,7 +537,8 @@ class Node:
         """Save the sandbox into its workdir; its QEMU exits and its slot is released."""
         sb, machine = self._machine(sandbox_id)
         try:
-            await snaps.pause(machine, self.repo, self.image)
+            async with self.memory.hold(sandbox_id):
+                await snaps.pause(machine, self.repo, self.image)
         except SnapshotError as exc:
             raise SandboxError(str(exc)) from exc
         sb.paused = True
@@ -563,15 +583,16 @@ class Node:
         start from it by name. Unnamed ones get a generated name."""
         sb, machine = self._machine(sandbox_id)
         label = name or f"snapshot-{secrets.token_hex(6)}"
-        cap = await snaps.capture(
-            machine,
-            self.repo,
-            self.layers,
-            self.image,
-            keep_running=True,
-            names=[label],
-            envd_token=envd_token,
-        )
+        async with self.memory.hold(sandbox_id):
+            cap = await snaps.capture(
+                machine,
+                self.repo,
+                self.layers,
+                self.image,
+                keep_running=True,
+                names=[label],
+                envd_token=envd_token,
+            )
         sb.vm, sb.upper = machine.vm, machine.upper
         return cap.snapshot
 
@@ -589,9 +610,10 @@ class Node:
                 workdir = self.settings.sandboxes_dir / child_id
                 await asyncio.to_thread(workdir.mkdir, 0o700, False, False)
                 targets.append(ForkTarget(child_id, workdir, await self.pool.acquire()))
-            res = await snaps.fork(
-                machine, targets, self.repo, self.layers, self.image, envd_token=envd_token
-            )
+            async with self.memory.hold(sandbox_id):
+                res = await snaps.fork(
+                    machine, targets, self.repo, self.layers, self.image, envd_token=envd_token
+                )
         except BaseException:
             for t in targets:
                 await self.pool.release(t.slot)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from agentenv import snapshot as snaps
 from agentenv.config import Settings
 from agentenv.orchestrator.errors import BadRequest
+from agentenv.orchestrator.memory import HostMemory
 from agentenv.orchestrator.node import Node, SandboxHandle
 from agentenv.orchestrator.node_errors import (
     InvalidResources,
@@ -92,6 +93,12 @@ class NodeRuntime:
         except NotPausable as exc:
             raise Unsupported(str(exc)) from exc
         return [_placement(h) for h in children]
+
+    def note_activity(self, runtime_id: str) -> None:
+        self.node.memory.note_activity(runtime_id)
+
+    def host_memory(self, runtime_id: str) -> HostMemory | None:
+        return self.node.host_memory(runtime_id)
 
     def snapshots(self) -> list[SnapshotInfo]:
         return [

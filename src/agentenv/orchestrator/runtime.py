@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+from agentenv.orchestrator.memory import HostMemory
+
 
 @dataclass(frozen=True)
 class Placement:
@@ -81,6 +83,14 @@ class Runtime(Protocol):
 
     def snapshots(self) -> list[SnapshotInfo]:
         """Persistent snapshots (not template snapshots or fork captures)."""
+        ...
+
+    def note_activity(self, runtime_id: str) -> None:
+        """Traffic reached the sandbox (the proxy calls this): it is not idle."""
+        ...
+
+    def host_memory(self, runtime_id: str) -> HostMemory | None:
+        """What a running sandbox holds on the host (PSS of its VMM), None if not running."""
         ...
 
 

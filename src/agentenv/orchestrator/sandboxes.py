@@ -32,6 +32,7 @@ from agentenv.orchestrator.errors import (
     SandboxNotFound,
     TemplateNotFound,
 )
+from agentenv.orchestrator.memory import HostMemory
 from agentenv.orchestrator.metrics import Metrics
 from agentenv.orchestrator.runtime import (
     Placement,
@@ -179,6 +180,24 @@ class SandboxManager:
             )
             return None
         return body if isinstance(body, dict) else None
+
+    def note_activity(self, rec: SandboxRecord) -> None:
+        """The proxy passed traffic to this sandbox (it is not idle)."""
+        self.runtime.note_activity(rec.runtime_id or rec.id)
+
+    def host_memory(self, rec: SandboxRecord) -> HostMemory | None:
+        if rec.state is not SandboxState.RUNNING:
+            return None
+        return self.runtime.host_memory(rec.runtime_id or rec.id)
+
+    def host_memory_all(self) -> dict[str, HostMemory]:
+        """Host memory of every running sandbox, by sandbox id."""
+        out: dict[str, HostMemory] = {}
+        for rec in self.store.select([SandboxState.RUNNING]):
+            mem = self.host_memory(rec)
+            if mem is not None:
+                out[rec.id] = mem
+        return out
 
     # -- transitions -----------------------------------------------------------------------
 

@@ -30,6 +30,8 @@ from agentenv.proxy.wire import Receive, Scope, Send, send_json
 log = logging.getLogger("agentenv.proxy")
 
 Resolver = Callable[[str], Awaitable[SandboxRecord | None]]
+# Told about every request that reaches a sandbox (memory reclaim keys idleness off it).
+ActivityHook = Callable[[SandboxRecord], None]
 
 _HOP_BY_HOP = frozenset(
     (
@@ -76,9 +78,12 @@ def not_found_body(sandbox_id: str) -> dict[str, Any]:
 
 
 class SandboxProxy:
-    def __init__(self, resolve: Resolver, metrics: Metrics) -> None:
+    def __init__(
+        self, resolve: Resolver, metrics: Metrics, on_activity: ActivityHook | None = None
+    ) -> None:
         self._resolve = resolve
         self._metrics = metrics
+        self._on_activity = on_activity
         self._pools: dict[str, tuple[str, httpx.AsyncClient]] = {}
 
     async def close(self) -> None:
@@ -129,6 +134,8 @@ class SandboxProxy:
                     },
                 )
                 return None
+        if self._on_activity is not None:
+            self._on_activity(rec)
         return rec
 
     # -- HTTP ------------------------------------------------------------------------------
@@ -255,6 +262,8 @@ class SandboxProxy:
                     send, 403, {"code": 403, "message": f"missing {TRAFFIC_TOKEN_HEADER}"}
                 )
                 return
+        if self._on_activity is not None:
+            self._on_activity(rec)
         query = scope.get("query_string", b"")
         url = f"ws://{rec.address}:{target.port}{target.path}"
         if query:
