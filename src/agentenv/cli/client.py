@@ -231,6 +231,9 @@ def ls(
     metadata: Annotated[
         list[str] | None, typer.Option("--metadata", "-m", help="KEY=VALUE filter.")
     ] = None,
+    wide: bool = typer.Option(
+        False, "--wide", "-w", help="Also CPU, memory and host memory (PSS) columns."
+    ),
 ) -> None:
     """List sandboxes (a table on a terminal, JSON when piped)."""
 
@@ -257,11 +260,13 @@ def ls(
         return rows
 
     rows = _guard(run)
-    _emit(
-        rows,
-        [("ID", "sandboxID"), ("TEMPLATE", "templateID"), ("STATE", "state"),
-         ("STARTED", "startedAt"), ("ENDS", "endAt"), ("METADATA", "metadata")],
-    )  # fmt: skip
+    columns = [("ID", "sandboxID"), ("TEMPLATE", "templateID"), ("STATE", "state"),
+               ("STARTED", "startedAt"), ("ENDS", "endAt"), ("METADATA", "metadata")]  # fmt: skip
+    if wide:
+        # hostMemoryPssMB: what the sandbox's VM really holds on the host (running only).
+        columns[3:3] = [("CPU", "cpuCount"), ("MEMORY MB", "memoryMB"),
+                        ("HOST PSS MB", "hostMemoryPssMB")]  # fmt: skip
+    _emit(rows, columns)
 
 
 @client_app.command()
