@@ -139,6 +139,9 @@ class Settings:
             snapshots=_env_int("AGENTENV_SNAPSHOTS", 1) != 0,
             paused_retention_s=float(_env_int("AGENTENV_PAUSED_RETENTION", 7 * 24 * 3600)),
             dns=_dns_servers(),
+            idle_reclaim_s=float(idle),
+            balloon_floor_mb=floor,
+            memory_pressure_pct=float(pressure),
         )
 
     # Layout of the data dir. Components create what they use.

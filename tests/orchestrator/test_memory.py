@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from agentenv.config import Settings
+from agentenv.config import ConfigError, Settings
 from agentenv.guest.envd.client import EnvdClient
 from agentenv.orchestrator.memory import (
     DEFLATED_SLACK,
@@ -100,6 +100,34 @@ def test_host_pressure_reads_this_host() -> None:
     assert 0.0 < hp.used_fraction < 1.0
     if os.path.exists("/proc/pressure/memory"):
         assert hp.psi_some_avg10 is not None
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "needle"),
+    [
+        ("AGENTENV_BALLOON_FLOOR_MB", "10", "at least 64"),
+        ("AGENTENV_MEMORY_PRESSURE_PCT", "150", "0..100"),
+        ("AGENTENV_IDLE_RECLAIM_S", "-1", "or more"),
+        ("AGENTENV_IDLE_RECLAIM_S", "soon", "not an integer"),
+    ],
+)
+def test_bad_memory_settings_are_one_line_errors(
+    monkeypatch: pytest.MonkeyPatch, name: str, value: str, needle: str
+) -> None:
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ConfigError, match=needle) as err:
+        Settings.from_env()
+    assert "\n" not in str(err.value)
+
+
+def test_memory_settings_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    s = Settings.from_env()
+    assert (s.idle_reclaim_s, s.balloon_floor_mb, s.memory_pressure_pct) == (60.0, 128, 80.0)
+    monkeypatch.setenv("AGENTENV_IDLE_RECLAIM_S", "0")
+    monkeypatch.setenv("AGENTENV_BALLOON_FLOOR_MB", "256")
+    monkeypatch.setenv("AGENTENV_MEMORY_PRESSURE_PCT", "0")
+    s = Settings.from_env()
+    assert (s.idle_reclaim_s, s.balloon_floor_mb, s.memory_pressure_pct) == (0.0, 256, 0.0)
 
 
 # -- on microVMs -------------------------------------------------------------------------------
