@@ -64,7 +64,7 @@ def vm_server(tmp_path_factory: pytest.TempPathFactory) -> Any:
 
     home = tmp_path_factory.mktemp("sdk-home")
     ensure_base(replace(Settings.from_env(), home=home), None)
-    srv = ServerProcess(home, runtime="vm", domain="sbx.test", ready_timeout_s=180).start()
+    srv = ServerProcess(home, domain="sbx.test", ready_timeout_s=180).start()
     try:
         yield srv
     finally:

@@ -120,6 +120,23 @@ async def test_create_inits_envd_and_kill_releases_it(mgr: SandboxManager) -> No
 
 
 @pytest.mark.vm
+async def test_create_after_kill_reuses_the_slot_address(mgr: SandboxManager) -> None:
+    """A freed slot's address goes to the next sandbox at once (create is a ~1 s restore):
+    nothing may reach the new VM over a connection pooled for the previous one."""
+    addresses = []
+    for _ in range(2):
+        first = await mgr.create(CreateSpec("base", timeout=60))
+        await mgr.kill(first.id)
+        rec = await mgr.create(CreateSpec("base", timeout=60))
+        addresses += [first.address, rec.address]
+        assert rec.envd_token
+        async with EnvdClient(rec.envd_url, access_token=rec.envd_token) as envd:
+            assert (await envd.run("echo ok", timeout=30)).stdout == "ok\n"
+        await mgr.kill(rec.id)
+    assert len(set(addresses)) < len(addresses), f"no slot address was reused: {addresses}"
+
+
+@pytest.mark.vm
 async def test_concurrent_kills_are_serialised_and_only_one_wins(mgr: SandboxManager) -> None:
     rec = await mgr.create(CreateSpec("base", timeout=60))
     pid = _qemu_pid(mgr, rec)

@@ -34,6 +34,8 @@ class AgentenvApp:
         self.control = build_control_app(ControlContext(manager, keys, templates, domain))
         self.proxy = SandboxProxy(self._resolve, manager.metrics, manager.note_activity)
         manager.metrics.watch_states(manager.store.count_by_state)
+        # Pooled connections to a killed or paused sandbox's VM are dead: never reuse them.
+        manager.on_release.append(self.proxy.drop)
         manager.metrics.watch_host_memory(manager.host_memory_all)
         self._started = False
 

@@ -17,7 +17,7 @@ import logging
 import secrets
 import string
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -110,7 +110,16 @@ class SandboxManager:
         self._locks: dict[str, asyncio.Lock] = {}
         self._reaper: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
-        self._http = httpx.AsyncClient(timeout=httpx.Timeout(10.0), trust_env=False)
+        # No keep-alive: a freed slot's address goes to the next sandbox, and a pooled
+        # connection to the previous VM there would fail that sandbox's first `/init`.
+        self._http = httpx.AsyncClient(
+            timeout=httpx.Timeout(10.0),
+            trust_env=False,
+            limits=httpx.Limits(max_keepalive_connections=0),
+        )
+        # Called with a sandbox id once it stops being reachable (killed or paused), e.g. so
+        # the proxy closes its connections to it.
+        self.on_release: list[Callable[[str], Awaitable[None]]] = []
 
     # -- lifecycle of the manager ----------------------------------------------------------
 
@@ -315,6 +324,13 @@ class SandboxManager:
         if resp.status_code >= 300:
             raise CreateFailed(f"envd /init answered {resp.status_code}: {resp.text[:200]}")
 
+    async def _released(self, sandbox_id: str) -> None:
+        for hook in self.on_release:
+            try:
+                await hook(sandbox_id)
+            except Exception as exc:
+                log.warning("sandbox %s release hook failed: %r", sandbox_id, exc)
+
     async def _reinit_envd(self, rec: SandboxRecord, placement: Placement) -> None:
         """After a resume: the guest's clock stood still while it was paused."""
         body = {
@@ -426,6 +442,7 @@ class SandboxManager:
                     )
                     self.store.log(sandbox_id, f"delete failed: {exc!r}", "error")
             self.store.transition(sandbox_id, SandboxState.KILLING, SandboxState.GONE)
+            await self._released(sandbox_id)
             self.store.log(sandbox_id, reason)
             log.info("sandbox %s gone (%s)", sandbox_id, reason, extra={"sandbox_id": sandbox_id})
 
@@ -516,6 +533,7 @@ class SandboxManager:
             self.store.transition(
                 sandbox_id, SandboxState.PAUSING, SandboxState.PAUSED, address=None
             )
+            await self._released(sandbox_id)
             self.store.log(sandbox_id, "paused")
 
     # -- timeouts --------------------------------------------------------------------------
