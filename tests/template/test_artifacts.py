@@ -34,11 +34,13 @@ def test_cmdline_depends_on_accel_and_boot_path(tmp_path: Path) -> None:
 
 
 def test_guest_args_follow_the_address_plan(settings: Settings) -> None:
-    assert guest_args(settings, hostname="sb1") == [
+    assert guest_args(replace(settings, dns=()), hostname="sb1") == [
         "agentenv.ip=169.254.0.2/30",
         "agentenv.gw=169.254.0.1",
         "agentenv.hostname=sb1",
     ]
+    with_dns = replace(settings, dns=("198.51.100.53", "198.51.100.54"))
+    assert guest_args(with_dns)[-1] == "agentenv.dns=198.51.100.53,198.51.100.54"
 
 
 def test_user_kernel_overrides_and_is_checked(settings: Settings, tmp_path: Path) -> None:
