@@ -33,8 +33,10 @@ def setup(
         False, "--skip-packages", help="Do not install missing Debian packages."
     ),
 ) -> None:
-    """Install host packages and build (or reuse from cache) the guest kernel, tools layer and
-    the `base` template. Safe to run again: a second run is a cache hit."""
+    """Install host packages; build the guest kernel, tools layer and `base` template.
+
+    Everything is cached by its inputs, so a second run is a cache hit that takes seconds.
+    """
     from agentenv.cli.progress import step_progress
     from agentenv.hostdeps import ensure_host_packages
     from agentenv.template.artifacts import ensure_all
