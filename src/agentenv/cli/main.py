@@ -5,6 +5,7 @@ Heavy imports happen inside the commands so `aenv --help` and client commands st
 
 from __future__ import annotations
 
+import asyncio
 import os
 import sys
 import time
@@ -39,6 +40,7 @@ def setup(
     """
     from agentenv.cli.progress import step_progress
     from agentenv.hostdeps import ensure_host_packages
+    from agentenv.snapshot import ensure_template_snapshot
     from agentenv.template.artifacts import ensure_all
     from agentenv.template.rootfs import ensure_base
 
@@ -48,6 +50,16 @@ def setup(
         installed = [] if skip_packages else ensure_host_packages(progress)
         artifacts = ensure_all(settings, progress)
         template = ensure_base(settings, progress)
+        snapshot = None
+        if settings.snapshots:
+            # Templates are snapshots: boot `base` once in the default shape and capture it,
+            # so the first sandbox is a resume, not a boot.
+            progress("capturing the base template snapshot")
+            snapshot = asyncio.run(
+                ensure_template_snapshot(
+                    settings, "base", settings.default_memory_mb, settings.default_cpu
+                )
+            )
     elapsed = time.monotonic() - started
     if installed:
         console.print(f"installed packages: {' '.join(installed)}")
@@ -56,6 +68,8 @@ def setup(
     console.print(
         f"template {template.name}: {len(template.layers)} layer(s), {template.size_mb} MB"
     )
+    if snapshot is not None:
+        console.print(f"template snapshot: {snapshot.id}")
     console.print(f"setup finished in {elapsed:.1f} s")
 
 
