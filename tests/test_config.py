@@ -26,6 +26,14 @@ def test_dns_override(monkeypatch: pytest.MonkeyPatch) -> None:
     assert Settings.from_env().dns == ()
 
 
+def test_auto_resume_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("AGENTENV_AUTO_RESUME", raising=False)
+    assert Settings.from_env().auto_resume is True
+    for raw, expected in (("0", False), ("false", False), ("1", True), ("TRUE", True)):
+        monkeypatch.setenv("AGENTENV_AUTO_RESUME", raw)
+        assert Settings.from_env().auto_resume is expected
+
+
 @pytest.mark.parametrize(
     ("name", "value", "needle"),
     [
@@ -34,6 +42,7 @@ def test_dns_override(monkeypatch: pytest.MonkeyPatch) -> None:
         ("AGENTENV_GUEST_CIDR", "not-a-net", "AGENTENV_GUEST_CIDR"),
         ("AGENTENV_ACCEL", "warp", "kvm, pvm or tcg"),
         ("AGENTENV_BOOT_TIMEOUT", "soon", "AGENTENV_BOOT_TIMEOUT"),
+        ("AGENTENV_AUTO_RESUME", "yes", "AGENTENV_AUTO_RESUME"),
     ],
 )
 def test_bad_values_are_named(

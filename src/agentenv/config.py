@@ -41,6 +41,18 @@ def _env_int(name: str, default: int) -> int:
         raise ConfigError(f"{name}={raw!r} is not an integer") from exc
 
 
+def _env_bool(name: str, default: bool) -> bool:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    value = raw.strip().lower()
+    if value in ("1", "true"):
+        return True
+    if value in ("0", "false"):
+        return False
+    raise ConfigError(f"{name}={raw!r}: expected 1, 0, true or false")
+
+
 def _env_opt_path(name: str) -> Path | None:
     raw = os.environ.get(name)
     return Path(raw).expanduser() if raw else None
@@ -104,6 +116,8 @@ class Settings:
     balloon_floor_mb: int = 128
     # Host memory use in percent above which the idlest sandboxes are inflated (0: off).
     memory_pressure_pct: float = 80.0
+    # Proxy traffic to a paused sandbox resumes it, unless its create request opted out.
+    auto_resume: bool = True
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -142,6 +156,7 @@ class Settings:
             idle_reclaim_s=float(idle),
             balloon_floor_mb=floor,
             memory_pressure_pct=float(pressure),
+            auto_resume=_env_bool("AGENTENV_AUTO_RESUME", True),
         )
 
     # Layout of the data dir. Components create what they use.
