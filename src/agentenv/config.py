@@ -104,6 +104,9 @@ class Settings:
     max_cpu: int = 8
     slot_pool_low: int = 0
     slot_pool_high: int = 0
+    # Pre-spawned restores per recently used template shape (orchestrator.warm); 0: off.
+    warm_low: int = 1
+    warm_high: int = 2
     boot_timeout_s: float = 120.0
     # Nameservers written into a guest's /etc/resolv.conf at first boot (template build).
     dns: tuple[str, ...] = ()
@@ -138,6 +141,13 @@ class Settings:
         idle = _env_int("AGENTENV_IDLE_RECLAIM_S", 60)
         if idle < 0:
             raise ConfigError(f"AGENTENV_IDLE_RECLAIM_S={idle}: expected 0 (off) or more")
+        warm_low = _env_int("AGENTENV_WARM_LOW", 1)
+        warm_high = _env_int("AGENTENV_WARM_HIGH", 2)
+        if not 0 <= warm_low <= warm_high:
+            raise ConfigError(
+                f"AGENTENV_WARM_LOW={warm_low}, AGENTENV_WARM_HIGH={warm_high}: "
+                "expected 0 <= low <= high"
+            )
         return cls(
             home=_env_path("AGENTENV_HOME", Path("/var/lib/agentenv")),
             cache=_env_path("AGENTENV_CACHE", Path.home() / ".cache" / "agentenv"),
@@ -149,6 +159,8 @@ class Settings:
             network=net,
             slot_pool_low=_env_int("AGENTENV_SLOT_POOL_LOW", 0),
             slot_pool_high=_env_int("AGENTENV_SLOT_POOL_HIGH", 0),
+            warm_low=warm_low,
+            warm_high=warm_high,
             boot_timeout_s=float(_env_int("AGENTENV_BOOT_TIMEOUT", 120)),
             snapshots=_env_int("AGENTENV_SNAPSHOTS", 1) != 0,
             paused_retention_s=float(_env_int("AGENTENV_PAUSED_RETENTION", 7 * 24 * 3600)),
