@@ -118,7 +118,7 @@ def test_lifecycle_shapes_and_status_codes(api: httpx.Client, server: ServerProc
     info = api.get(f"/sandboxes/{sid}").json()
     assert info["state"] == "running"
     assert info["metadata"] == {"suite": "x y"}
-    assert info["lifecycle"] == {"autoResume": False, "onTimeout": "kill"}
+    assert info["lifecycle"] == {"autoResume": True, "onTimeout": "kill"}
     end = datetime.fromisoformat(info["endAt"].replace("Z", "+00:00")).timestamp()
     assert before + 115 < end < time.time() + 125
 

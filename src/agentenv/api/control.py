@@ -150,7 +150,7 @@ def build_control_app(ctx: ControlContext) -> FastAPI:
             template=body.templateID,
             timeout=body.timeout or DEFAULT_TIMEOUT_S,
             auto_pause=body.autoPause,
-            auto_resume=bool(body.autoResume and body.autoResume.enabled),
+            auto_resume=body.autoResume.enabled if body.autoResume is not None else None,
             # v2 is always secured; v1 asks with `secure`.
             secure=True if v2 else body.secure,
             allow_internet=body.allow_internet_access,

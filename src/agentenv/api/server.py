@@ -57,6 +57,7 @@ def build_app(
         paused_retention_s=settings.paused_retention_s,
         min_memory_mb=settings.min_memory_mb,
         max_memory_mb=settings.max_memory_mb,
+        auto_resume=settings.auto_resume,
     )
     return AgentenvApp(manager, KeyRing(store), templates, domain=domain)
 

@@ -65,7 +65,8 @@ class CreateSpec:
     template: str
     timeout: int = DEFAULT_TIMEOUT_S
     auto_pause: bool = False
-    auto_resume: bool = False
+    # None: the request did not say, so the server's default applies.
+    auto_resume: bool | None = None
     secure: bool = True
     allow_internet: bool = True
     metadata: dict[str, str] = field(default_factory=dict)
@@ -93,6 +94,7 @@ class SandboxManager:
         min_memory_mb: int = 128,
         max_memory_mb: int = 16384,
         paused_retention_s: float = 0.0,
+        auto_resume: bool = True,
     ) -> None:
         self.store = store
         self.runtime = runtime
@@ -106,6 +108,8 @@ class SandboxManager:
         self.max_memory_mb = max_memory_mb
         # Paused sandboxes whose timeout passed longer ago than this are deleted (0: never).
         self.paused_retention_s = paused_retention_s
+        # Whether proxy traffic resumes a paused sandbox whose create request left it unset.
+        self.auto_resume = auto_resume
         self._retention_checked = 0.0
         self._locks: dict[str, asyncio.Lock] = {}
         self._reaper: asyncio.Task[None] | None = None
@@ -247,7 +251,7 @@ class SandboxManager:
                 else None
             ),
             auto_pause=spec.auto_pause,
-            auto_resume=spec.auto_resume,
+            auto_resume=self.auto_resume if spec.auto_resume is None else spec.auto_resume,
             allow_internet=spec.allow_internet,
             network=dict(spec.network),
             api_key_id=api_key_id,

@@ -23,12 +23,14 @@ from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidSta
 from websockets.typing import Subprotocol
 
 from agentenv.orchestrator.metrics import Metrics
-from agentenv.orchestrator.store import SandboxRecord
+from agentenv.orchestrator.store import SandboxRecord, SandboxState
 from agentenv.proxy.routing import ENVD_PORT, ROUTING_HEADERS, TRAFFIC_TOKEN_HEADER, Sandbox
 from agentenv.proxy.wire import Receive, Scope, Send, send_json
 
 log = logging.getLogger("agentenv.proxy")
 
+# The record of a running sandbox to forward to; a record in any other state (a paused sandbox
+# that was not resumed) or None is refused.
 Resolver = Callable[[str], Awaitable[SandboxRecord | None]]
 # Told about every request that reaches a sandbox (memory reclaim keys idleness off it).
 ActivityHook = Callable[[SandboxRecord], None]
@@ -68,13 +70,20 @@ class _ClientGone(Exception):
     """The downstream client disconnected while we were relaying its request body."""
 
 
-def not_found_body(sandbox_id: str) -> dict[str, Any]:
+def not_found_body(sandbox_id: str, *, paused: bool = False) -> dict[str, Any]:
     # The SDK keys "sandbox not running" off the substring "was not found" in a 502.
-    return {
-        "code": 502,
-        "sandboxId": sandbox_id,
-        "message": f"The sandbox {sandbox_id} was not found",
-    }
+    message = f"The sandbox {sandbox_id} was not found"
+    if paused:
+        message += ": it is paused and auto-resume is off for it; resume it with connect"
+    return {"code": 502, "sandboxId": sandbox_id, "message": message}
+
+
+def _forwardable(rec: SandboxRecord | None) -> bool:
+    return rec is not None and rec.state is SandboxState.RUNNING and rec.address is not None
+
+
+def _refusal(sandbox_id: str, rec: SandboxRecord | None) -> dict[str, Any]:
+    return not_found_body(sandbox_id, paused=rec is not None and rec.state is SandboxState.PAUSED)
 
 
 class SandboxProxy:
@@ -115,11 +124,12 @@ class SandboxProxy:
         self, target: Sandbox, headers: dict[str, str], send: Send
     ) -> SandboxRecord | None:
         rec = await self._resolve(target.sandbox_id)
-        if rec is None or rec.address is None:
+        if not _forwardable(rec):
             await self.drop(target.sandbox_id)
             self._metrics.proxy_requests.labels("not_found").inc()
-            await send_json(send, 502, not_found_body(target.sandbox_id))
+            await send_json(send, 502, _refusal(target.sandbox_id, rec))
             return None
+        assert rec is not None
         if target.port != ENVD_PORT and not rec.allow_public_traffic:
             given = headers.get(TRAFFIC_TOKEN_HEADER, "")
             if not rec.traffic_token or not secrets.compare_digest(given, rec.traffic_token):
@@ -252,9 +262,10 @@ class SandboxProxy:
         if first["type"] != "websocket.connect":
             return
         rec = await self._resolve(target.sandbox_id)
-        if rec is None or rec.address is None:
-            await _ws_reject(send, 502, not_found_body(target.sandbox_id))
+        if not _forwardable(rec):
+            await _ws_reject(send, 502, _refusal(target.sandbox_id, rec))
             return
+        assert rec is not None
         if target.port != ENVD_PORT and not rec.allow_public_traffic:
             given = headers.get(TRAFFIC_TOKEN_HEADER, "")
             if not rec.traffic_token or not secrets.compare_digest(given, rec.traffic_token):
