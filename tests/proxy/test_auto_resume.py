@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import secrets
+import time
+from collections.abc import Iterator
 
 import httpx
 import pytest
 from e2b import Sandbox
 
-from agentenv.api.devserver import ServerProcess
+from agentenv.api.devserver import ServerProcess, prepare_home
 
 from .conftest import sdk_opts, wait_port
 
@@ -51,7 +53,9 @@ def test_request_to_paused_sandbox_resumes_it_by_default(proxy_server: ServerPro
             secret = _serve_secret(sbx)
             wait_port(api, hdrs, "/secret.txt")
             _pause(api, sid)
+            started = time.monotonic()
             resp = api.get("/secret.txt", headers=hdrs)
+            print(f"request that resumed the sandbox took {time.monotonic() - started:.2f} s")
             assert resp.status_code == 200, resp.text
             assert resp.text == secret
             assert api.get(f"/sandboxes/{sid}").json()["state"] == "running"
@@ -83,3 +87,41 @@ def test_opted_out_sandbox_stays_paused_with_a_clear_error(proxy_server: ServerP
             assert api.get(f"/sandboxes/{sid}").json()["state"] == "paused"
     finally:
         sbx.kill()
+
+
+@pytest.fixture(scope="module")
+def switch_off_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    home = prepare_home(tmp_path_factory.mktemp("no-resume-home"))
+    srv = ServerProcess(home, ready_timeout_s=180, env={"AGENTENV_AUTO_RESUME": "0"}).start()
+    try:
+        yield srv
+    finally:
+        srv.stop(timeout_s=120)
+        sandboxes = home / "sandboxes"
+        assert not (sandboxes.is_dir() and any(sandboxes.iterdir())), "sandboxes left behind"
+
+
+def test_switch_off_resumes_only_sandboxes_that_asked(switch_off_server: ServerProcess) -> None:
+    opts = sdk_opts(switch_off_server)
+    with _api(switch_off_server) as api:
+        asked = Sandbox.create(
+            template="base",
+            timeout=300,
+            lifecycle={"on_timeout": "pause", "auto_resume": True},
+            **opts,  # type: ignore[arg-type]
+        )
+        try:
+            lifecycle = api.get(f"/sandboxes/{asked.sandbox_id}").json()["lifecycle"]
+            assert lifecycle["autoResume"] is True
+        finally:
+            asked.kill()
+        sbx = Sandbox.create(template="base", timeout=300, **opts)  # type: ignore[arg-type]
+        sid = sbx.sandbox_id
+        try:
+            assert api.get(f"/sandboxes/{sid}").json()["lifecycle"]["autoResume"] is False
+            _pause(api, sid)
+            resp = api.get("/", headers={"e2b-sandbox-id": sid, "e2b-sandbox-port": str(PORT)})
+            assert resp.status_code == 502 and "paused" in resp.json()["message"]
+            assert api.get(f"/sandboxes/{sid}").json()["state"] == "paused"
+        finally:
+            sbx.kill()
