@@ -34,6 +34,17 @@ def test_auto_resume_switch(monkeypatch: pytest.MonkeyPatch) -> None:
         assert Settings.from_env().auto_resume is expected
 
 
+def test_warm_watermarks(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("AGENTENV_WARM_LOW", raising=False)
+    monkeypatch.delenv("AGENTENV_WARM_HIGH", raising=False)
+    s = Settings.from_env()
+    assert (s.warm_low, s.warm_high) == (1, 2)
+    monkeypatch.setenv("AGENTENV_WARM_LOW", "0")
+    monkeypatch.setenv("AGENTENV_WARM_HIGH", "0")
+    s = Settings.from_env()
+    assert (s.warm_low, s.warm_high) == (0, 0)
+
+
 @pytest.mark.parametrize(
     ("name", "value", "needle"),
     [
@@ -43,6 +54,9 @@ def test_auto_resume_switch(monkeypatch: pytest.MonkeyPatch) -> None:
         ("AGENTENV_ACCEL", "warp", "kvm, pvm or tcg"),
         ("AGENTENV_BOOT_TIMEOUT", "soon", "AGENTENV_BOOT_TIMEOUT"),
         ("AGENTENV_AUTO_RESUME", "yes", "AGENTENV_AUTO_RESUME"),
+        ("AGENTENV_WARM_LOW", "3", "expected 0 <= low <= high"),
+        ("AGENTENV_WARM_HIGH", "-1", "AGENTENV_WARM_HIGH=-1"),
+        ("AGENTENV_WARM_LOW", "many", "AGENTENV_WARM_LOW"),
     ],
 )
 def test_bad_values_are_named(

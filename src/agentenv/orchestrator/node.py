@@ -45,9 +45,11 @@ from agentenv.orchestrator.node_errors import (
     UnknownSandbox,
     UnknownTemplate,
 )
+from agentenv.orchestrator.warm import Shape, WarmPool
 from agentenv.snapshot import GuestImage, Machine, MemoryMode, Snapshot, SnapshotError
 from agentenv.snapshot.fork import MAX_CHILDREN, ForkTarget
 from agentenv.snapshot.pause import PAUSED
+from agentenv.snapshot.restore import Prepared, discard, load, prepare
 from agentenv.storage import DiskTooSmall, LayerStore, create_upper, info
 from agentenv.vmm.accel import AccelChoice, detect
 from agentenv.vmm.base import BootSource, Drive, MachineSpec, NetIface
@@ -85,7 +87,8 @@ class SandboxHandle:
     # Set when the sandbox can be captured (snapshots on); `vm` is always `machine.vm`.
     machine: Machine | None = field(default=None, repr=False)
     paused: bool = False
-    # "restore" (from the template snapshot or a named snapshot), "boot" (cold) or "fork".
+    # "restore" (from the template snapshot or a named snapshot), "warm" (the same, from a
+    # pre-spawned QEMU of the warm pool), "boot" (cold) or "fork".
     origin: str = "boot"
 
     @property
@@ -128,6 +131,12 @@ class Node:
         self.repo = snaps.SnapshotRepository(settings.home / "snapshots", self.layers)
         self.pool = SlotPool(settings.network, settings.slot_pool_low, settings.slot_pool_high)
         self._sandboxes: dict[str, SandboxHandle] = {}
+        self.warm = WarmPool(
+            settings.warm_low if self.snapshots else 0,
+            settings.warm_high if self.snapshots else 0,
+            self._warm_make,
+            self._warm_drop,
+        )
         self._accel: AccelChoice | None = None
         self._boot: _Boot | None = None
         self._image: GuestImage | None = None
@@ -173,6 +182,7 @@ class Node:
         self.settings.sandboxes_dir.mkdir(parents=True, exist_ok=True)
         await self.pool.start()
         self.memory.start()
+        self.warm.start()
 
     @property
     def image(self) -> GuestImage:
@@ -184,6 +194,7 @@ class Node:
         """Delete every running sandbox of this node and release pooled slots. Paused
         sandboxes stay on disk: a later node resumes them."""
         await self.memory.close()
+        await self.warm.close()
         for sandbox_id, sb in list(self._sandboxes.items()):
             if sb.paused:
                 self._sandboxes.pop(sandbox_id, None)
@@ -278,23 +289,35 @@ class Node:
         if self.snapshots and disk_mb == base_mb:
             snap = await self._template_snapshot(template, cpu, memory_mb)
         t0 = time.monotonic()
-        sandbox_id = new_sandbox_id()
+        warm: Prepared | None = None
+        if snap is not None:
+            warm = self.warm.take(Shape(template, cpu, memory_mb), snap.id)
+        sandbox_id = warm.name if warm is not None else new_sandbox_id()
         workdir = self.settings.sandboxes_dir / sandbox_id
         undo: list[Callable[[], Awaitable[None]]] = []
         try:
-            await asyncio.to_thread(workdir.mkdir, 0o700, False, False)
+            if warm is None:
+                await asyncio.to_thread(workdir.mkdir, 0o700, False, False)
             undo.append(lambda: asyncio.to_thread(shutil.rmtree, workdir, True))
+            if warm is not None:
+                prep = warm
+                slot = prep.slot
+                undo.append(lambda: self.pool.release(prep.slot))
+                undo.append(lambda: discard(prep, self.repo, self.layers))
 
             await asyncio.to_thread(self.layers.ref, top, sandbox_id)
             undo.append(lambda: asyncio.to_thread(self.layers.unref, top, sandbox_id))
 
-            slot = await self.pool.acquire()
-            undo.append(lambda: self.pool.release(slot))
+            if warm is None:
+                slot = await self.pool.acquire()
+                undo.append(lambda: self.pool.release(slot))
 
             upper = workdir / ROOTFS
             await self._write_meta(workdir, template, cpu, memory_mb, disk_mb, top)
             if snap is not None:
-                handle = await self._restore(snap.id, sandbox_id, template, workdir, slot, top)
+                handle = await self._restore(
+                    snap.id, sandbox_id, template, workdir, slot, top, prepared=warm
+                )
                 undo.append(lambda: self._release(handle))
                 handle.boot_s = time.monotonic() - t0
                 self._sandboxes[sandbox_id] = handle
@@ -463,14 +486,19 @@ class Node:
         slot: Slot,
         top: str,
         origin: str = "restore",
+        prepared: Prepared | None = None,
     ) -> SandboxHandle:
-        """Restore `ref` as `sandbox_id` and give it its hostname; cleans up after itself."""
+        """Restore `ref` as `sandbox_id` (into `prepared`, a warm pool's guest spawned for
+        it, if given) and give it its hostname; cleans up after itself."""
         t0 = time.monotonic()
-        machine = await snaps.restore(
-            self.repo, self.layers, self.image, ref, name=sandbox_id, workdir=workdir, slot=slot
-        )
+        if prepared is not None:
+            machine = await load(prepared, self.repo, self.layers)
+        else:
+            machine = await snaps.restore(
+                self.repo, self.layers, self.image, ref, name=sandbox_id, workdir=workdir, slot=slot
+            )
         handle = self._handle(machine, template, top)
-        handle.origin = origin
+        handle.origin = "warm" if prepared is not None else origin
         token = (await asyncio.to_thread(self.repo.get, ref)).envd_token
         try:
             # The caller (the control plane) sets the sandbox's own token next.
@@ -485,6 +513,36 @@ class Node:
             raise
         handle.spawn_to_healthy_s = time.monotonic() - t0
         return handle
+
+    async def _warm_make(self, snapshot_id: str) -> Prepared:
+        """A warm pool entry: a new sandbox id with its workdir, slot and waiting QEMU."""
+        sandbox_id = new_sandbox_id()
+        workdir = self.settings.sandboxes_dir / sandbox_id
+        await asyncio.to_thread(workdir.mkdir, 0o700, False, False)
+        slot: Slot | None = None
+        try:
+            slot = await self.pool.acquire()
+            return await prepare(
+                self.repo,
+                self.layers,
+                self.image,
+                snapshot_id,
+                name=sandbox_id,
+                workdir=workdir,
+                slot=slot,
+            )
+        except BaseException:
+            if slot is not None:
+                await self.pool.release(slot)
+            await asyncio.to_thread(shutil.rmtree, workdir, True)
+            raise
+
+    async def _warm_drop(self, prep: Prepared) -> None:
+        try:
+            await discard(prep, self.repo, self.layers)
+        finally:
+            await self.pool.release(prep.slot)
+            await asyncio.to_thread(shutil.rmtree, prep.workdir, True)
 
     def _handle(self, machine: Machine, template: str, top: str) -> SandboxHandle:
         return SandboxHandle(

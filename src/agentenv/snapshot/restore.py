@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from agentenv.network import Slot
@@ -19,6 +20,7 @@ from agentenv.snapshot.machine import (
     new_vm,
     wait_envd,
 )
+from agentenv.snapshot.model import Snapshot
 from agentenv.snapshot.repository import SnapshotStore
 from agentenv.storage import LayerStore, create_upper
 from agentenv.vmm.errors import VMMError
@@ -42,7 +44,20 @@ def check_compatible(
         raise IncompatibleSnapshot(f"{what} needs tools layer {tools_image}, which is gone")
 
 
-async def restore(
+@dataclass
+class Prepared:
+    """A guest waiting for its state: QEMU spawned with `-incoming defer` over the snapshot's
+    memory file, its fresh disk upper made, references taken under `name`."""
+
+    snap: Snapshot
+    name: str
+    workdir: Path
+    slot: Slot
+    upper: Path
+    vm: QemuVM
+
+
+async def prepare(
     repo: SnapshotStore,
     layers: LayerStore,
     image: GuestImage,
@@ -52,10 +67,9 @@ async def restore(
     workdir: Path,
     slot: Slot,
     disk_size_mb: int | None = None,
-    health_timeout_s: float = RESTORE_HEALTH_TIMEOUT_S,
-) -> Machine:
-    """Returns once envd answers through `slot`. The caller gives the guest its identity
-    (`identify`). On failure nothing it made is left (QEMU, upper, references)."""
+) -> Prepared:
+    """Everything of a restore that does not need the state: the part a warm pool does ahead
+    of time. On failure nothing it made is left."""
     snap = await asyncio.to_thread(repo.get, ref)
     check_compatible(
         f"snapshot {snap.names[0] if snap.names else snap.id[:12]}",
@@ -64,7 +78,6 @@ async def restore(
         qemu_version=snap.qemu_version,
         tools_image=snap.tools_image,
     )
-    t0 = time.monotonic()
     await asyncio.to_thread(workdir.mkdir, 0o700, True, True)
     upper = workdir / ROOTFS
     vm: QemuVM | None = None
@@ -88,16 +101,33 @@ async def restore(
             balloon=snap.balloon,
         )
         await vm.start()
+    except BaseException:
+        await _undo(vm, upper, name, repo, layers)
+        raise
+    return Prepared(snap, name, workdir, slot, upper, vm)
+
+
+async def load(
+    prep: Prepared,
+    repo: SnapshotStore,
+    layers: LayerStore,
+    *,
+    health_timeout_s: float = RESTORE_HEALTH_TIMEOUT_S,
+) -> Machine:
+    """Load the state into a prepared guest; returns once envd answers. On failure the
+    guest is discarded."""
+    snap, name, vm = prep.snap, prep.name, prep.vm
+    try:
         try:
             await vm.snapshot_load(repo.state_path(snap.id))
         except VMMError as exc:
             raise RestoreFailed(f"{name}: loading snapshot {snap.id[:12]} failed: {exc}") from exc
         machine = Machine(
             name=name,
-            workdir=workdir,
+            workdir=prep.workdir,
             vcpus=snap.vcpus,
             memory_mb=snap.memory_mb,
-            slot=slot,
+            slot=prep.slot,
             vm=vm,
             memory=MemoryMode.SNAPSHOT,
             tools_image=Path(snap.tools_image),
@@ -106,15 +136,48 @@ async def restore(
         )
         await wait_envd(machine.envd_url, vm, health_timeout_s)
     except BaseException:
-        if vm is not None:
-            await vm.kill()
-        with contextlib.suppress(Exception):
-            await asyncio.to_thread(layers.unref_holder, name)
-        with contextlib.suppress(Exception):
-            await asyncio.to_thread(repo.unref_holder, name)
-        upper.unlink(missing_ok=True)
+        await discard(prep, repo, layers)
         raise
-    log.info("%s restored from %s in %.3fs", name, snap.id[:12], time.monotonic() - t0)
+    return machine
+
+
+async def discard(prep: Prepared, repo: SnapshotStore, layers: LayerStore) -> None:
+    """Undo `prepare` (not the workdir or slot, which belong to the caller)."""
+    await _undo(prep.vm, prep.upper, prep.name, repo, layers)
+
+
+async def _undo(
+    vm: QemuVM | None, upper: Path, name: str, repo: SnapshotStore, layers: LayerStore
+) -> None:
+    if vm is not None:
+        await vm.kill()
+    with contextlib.suppress(Exception):
+        await asyncio.to_thread(layers.unref_holder, name)
+    with contextlib.suppress(Exception):
+        await asyncio.to_thread(repo.unref_holder, name)
+    await asyncio.to_thread(upper.unlink, True)
+
+
+async def restore(
+    repo: SnapshotStore,
+    layers: LayerStore,
+    image: GuestImage,
+    ref: str,
+    *,
+    name: str,
+    workdir: Path,
+    slot: Slot,
+    disk_size_mb: int | None = None,
+    health_timeout_s: float = RESTORE_HEALTH_TIMEOUT_S,
+) -> Machine:
+    """Returns once envd answers through `slot`. The caller gives the guest its identity
+    (`identify`). On failure nothing it made is left (QEMU, upper, references)."""
+    t0 = time.monotonic()
+    prep = await prepare(
+        repo, layers, image, ref, name=name, workdir=workdir, slot=slot, disk_size_mb=disk_size_mb
+    )
+    machine = await load(prep, repo, layers, health_timeout_s=health_timeout_s)
+    log.info("%s restored from %s in %.3fs", name, prep.snap.id[:12], time.monotonic() - t0)
     return machine
 
 

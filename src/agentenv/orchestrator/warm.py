@@ -1,0 +1,176 @@
+"""Warm pools: restores prepared ahead of time (slot taken, disk upper made, QEMU spawned with
+`-incoming defer`), so a create only loads the state and gives the guest its identity.
+
+Pools are per shape (template, cpu, memory) and only for shapes used recently: a shape joins
+when a create asks for it and leaves after `idle_s` without one. Each entry is tied to the
+snapshot id it was prepared from; a rebuilt template snapshot makes older entries stale, and
+they are discarded instead of handed out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable, Coroutine
+from dataclasses import dataclass, field
+from typing import Any
+
+from agentenv.snapshot.restore import Prepared
+
+log = logging.getLogger(__name__)
+
+# A shape nobody created for this long stops being refilled (its entries stay until taken
+# or the node closes).
+IDLE_S = 600.0
+# After a failed prepare, the refill waits this long before trying that shape again.
+RETRY_S = 5.0
+
+
+@dataclass(frozen=True)
+class Shape:
+    template: str
+    cpu: int
+    memory_mb: int
+
+
+@dataclass
+class _Entries:
+    snapshot_id: str
+    used_at: float
+    ready: list[Prepared] = field(default_factory=list)
+    failed_at: float = -RETRY_S
+    filling: bool = True
+
+
+class WarmPool:
+    """`make(snapshot_id)` prepares one guest (its sandbox id is `Prepared.name`);
+    `drop(prepared)` undoes it, slot and workdir included."""
+
+    def __init__(
+        self,
+        low: int,
+        high: int,
+        make: Callable[[str], Awaitable[Prepared]],
+        drop: Callable[[Prepared], Coroutine[Any, Any, None]],
+        idle_s: float = IDLE_S,
+    ) -> None:
+        self.low, self.high, self.idle_s = low, high, idle_s
+        self._make, self._drop = make, drop
+        self._shapes: dict[Shape, _Entries] = {}
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._drops: set[asyncio.Task[None]] = set()
+        self.taken = 0
+        self.discarded = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.high > 0
+
+    def start(self) -> None:
+        if self.enabled and self._task is None:
+            self._task = asyncio.create_task(self._refill_loop(), name="warm-pool")
+
+    def ready(self, shape: Shape) -> list[Prepared]:
+        entries = self._shapes.get(shape)
+        return list(entries.ready) if entries is not None else []
+
+    def take(self, shape: Shape, snapshot_id: str) -> Prepared | None:
+        """A live entry prepared from `snapshot_id`, or None. Marks the shape as used (it
+        joins the pool if new) and wakes the refill; stale or dead entries are dropped."""
+        if not self.enabled:
+            return None
+        entries = self._shapes.get(shape)
+        now = time.monotonic()
+        if entries is None:
+            entries = self._shapes[shape] = _Entries(snapshot_id, now)
+        entries.used_at = now
+        stale: list[Prepared] = []
+        if entries.snapshot_id != snapshot_id:
+            stale, entries.ready = entries.ready, []
+            entries.snapshot_id = snapshot_id
+        found: Prepared | None = None
+        while entries.ready and found is None:
+            prep = entries.ready.pop(0)
+            if prep.vm.exit_code is None and prep.vm.pid is not None:
+                found = prep
+            else:
+                stale.append(prep)
+        for prep in stale:
+            self._discard(prep)
+        if found is not None:
+            self.taken += 1
+        self._wake.set()
+        return found
+
+    def _discard(self, prep: Prepared) -> None:
+        self.discarded += 1
+        log.info("warm %s from %s discarded", prep.name, prep.snap.id[:12])
+        # Dropping kills a process and removes files; the caller must not wait for it.
+        task = asyncio.create_task(self._drop(prep), name=f"warm-drop-{prep.name}")
+        self._drops.add(task)
+        task.add_done_callback(self._drops.discard)
+        task.add_done_callback(_log_failure)
+
+    async def _refill_loop(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while await self._refill_one():
+                pass
+
+    async def _refill_one(self) -> bool:
+        """Prepare one entry for the neediest shape; False when none needs one."""
+        now = time.monotonic()
+        for shape, entries in list(self._shapes.items()):
+            if now - entries.used_at > self.idle_s or now - entries.failed_at < RETRY_S:
+                continue
+            # Falling below `low` starts a refill that goes on up to `high`.
+            if len(entries.ready) < self.low:
+                entries.filling = True
+            if len(entries.ready) >= self.high:
+                entries.filling = False
+            if not entries.filling:
+                continue
+            snapshot_id = entries.snapshot_id
+            try:
+                prep = await self._make(snapshot_id)
+            except Exception as exc:
+                log.warning("warm pool for %s: prepare failed: %s", shape, exc)
+                entries.failed_at = time.monotonic()
+                loop = asyncio.get_running_loop()
+                loop.call_later(RETRY_S, self._wake.set)
+                continue
+            current = self._shapes.get(shape)
+            if current is None or current.snapshot_id != snapshot_id:
+                self._discard(prep)
+            else:
+                current.ready.append(prep)
+                log.info("warm %s ready for %s", prep.name, shape)
+            return True
+        return False
+
+    async def close(self) -> None:
+        """Stop refilling and drop every entry."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        if self._drops:
+            await asyncio.gather(*self._drops, return_exceptions=True)
+        for entries in self._shapes.values():
+            for prep in entries.ready:
+                try:
+                    await self._drop(prep)
+                except Exception:
+                    log.exception("dropping warm %s", prep.name)
+            entries.ready = []
+        self._shapes.clear()
+
+
+def _log_failure(task: asyncio.Task[None]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("dropping a warm entry failed: %s", task.exception())
