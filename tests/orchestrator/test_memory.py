@@ -217,7 +217,8 @@ async def test_clones_share_pages_cannot_inflate_and_leave_the_template_intact(
     try:
         c1 = await node.create("base", memory_mb=MEM)
         c2 = await node.create("base", memory_mb=MEM)
-        assert c1.origin == c2.origin == "restore"
+        # The second may come from the warm pool the first one started for this shape.
+        assert c1.origin == "restore" and c2.origin in ("restore", "warm")
         # A larger disk than the template's cannot be restored: a cold boot.
         cold = await node.create("base", memory_mb=MEM, disk_size_mb=c1.disk_size_mb + 64)
         assert cold.origin == "boot"
