@@ -105,8 +105,9 @@ class Settings:
     slot_pool_low: int = 0
     slot_pool_high: int = 0
     # Pre-spawned restores per recently used template shape (orchestrator.warm); 0: off.
-    warm_low: int = 1
-    warm_high: int = 2
+    # Off by default: warm entries are sandbox workdirs before anyone asked for them.
+    warm_low: int = 0
+    warm_high: int = 0
     boot_timeout_s: float = 120.0
     # Nameservers written into a guest's /etc/resolv.conf at first boot (template build).
     dns: tuple[str, ...] = ()
@@ -141,8 +142,8 @@ class Settings:
         idle = _env_int("AGENTENV_IDLE_RECLAIM_S", 60)
         if idle < 0:
             raise ConfigError(f"AGENTENV_IDLE_RECLAIM_S={idle}: expected 0 (off) or more")
-        warm_low = _env_int("AGENTENV_WARM_LOW", 1)
-        warm_high = _env_int("AGENTENV_WARM_HIGH", 2)
+        warm_low = _env_int("AGENTENV_WARM_LOW", 0)
+        warm_high = _env_int("AGENTENV_WARM_HIGH", 0)
         if not 0 <= warm_low <= warm_high:
             raise ConfigError(
                 f"AGENTENV_WARM_LOW={warm_low}, AGENTENV_WARM_HIGH={warm_high}: "
