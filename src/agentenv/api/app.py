@@ -61,7 +61,7 @@ class AgentenvApp:
                 log.warning("sandbox %s auto-resume failed: %r", sandbox_id, exc)
                 return None
         # A sandbox that is not running comes back as is so the proxy can say why it refuses.
-        return self.manager.running(sandbox_id) or self.manager.store.get(sandbox_id)
+        return rec
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
