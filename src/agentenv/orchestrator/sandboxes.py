@@ -172,12 +172,6 @@ class SandboxManager:
             raise SandboxNotFound(sandbox_id)
         return rec
 
-    def running(self, sandbox_id: str) -> SandboxRecord | None:
-        rec = self.store.get(sandbox_id)
-        if rec is None or rec.state is not SandboxState.RUNNING or rec.address is None:
-            return None
-        return rec
-
     async def guest_metrics(self, rec: SandboxRecord) -> dict[str, Any] | None:
         """envd's current `/metrics` sample, or None when the guest cannot say."""
         if rec.state is not SandboxState.RUNNING or not rec.envd_url:
