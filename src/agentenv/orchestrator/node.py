@@ -138,6 +138,7 @@ class Node:
             self._warm_drop,
         )
         self._accel: AccelChoice | None = None
+        self._layer_mb: dict[str, int] = {}
         self._boot: _Boot | None = None
         self._image: GuestImage | None = None
         # Balloons of idle sandboxes (orchestrator.memory); captures hold it off a sandbox.
@@ -263,7 +264,11 @@ class Node:
             raise UnknownTemplate(f"template {template!r} has no layers")
         top = tpl.layers[-1]
         top_path = self.layers.path(top)
-        base_mb = -(-info(top_path).virtual_size // (1024 * 1024))
+        base_mb = self._layer_mb.get(top)
+        if base_mb is None:
+            # Layers are content-addressed and immutable: one `qemu-img info` per layer, not
+            # one per create.
+            base_mb = self._layer_mb[top] = -(-info(top_path).virtual_size // (1024 * 1024))
         if disk_size_mb is not None and disk_size_mb < base_mb:
             raise DiskTooSmallForTemplate(
                 f"disk of {disk_size_mb} MB is smaller than template {template!r} ({base_mb} MB)"
