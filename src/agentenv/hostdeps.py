@@ -27,6 +27,9 @@ HOST_PACKAGES = [
     # The guest's Python runtime (tools layer) is copied from these.
     "python3.11-minimal",
     "libpython3.11-stdlib",
+    # The RAM preload library QEMU gets for clones of a snapshot (vmm/files/ramshim.c).
+    "gcc",
+    "libc6-dev",
 ]
 
 KERNEL_BUILD_PACKAGES = [

@@ -22,6 +22,7 @@ from agentenv.guest.envd.client import EnvdClient
 from agentenv.storage.layers import LayerStore
 from agentenv.template.artifacts import GuestArtifacts, guest_args, kernel_cmdline
 from agentenv.template.rootfs import ensure_base
+from agentenv.vmm.version import microvm_machine, qemu_version
 
 pytestmark = pytest.mark.vm
 MARKER = b"agentenv: envd started"
@@ -63,7 +64,7 @@ def booted(
     cmdline = kernel_cmdline(guest_artifacts, "tcg", guest_args(settings, hostname="boot-test"))
     argv = [
         settings.qemu_binary,
-        "-M", "microvm,x-option-roms=off,pit=off,pic=off,rtc=on",
+        "-M", microvm_machine(qemu_version(settings.qemu_binary)),
         "-accel", "tcg", "-cpu", "max", "-m", "512", "-smp", "1",
         "-nodefaults", "-no-user-config", "-display", "none", "-no-reboot",
         "-serial", f"file:{serial}",
@@ -138,7 +139,7 @@ def test_unmountable_rootfs_powers_off_with_a_message(
     serial = tmp_path / "serial.log"
     argv = [
         settings.qemu_binary,
-        "-M", "microvm,x-option-roms=off,pit=off,pic=off,rtc=on",
+        "-M", microvm_machine(qemu_version(settings.qemu_binary)),
         "-accel", "tcg", "-cpu", "max", "-m", "256",
         "-nodefaults", "-no-user-config", "-display", "none", "-no-reboot",
         "-serial", f"file:{serial}",

@@ -4,14 +4,13 @@ balloon moves are refused (the guest-side effects are in tests/orchestrator/test
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from agentenv.config import Settings
 from agentenv.vmm.accel import detect
 from agentenv.vmm.base import BootSource, MachineSpec
-from agentenv.vmm.errors import BalloonUnsupported, VMMError
+from agentenv.vmm.errors import BalloonUnsupported, VMMError, VMStartError
 from agentenv.vmm.qemu import QemuVM, balloon_device
 
 MIB = 1024 * 1024
@@ -28,14 +27,13 @@ def vm(settings: Settings, tmp_path: Path, machine: MachineSpec) -> QemuVM:
     )
 
 
-def test_free_page_reporting_only_for_anonymous_ram(tmp_path: Path) -> None:
+def test_every_guest_gets_free_page_reporting(tmp_path: Path) -> None:
     anon = balloon_device(MachineSpec(1, 256))
     own = balloon_device(MachineSpec(1, 256, mem_file=tmp_path / "m", mem_shared=True))
     clone = balloon_device(MachineSpec(1, 256, mem_file=tmp_path / "m", mem_shared=False))
-    assert "free-page-reporting=on" in anon and "deflate-on-oom=on" in anon
-    # Every VM that saves or loads a snapshot has a memory file: one device set for all.
-    assert own == clone
-    assert "free-page-reporting" not in own and "deflate-on-oom=on" in own
+    # Every VM that saves or loads a snapshot gets the same device set.
+    assert anon == own == clone
+    assert "free-page-reporting=on" in clone and "deflate-on-oom=on" in clone
 
 
 def test_argv_carries_the_balloon_device(settings: Settings, tmp_path: Path) -> None:
@@ -46,27 +44,32 @@ def test_argv_carries_the_balloon_device(settings: Settings, tmp_path: Path) -> 
     assert not any("virtio-balloon" in a for a in no_balloon)
 
 
-@pytest.mark.parametrize(
-    ("spec", "reclaims"),
-    [
-        ({}, True),
-        ({"mem_shared": True}, True),
-        ({"mem_shared": False}, False),
-    ],
-)
-async def test_inflation_is_refused_where_it_would_punch_a_shared_file(
-    settings: Settings, tmp_path: Path, spec: dict[str, Any], reclaims: bool
+def test_only_a_clone_runs_with_the_ram_preload_library(settings: Settings, tmp_path: Path) -> None:
+    shim = tmp_path / "ramshim.so"
+    shim.write_bytes(b"")
+    mem = tmp_path / "m"
+    clone = vm(settings, tmp_path, MachineSpec(1, 256, mem_file=mem, mem_shared=False))
+    clone.ram_shim = shim
+    argv = clone._launch_argv()
+    assert argv[argv.index("env") : argv.index("env") + 3] == [
+        "env",
+        f"LD_PRELOAD={shim}",
+        f"AGENTENV_PRIVATE_RAM={mem}",
+    ]
+    assert argv.index("env") < argv.index(settings.qemu_binary)
+    own = vm(settings, tmp_path, MachineSpec(1, 256, mem_file=mem, mem_shared=True))
+    own.ram_shim = shim
+    assert not any(a.startswith("LD_PRELOAD") for a in own._launch_argv())
+
+
+async def test_a_clone_without_the_library_does_not_start(
+    settings: Settings, tmp_path: Path
 ) -> None:
-    if spec:
-        spec = {**spec, "mem_file": tmp_path / "m"}
-    machine = vm(settings, tmp_path, MachineSpec(1, 256, **spec))
-    assert machine.balloon_reclaims is reclaims
-    if not reclaims:
-        with pytest.raises(BalloonUnsupported, match="punch holes"):
-            await machine.balloon_set(128 * MIB)
-    # Past the safety check an unstarted VM has no monitor to ask.
-    with pytest.raises(VMMError, match="not running"):
-        await machine.balloon_set(256 * MIB)
+    (tmp_path / "no-kernel").write_bytes(b"")
+    clone = vm(settings, tmp_path, MachineSpec(1, 256, mem_file=tmp_path / "m", mem_shared=False))
+    with pytest.raises(VMStartError, match="RAM preload library"):
+        await clone.start()
+    assert clone.pid is None
 
 
 @pytest.mark.parametrize("target", [0, -1, 257 * MIB])

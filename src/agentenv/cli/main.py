@@ -43,12 +43,14 @@ def setup(
     from agentenv.snapshot import ensure_template_snapshot
     from agentenv.template.artifacts import ensure_all
     from agentenv.template.rootfs import ensure_base
+    from agentenv.vmm.ramshim import ensure_ram_shim
 
     settings = Settings.from_env()
     started = time.monotonic()
     with step_progress(console) as progress:
         installed = [] if skip_packages else ensure_host_packages(progress)
         artifacts = ensure_all(settings, progress)
+        shim = ensure_ram_shim(settings.cache, progress)
         template = ensure_base(settings, progress)
         snapshot = None
         if settings.snapshots:
@@ -65,6 +67,7 @@ def setup(
         console.print(f"installed packages: {' '.join(installed)}")
     console.print(f"kernel: {artifacts.kernel} ({artifacts.kernel_kind})")
     console.print(f"tools layer: {artifacts.tools_image}")
+    console.print(f"RAM preload library: {shim}")
     console.print(
         f"template {template.name}: {len(template.layers)} layer(s), {template.size_mb} MB"
     )

@@ -12,9 +12,8 @@
   `hold(id)` keeps the manager off a sandbox (deflated) while it is captured: a snapshot must
   never carry a balloon target below full into its clones.
 
-Only guests whose balloon gives memory back safely are inflated (`VMM.balloon_reclaims`):
-QEMU 7.2 discards ballooned pages of file-backed RAM by punching the file, which for a clone
-would be the template snapshot under every other clone.
+Only guests with a balloon are inflated (`VMM.balloon_reclaims`); clones of a template give
+memory back through `vmm.ramshim`, which keeps their discards off the template's file.
 """
 
 from __future__ import annotations

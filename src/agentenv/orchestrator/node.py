@@ -160,11 +160,13 @@ class Node:
     async def start(self) -> None:
         """Detect the accelerator, resolve the guest artifacts and fill the slot pool."""
         from agentenv.template import artifacts
+        from agentenv.vmm.ramshim import ensure_ram_shim
 
         self._accel = detect(self.settings)
         for warning in self._accel.warnings:
             log.warning("%s", warning)
         arts = await asyncio.to_thread(artifacts.ensure_all, self.settings, None)
+        shim = await asyncio.to_thread(ensure_ram_shim, self.settings.cache)
         accel_name = self._accel.name
 
         def cmdline(sandbox_id: str) -> str:
@@ -179,6 +181,7 @@ class Node:
             self._accel,
             self.settings.qemu_binary,
             cmdline,
+            shim,
         )
         self.settings.sandboxes_dir.mkdir(parents=True, exist_ok=True)
         await self.pool.start()

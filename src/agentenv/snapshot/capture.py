@@ -33,6 +33,7 @@ from agentenv.snapshot.model import Snapshot
 from agentenv.snapshot.repository import MEMORY, STATE, SnapshotStore
 from agentenv.storage import LayerStore
 from agentenv.vmm.errors import VMMError
+from agentenv.vmm.qemu import DEVICE_SET
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +116,7 @@ async def capture(
             tools_image=str(machine.tools_image),
             accel=image.accel.name,
             qemu_version=image.qemu_version,
+            device_set=DEVICE_SET,
             envd_version=ENVD_VERSION,
             memory_bytes=0,
             state_bytes=0,

@@ -14,9 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import enum
-import functools
-import re
-import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,6 +27,8 @@ from agentenv.snapshot.errors import RestoreFailed
 from agentenv.vmm.accel import AccelChoice, detect
 from agentenv.vmm.base import BootSource, Drive, MachineSpec, NetIface
 from agentenv.vmm.qemu import QemuVM
+from agentenv.vmm.ramshim import ensure_ram_shim
+from agentenv.vmm.version import qemu_version as binary_version
 
 ROOTFS = "rootfs.qcow2"
 MEMORY = "memory"
@@ -53,6 +52,8 @@ class GuestImage:
     qemu_binary: str
     # hostname → kernel command line; only cold boots use it.
     cmdline: Callable[[str], str]
+    # Preloaded into QEMUs whose RAM is a private mapping of a snapshot (`vmm.ramshim`).
+    ram_shim: Path
 
     @classmethod
     def resolve(cls, settings: Settings) -> GuestImage:
@@ -65,8 +66,15 @@ class GuestImage:
             extra = artifacts.guest_args(settings, hostname=hostname)
             return artifacts.kernel_cmdline(arts, accel.name, extra)
 
+        shim = ensure_ram_shim(settings.cache)
         return cls(
-            arts.kernel, arts.initramfs, arts.tools_image, accel, settings.qemu_binary, cmdline
+            arts.kernel,
+            arts.initramfs,
+            arts.tools_image,
+            accel,
+            settings.qemu_binary,
+            cmdline,
+            shim,
         )
 
     @property
@@ -74,12 +82,9 @@ class GuestImage:
         return qemu_version(self.qemu_binary)
 
 
-@functools.cache
 def qemu_version(binary: str) -> str:
     """`major.minor.patch` of a QEMU binary: device state only loads into the same version."""
-    out = subprocess.run([binary, "--version"], capture_output=True, text=True, check=False)
-    m = re.search(r"version (\d+\.\d+\.\d+)", out.stdout)
-    return m.group(1) if m else "unknown"
+    return str(binary_version(binary))
 
 
 @dataclass
@@ -154,6 +159,7 @@ def new_vm(
         netns=None if slot is None else slot.netns,
         qemu_binary=image.qemu_binary,
         incoming=incoming,
+        ram_shim=image.ram_shim,
     )
 
 

@@ -41,6 +41,8 @@ class Snapshot:
     envd_token: str | None = None
     # Deleted while sandboxes still mapped it: invisible, removed when the last one is gone.
     deleted: bool = False
+    # `vmm.qemu.DEVICE_SET` of the guest that was captured ("1": before the field existed).
+    device_set: str = "1"
 
     @property
     def top_layer(self) -> str:

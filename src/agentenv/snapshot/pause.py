@@ -34,6 +34,7 @@ from agentenv.snapshot.machine import (
 from agentenv.snapshot.repository import SnapshotStore
 from agentenv.snapshot.restore import check_compatible
 from agentenv.vmm.errors import VMMError
+from agentenv.vmm.qemu import DEVICE_SET
 
 PAUSED = "paused.json"
 STATE = "state"
@@ -53,6 +54,7 @@ class PausedState:
     kind: str
     upper: str  # file name of the writable disk in the workdir
     paused_at: float
+    device_set: str = "1"
 
 
 def paused_state(workdir: Path) -> PausedState | None:
@@ -99,6 +101,7 @@ async def pause(machine: Machine, repo: SnapshotStore, image: GuestImage) -> Pau
         kind=kind,
         upper=vm.disk_path("vda").name,
         paused_at=time.time(),
+        device_set=DEVICE_SET,
     )
     tmp = workdir / (PAUSED + ".tmp")
     await asyncio.to_thread(tmp.write_text, json.dumps(asdict(record)))
@@ -128,6 +131,7 @@ async def resume(
         accel=record.accel,
         qemu_version=record.qemu_version,
         tools_image=record.tools_image,
+        device_set=record.device_set,
     )
     memory = workdir / MEMORY
     source = workdir / (STATE if record.kind == "state" else STREAM)

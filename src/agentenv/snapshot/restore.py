@@ -24,13 +24,19 @@ from agentenv.snapshot.model import Snapshot
 from agentenv.snapshot.repository import SnapshotStore
 from agentenv.storage import LayerStore, create_upper
 from agentenv.vmm.errors import VMMError
-from agentenv.vmm.qemu import QemuVM
+from agentenv.vmm.qemu import DEVICE_SET, QemuVM
 
 log = logging.getLogger(__name__)
 
 
 def check_compatible(
-    what: str, image: GuestImage, *, accel: str, qemu_version: str, tools_image: str
+    what: str,
+    image: GuestImage,
+    *,
+    accel: str,
+    qemu_version: str,
+    tools_image: str,
+    device_set: str,
 ) -> None:
     if accel != image.accel.name:
         raise IncompatibleSnapshot(
@@ -39,6 +45,11 @@ def check_compatible(
     if qemu_version != image.qemu_version:
         raise IncompatibleSnapshot(
             f"{what} was taken with QEMU {qemu_version}, this host has {image.qemu_version}"
+        )
+    if device_set != DEVICE_SET:
+        raise IncompatibleSnapshot(
+            f"{what} was taken with guest device set {device_set}; this agentenv gives guests "
+            f"device set {DEVICE_SET} (delete it and capture it again)"
         )
     if not Path(tools_image).is_file():
         raise IncompatibleSnapshot(f"{what} needs tools layer {tools_image}, which is gone")
@@ -77,6 +88,7 @@ async def prepare(
         accel=snap.accel,
         qemu_version=snap.qemu_version,
         tools_image=snap.tools_image,
+        device_set=snap.device_set,
     )
     await asyncio.to_thread(workdir.mkdir, 0o700, True, True)
     upper = workdir / ROOTFS

@@ -18,9 +18,9 @@ from pathlib import Path
 from agentenv.config import Settings
 from agentenv.template.commands import run
 from agentenv.template.errors import BuildError
+from agentenv.vmm.version import microvm_machine, qemu_version
 
 MARKER = b"agentenv: envd started"
-MACHINE = "microvm,x-option-roms=off,pit=off,pic=off,rtc=on"
 
 
 def smoke_boot(
@@ -38,7 +38,8 @@ def smoke_boot(
         serial = Path(scratch) / "serial.log"
         argv = [
             settings.qemu_binary,
-            "-M", MACHINE, "-accel", "tcg", "-cpu", "max", "-m", "256",
+            "-M", microvm_machine(qemu_version(settings.qemu_binary)),
+            "-accel", "tcg", "-cpu", "max", "-m", "256",
             "-nodefaults", "-no-user-config", "-display", "none", "-no-reboot",
             "-serial", f"file:{serial}",
             "-kernel", str(kernel),

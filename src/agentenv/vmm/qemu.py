@@ -19,6 +19,8 @@ from agentenv.vmm.accel import AccelChoice
 from agentenv.vmm.base import BootSource, Drive, MachineSpec, NetIface, VMStatus
 from agentenv.vmm.cgroup import Cgroup, Limits
 from agentenv.vmm.errors import BalloonUnsupported, VMMError, VMStartError
+from agentenv.vmm.ramshim import preload_argv
+from agentenv.vmm.version import microvm_machine, qemu_version
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +32,7 @@ QMP_CONNECT_TIMEOUT_S = 10.0
 MEMORY_OVERHEAD_MB = 192
 PIDS_LIMIT = 256
 SNAPSHOT_TIMEOUT_S = 60.0
-# QEMU 7.2 throttles migration to ~128 MiB/s by default; a local file takes much more.
+# QEMU throttles migration to ~128 MiB/s by default; a local file takes much more.
 MIGRATE_BANDWIDTH = 16 * 1024**3
 
 _STATUS = {
@@ -52,22 +54,22 @@ _STATUS = {
 }
 
 
+# Bumped whenever the devices a guest gets change: device state saved with one set does not
+# load into another. 2: free page reporting for every guest (clones through `ramshim`).
+DEVICE_SET = "2"
+
+
 def balloon_device(machine: MachineSpec) -> str:
-    """The balloon's QEMU device. Free page reporting only when guest RAM is anonymous: QEMU
-    7.2 discards reported (and ballooned) pages of file-backed RAM by punching holes into the
-    file even when it is mapped private, which zeroes a template snapshot under every clone
-    of it. The device set must be the same for every VM that saves or loads a snapshot, and
-    those always have a memory file, so they never negotiate the feature."""
-    opts = "virtio-balloon-device,deflate-on-oom=on"
-    if machine.mem_file is None:
-        opts += ",free-page-reporting=on"
-    return opts
+    """The balloon's QEMU device: free page reporting and deflate-on-oom for every guest. A
+    guest whose RAM is a private mapping of a shared snapshot file discards through the
+    preload library (see `ramshim`), so its freed pages never reach that file."""
+    del machine  # one device set for every VM: snapshots load only into the same one
+    return "virtio-balloon-device,free-page-reporting=on,deflate-on-oom=on"
 
 
-def balloon_reclaims(machine: MachineSpec) -> bool:
-    """Whether inflating the balloon returns memory to the host without touching a file that
-    other guests map: anonymous RAM, or a memory file of this VM's own (shared mapping)."""
-    return machine.balloon and (machine.mem_file is None or machine.mem_shared)
+def private_ram(machine: MachineSpec) -> bool:
+    """Guest RAM is a copy-on-write mapping of a memory file other guests map too."""
+    return machine.mem_file is not None and not machine.mem_shared
 
 
 def cgroup_limits(machine: MachineSpec) -> Limits:
@@ -97,6 +99,7 @@ class QemuVM:
         cgroup: bool = True,
         qemu_binary: str = "qemu-system-x86_64",
         incoming: bool = False,
+        ram_shim: Path | None = None,
     ) -> None:
         self.name = name
         self.workdir = workdir
@@ -107,6 +110,9 @@ class QemuVM:
         self.net = net
         self.netns = netns
         self.qemu_binary = qemu_binary
+        self.version = qemu_version(qemu_binary)
+        # The preload library a private mapping of a shared memory file needs (`ramshim`).
+        self.ram_shim = ram_shim
         # Started paused, waiting for `snapshot_load` instead of booting the kernel.
         self.incoming = incoming
         self.serial_log = workdir / "serial.log"
@@ -129,7 +135,7 @@ class QemuVM:
 
     def argv(self) -> list[str]:
         m = self.machine
-        machine_opts = "microvm,x-option-roms=off,pit=off,pic=off,rtc=on"
+        machine_opts = microvm_machine(self.version)
         args = [self.qemu_binary]
         if m.mem_file is not None:
             machine_opts += ",memory-backend=mem"
@@ -179,6 +185,9 @@ class QemuVM:
 
     def _launch_argv(self) -> list[str]:
         argv = self.argv()
+        if private_ram(self.machine):
+            assert self.ram_shim is not None and self.machine.mem_file is not None
+            argv = [*preload_argv(self.ram_shim, self.machine.mem_file), *argv]
         if self.net is not None and self.net.detached:
             # The device state of virtio-net needs a tap backend (vnet_hdr); a namespace of
             # its own gives it one that disappears with the process.
@@ -211,6 +220,11 @@ class QemuVM:
                 raise VMStartError(f"{self.name}: {f} does not exist")
         if self.netns is not None and not Path(f"/run/netns/{self.netns}").exists():
             raise VMStartError(f"{self.name}: network namespace {self.netns} does not exist")
+        if private_ram(self.machine) and (self.ram_shim is None or not self.ram_shim.is_file()):
+            raise VMStartError(
+                f"{self.name}: RAM mapped from a shared snapshot needs the RAM preload library "
+                f"({self.ram_shim or 'not given'}); run `aenv setup`"
+            )
         if self.machine.vcpus < 1 or self.machine.memory_mb < 16:
             raise VMStartError(f"{self.name}: bad machine shape {self.machine}")
 
@@ -449,23 +463,19 @@ class QemuVM:
 
     @property
     def balloon_reclaims(self) -> bool:
-        return balloon_reclaims(self.machine)
+        """Inflating the balloon returns memory to the host (every guest with a balloon: a
+        clone's discards go through the preload library)."""
+        return self.machine.balloon
 
     async def balloon_set(self, target_bytes: int) -> None:
         """Ask the guest to give back memory until it has `target_bytes` (the full size
         deflates). Returns at once; the guest moves towards the target on its own
-        (`balloon_query`). Inflating a guest whose RAM is a private mapping of a shared file
-        raises `BalloonUnsupported` (see `balloon_device`)."""
+        (`balloon_query`)."""
         full = self.machine.memory_mb * 1024 * 1024
         if not self.machine.balloon:
             raise BalloonUnsupported(f"{self.name} has no balloon device")
         if not 0 < target_bytes <= full:
             raise VMMError(f"{self.name}: balloon target {target_bytes} is outside 1..{full} bytes")
-        if target_bytes < full and not self.balloon_reclaims:
-            raise BalloonUnsupported(
-                f"{self.name}: RAM is a private mapping of a shared snapshot file; "
-                "inflating the balloon would punch holes into that file"
-            )
         await self._execute("balloon", {"value": target_bytes})
 
     async def balloon_query(self) -> int:
