@@ -1,9 +1,10 @@
 """Memory benchmark: host memory per idle sandbox and how many fit, balloon on and off.
 
 - PSS of the QEMU process per idle 512 MiB sandbox: N restored from one template snapshot, and
-  M cold-booted with RAM in a file of their own, first as they are (balloon off) and then
+  M cold-booted with RAM in a file of their own, first as they are (balloon off: nothing
+  inflated; free page reporting stays on, it is part of every snapshot's device set) and then
   with the balloon inflated to the floor by the real `MemoryManager` (balloon on). Clones
-  are never ballooned (QEMU 7.2 would punch the shared template file), so they have one row.
+  give memory back through `vmm.ramshim`, which keeps their discards off the template file.
 - For each row, how many such sandboxes would fit before host memory is 80% used and the
   overcommit ratio (their nominal memory / host memory). Extrapolated from the measured PSS
   and this host's current use; nothing is started to fill the host.
@@ -66,37 +67,21 @@ def pss_mb(sb: SandboxHandle) -> float:
 
 
 async def settle(sandboxes: Sequence[SandboxHandle], touch_mb: int) -> None:
+    """Every guest answers once; with `touch_mb` each also fills that much page cache (what a
+    sandbox that ran a workload keeps until the balloon makes it drop it)."""
+    fill = (
+        f"dd if=/dev/zero of=/var/tmp/fill bs=1M count={touch_mb} status=none && sync"
+        " && cat /var/tmp/fill > /dev/null"
+    )
     for sb in sandboxes:
-        await sh(sb, "true" if not touch_mb else f"python3 -c 'b = b\"x\" * ({touch_mb} << 20)'")
+        await sh(sb, fill if touch_mb else "true")
     await asyncio.sleep(SETTLE_S)
 
 
-async def clones(settings: Settings, n: int, touch_mb: int) -> Row:
-    node = Node(settings)
-    await node.start()
+async def inflate_all(node: Node, sbs: Sequence[SandboxHandle], floor: int) -> None:
+    """The node's sandboxes all idle: the real manager inflates every balloon to the floor."""
+    mm = MemoryManager(node.list, MemoryPolicy(idle_s=0.1, floor_mb=floor, pressure_pct=0))
     try:
-        t0 = time.monotonic()
-        sbs = [await node.create("base", memory_mb=MEM_MB) for _ in range(n)]
-        print(f"  {n} restores in {time.monotonic() - t0:.1f}s", flush=True)
-        await settle(sbs, touch_mb)
-        return Row(f"restored from one {MEM_MB} MiB template", n, [pss_mb(s) for s in sbs])
-    finally:
-        await node.close()
-
-
-async def cold(settings: Settings, n: int, touch_mb: int) -> tuple[Row, Row]:
-    node = Node(settings, snapshots=False, mem_file=True)
-    await node.start()
-    try:
-        sbs = []
-        for i in range(n):
-            t0 = time.monotonic()
-            sbs.append(await node.create("base", memory_mb=MEM_MB))
-            print(f"  cold boot {i + 1}/{n} in {time.monotonic() - t0:.1f}s", flush=True)
-        await settle(sbs, touch_mb)
-        off = Row("cold-booted, balloon off", n, [pss_mb(s) for s in sbs])
-        floor = settings.balloon_floor_mb
-        mm = MemoryManager(node.list, MemoryPolicy(idle_s=0.1, floor_mb=floor, pressure_pct=0))
         await mm.tick()
         await asyncio.sleep(0.2)
         await mm.tick()
@@ -108,8 +93,30 @@ async def cold(settings: Settings, n: int, touch_mb: int) -> tuple[Row, Row]:
                 await asyncio.sleep(0.1)
         print(f"  {mm.inflations} balloons at {floor} MiB in {time.monotonic() - t0:.1f}s")
         await asyncio.sleep(SETTLE_S)
-        on = Row(f"cold-booted, balloon on ({floor} MiB floor)", n, [pss_mb(s) for s in sbs])
+    finally:
         await mm.close()
+
+
+async def measure(settings: Settings, n: int, touch_mb: int, *, cold: bool) -> tuple[Row, Row]:
+    """(balloon off, balloon on) rows for `n` sandboxes restored from the template snapshot or
+    cold-booted with RAM in a file of their own."""
+    node = Node(settings, snapshots=False, mem_file=True) if cold else Node(settings)
+    what = "cold-booted" if cold else f"restored from one {MEM_MB} MiB template"
+    await node.start()
+    try:
+        sbs = []
+        t0 = time.monotonic()
+        for i in range(n):
+            t1 = time.monotonic()
+            sbs.append(await node.create("base", memory_mb=MEM_MB))
+            if cold:
+                print(f"  cold boot {i + 1}/{n} in {time.monotonic() - t1:.1f}s", flush=True)
+        print(f"  {n} {what} in {time.monotonic() - t0:.1f}s", flush=True)
+        await settle(sbs, touch_mb)
+        off = Row(f"{what}, balloon off", n, [pss_mb(s) for s in sbs])
+        floor = settings.balloon_floor_mb
+        await inflate_all(node, sbs, floor)
+        on = Row(f"{what}, balloon on ({floor} MiB)", n, [pss_mb(s) for s in sbs])
         return off, on
     finally:
         await node.close()
@@ -119,12 +126,12 @@ def report(rows: list[Row], baseline_used: float, total: float) -> None:
     """`baseline_used` and `total` in MiB."""
     print()
     print(f"host: {total / 1024:.1f} GiB, {baseline_used / 1024:.1f} GiB used before the bench")
-    print(f"{'sandboxes':<44} {'N':>3} {'PSS/sandbox':>12} {'fit@80%':>8} {'overcommit':>10}")
+    print(f"{'sandboxes':<58} {'N':>3} {'PSS/sandbox':>12} {'fit@80%':>8} {'overcommit':>10}")
     budget = FILL * total - baseline_used
     for r in rows:
         fit = int(budget // r.mean) if r.mean > 0 else 0
         ratio = fit * MEM_MB / total
-        print(f"{r.what:<44} {r.n:>3} {r.mean:>9.1f} MB {fit:>8} {ratio:>9.1f}x")
+        print(f"{r.what:<58} {r.n:>3} {r.mean:>9.1f} MB {fit:>8} {ratio:>9.1f}x")
     print("fit@80% and overcommit are extrapolated from the mean PSS, not measured by filling")
 
 
@@ -132,7 +139,7 @@ async def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--clones", type=int, default=20)
     ap.add_argument("--cold", type=int, default=4)
-    ap.add_argument("--touch", type=int, default=0, help="MiB each guest writes and frees")
+    ap.add_argument("--touch", type=int, default=0, help="MiB of page cache each guest fills")
     args = ap.parse_args(argv)
     if args.clones < 1 or args.cold < 0:
         ap.error("--clones must be at least 1 and --cold at least 0")
@@ -145,10 +152,10 @@ async def main(argv: list[str] | None = None) -> None:
         )
         await asyncio.to_thread(ensure_base, settings, None)
         print(f"{args.clones} sandboxes restored from the template snapshot", flush=True)
-        rows = [await clones(settings, args.clones, args.touch)]
+        rows = list(await measure(settings, args.clones, args.touch, cold=False))
         if args.cold:
             print(f"{args.cold} cold-booted sandboxes", flush=True)
-            rows += list(await cold(settings, args.cold, args.touch))
+            rows += list(await measure(settings, args.cold, args.touch, cold=True))
     report(rows, (before.total - before.available) / MIB, before.total / MIB)
     for r in rows:
         print(f"  {r.what}: PSS MB {', '.join(f'{p:.0f}' for p in r.pss_mb)}")

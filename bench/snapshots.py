@@ -6,9 +6,11 @@
   device state);
 - fork of 1, 8 and 32 children (total and per child);
 - host memory (PSS of the QEMU process) per idle sandbox: N restored from one 512 MiB
-  template vs N cold-booted;
-- how many idle 512 MiB sandboxes would fit before host memory is 80% used (extrapolated from
-  the PSS above; nothing is started to fill the host).
+  template vs N cold-booted, each with the balloon off and then inflated to the floor
+  (bench/memory.py does the measuring);
+- how many idle 512 MiB sandboxes would fit before host memory is 80% used and the overcommit
+  ratio, for each of those rows (extrapolated from the PSS; nothing is started to fill the
+  host).
 
     .venv/bin/python bench/snapshots.py [--creates 20] [--cold 3] [--idle 20] [--quick]
 """
@@ -17,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import statistics
 import sys
 import tempfile
 import time
@@ -27,7 +28,11 @@ from pathlib import Path
 
 from agentenv.config import Settings
 from agentenv.guest.envd.client import EnvdClient
+from agentenv.orchestrator.memory import read_pressure
 from agentenv.orchestrator.node import Node, SandboxHandle
+
+sys.path.insert(0, str(Path(__file__).parent))
+import memory as membench
 
 MIB = 1024 * 1024
 
@@ -44,14 +49,6 @@ def pss_mb(pid: int | None) -> float:
         if line.startswith("Pss:"):
             return int(line.split()[1]) / 1024
     return 0.0
-
-
-def meminfo_mb() -> dict[str, float]:
-    out = {}
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        k, v = line.split(":", 1)
-        out[k] = int(v.split()[0]) / 1024
-    return out
 
 
 async def sh(sb: SandboxHandle, cmd: str) -> str:
@@ -153,21 +150,6 @@ async def forks(settings: Settings, counts: Sequence[int]) -> None:
             await node.delete(src.id)
 
 
-async def idle_memory(settings: Settings, n: int, cold: bool) -> float:
-    """Mean PSS (MB) of `n` idle sandboxes side by side."""
-    async with Node(settings, snapshots=not cold) as node:
-        sbs = []
-        try:
-            for _ in range(n):
-                sbs.append(await node.create("base", memory_mb=512))
-            await asyncio.sleep(10)  # let boot-time work settle
-            pss = [pss_mb(sb.pid) for sb in sbs]
-        finally:
-            for sb in sbs:
-                await node.delete(sb.id)
-    return statistics.mean(pss)
-
-
 async def main_async(args: argparse.Namespace, settings: Settings) -> None:
     parts = set(args.parts.split(","))
     if "create" in parts:
@@ -178,21 +160,11 @@ async def main_async(args: argparse.Namespace, settings: Settings) -> None:
         await forks(settings, [1, 8] if args.quick else [1, 8, 32])
     if "idle" not in parts:
         return
-    restored = await idle_memory(settings, args.idle, cold=False)
-    cold = await idle_memory(settings, args.idle_cold, cold=True)
-    print(
-        f"host memory per idle 512 MiB sandbox (PSS): restored {restored:.1f} MB "
-        f"({args.idle} side by side) vs cold-booted {cold:.1f} MB ({args.idle_cold})"
-    )
-    mi = meminfo_mb()
-    room = 0.8 * mi["MemTotal"] - (mi["MemTotal"] - mi["MemAvailable"])
-    print(
-        f"fit before 80% of host memory ({mi['MemTotal'] / 1024:.1f} GiB, "
-        f"{room / 1024:.1f} GiB free up to 80%): restored ~{int(room / restored)} "
-        f"(overcommit {512 / restored:.1f}x), cold ~{int(room / cold)} "
-        f"({512 / cold:.1f}x) "
-        "[balloon with free-page reporting on; balloon off not measured]"
-    )
+    before = read_pressure()
+    print(f"idle memory: {args.idle} restored, {args.idle_cold} cold-booted", flush=True)
+    rows = list(await membench.measure(settings, args.idle, args.touch, cold=False))
+    rows += await membench.measure(settings, args.idle_cold, args.touch, cold=True)
+    membench.report(rows, (before.total - before.available) / MIB, before.total / MIB)
 
 
 def main() -> int:
@@ -201,6 +173,7 @@ def main() -> int:
     ap.add_argument("--cold", type=int, default=3)
     ap.add_argument("--idle", type=int, default=20)
     ap.add_argument("--idle-cold", type=int, default=20)
+    ap.add_argument("--touch", type=int, default=0, help="MiB of page cache each idle guest fills")
     ap.add_argument("--quick", action="store_true", help="fewer sizes and children")
     ap.add_argument("--parts", default="create,pause,fork,idle", help="comma-separated subset")
     args = ap.parse_args()
