@@ -22,6 +22,7 @@ _TOOLS = [
     ("debootstrap", "debootstrap"),
     ("lz4", "lz4"),
     ("cpio", "cpio"),
+    ("cc", "gcc"),
 ]
 
 
@@ -63,12 +64,21 @@ def _checks(settings: Settings) -> list[Finding]:
 
 def _artifact_checks(settings: Settings) -> list[Finding]:
     from agentenv.template.catalog import TemplateCatalog, TemplateNotFound
+    from agentenv.vmm.ramshim import find_ram_shim
 
+    shim = find_ram_shim(settings.cache)
+    found = [
+        Finding(
+            shim is not None,
+            f"RAM preload library for snapshot clones: {shim or 'not built'}",
+            "run `aenv setup`",
+        )
+    ]
     try:
         template = TemplateCatalog(settings).get("base")
     except TemplateNotFound:
-        return [Finding(False, "template base", "run `aenv setup`")]
-    return [Finding(True, f"template base: {len(template.layers)} layer(s)")]
+        return [*found, Finding(False, "template base", "run `aenv setup`")]
+    return [*found, Finding(True, f"template base: {len(template.layers)} layer(s)")]
 
 
 def run_doctor(settings: Settings, console: Console) -> int:
