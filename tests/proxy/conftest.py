@@ -159,24 +159,32 @@ def wait_port(client: httpx.Client, guest_headers: dict[str, str], path: str = "
     raise AssertionError(f"guest port never opened: {resp.text}")
 
 
+def start_app(server: ServerProcess, sbx: Sandbox) -> Guest:
+    """Run the HTTP and WebSocket servers of `APP` in `sbx`; returns once both answer through
+    the proxy."""
+    rec = Store(server.home / "agentenv.db").get(sbx.sandbox_id)
+    assert rec is not None and rec.address
+    sbx.files.write(f"{GUEST_LIB}.tgz", websockets_tarball())
+    sbx.files.write(f"{GUEST_LIB}/app.py", APP)
+    sbx.commands.run(f"tar -xzf {GUEST_LIB}.tgz -C {GUEST_LIB}")
+    sbx.commands.run(
+        f"python3 {GUEST_LIB}/app.py 0.0.0.0 {HTTP_PORT} {WS_PORT}",
+        background=True,
+        timeout=0,
+        envs={"PYTHONPATH": GUEST_LIB},
+    )
+    g = Guest(server, sbx, rec.address, HTTP_PORT, WS_PORT)
+    with httpx.Client(base_url=server.url, timeout=10) as client:
+        wait_port(client, g.headers(), "/ready")
+        # The WebSocket server starts after the HTTP one; it answers a plain GET (426).
+        wait_port(client, g.headers(WS_PORT))
+    return g
+
+
 @pytest.fixture(scope="module")
 def guest(proxy_server: ServerProcess) -> Iterator[Guest]:
     sbx = Sandbox.create(template="base", timeout=600, **sdk_opts(proxy_server))  # type: ignore[arg-type]
     try:
-        rec = Store(proxy_server.home / "agentenv.db").get(sbx.sandbox_id)
-        assert rec is not None and rec.address
-        sbx.files.write(f"{GUEST_LIB}.tgz", websockets_tarball())
-        sbx.files.write(f"{GUEST_LIB}/app.py", APP)
-        sbx.commands.run(f"tar -xzf {GUEST_LIB}.tgz -C {GUEST_LIB}")
-        sbx.commands.run(
-            f"python3 {GUEST_LIB}/app.py 0.0.0.0 {HTTP_PORT} {WS_PORT}",
-            background=True,
-            timeout=0,
-            envs={"PYTHONPATH": GUEST_LIB},
-        )
-        g = Guest(proxy_server, sbx, rec.address, HTTP_PORT, WS_PORT)
-        with httpx.Client(base_url=proxy_server.url, timeout=10) as client:
-            wait_port(client, g.headers(), "/ready")
-        yield g
+        yield start_app(proxy_server, sbx)
     finally:
         sbx.kill()

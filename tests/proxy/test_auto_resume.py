@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
 import secrets
 import time
 from collections.abc import Iterator
@@ -9,10 +11,12 @@ from collections.abc import Iterator
 import httpx
 import pytest
 from e2b import Sandbox
+from websockets.asyncio.client import connect as ws_connect
+from websockets.exceptions import InvalidStatus
 
 from agentenv.api.devserver import ServerProcess, prepare_home
 
-from .conftest import sdk_opts, wait_port
+from .conftest import Guest, sdk_opts, start_app, wait_port
 
 pytestmark = pytest.mark.vm
 
@@ -89,6 +93,38 @@ def test_opted_out_sandbox_stays_paused_with_a_clear_error(proxy_server: ServerP
         sbx.kill()
 
 
+def _ws_url(server: ServerProcess) -> str:
+    return server.url.replace("http://", "ws://") + "/"
+
+
+async def _echo(g: Guest, message: str) -> str:
+    # The handshake waits for the resume: give it the resume's bound, not the 10 s default.
+    async with ws_connect(
+        _ws_url(g.server), additional_headers=g.headers(g.ws_port), open_timeout=RESUME_TIMEOUT_S
+    ) as ws:
+        await ws.send(message)
+        reply = await ws.recv()
+    return reply if isinstance(reply, str) else reply.decode()
+
+
+def test_websocket_to_paused_sandbox_resumes_it(proxy_server: ServerProcess) -> None:
+    sbx = Sandbox.create(template="base", timeout=300, **sdk_opts(proxy_server))  # type: ignore[arg-type]
+    sid = sbx.sandbox_id
+    try:
+        g = start_app(proxy_server, sbx)
+        # Echoing once first proves the guest's WebSocket server is up before the pause.
+        assert asyncio.run(_echo(g, "before")) == "before"
+        with _api(proxy_server) as api:
+            _pause(api, sid)
+            word = secrets.token_hex(8)
+            started = time.monotonic()
+            assert asyncio.run(_echo(g, word)) == word
+            print(f"WebSocket that resumed the sandbox took {time.monotonic() - started:.2f} s")
+            assert api.get(f"/sandboxes/{sid}").json()["state"] == "running"
+    finally:
+        sbx.kill()
+
+
 @pytest.fixture(scope="module")
 def switch_off_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     home = prepare_home(tmp_path_factory.mktemp("no-resume-home"))
@@ -125,3 +161,26 @@ def test_switch_off_resumes_only_sandboxes_that_asked(switch_off_server: ServerP
             assert api.get(f"/sandboxes/{sid}").json()["state"] == "paused"
         finally:
             sbx.kill()
+
+
+def test_switch_off_refuses_a_websocket_to_a_paused_sandbox(
+    switch_off_server: ServerProcess,
+) -> None:
+    sbx = Sandbox.create(template="base", timeout=300, **sdk_opts(switch_off_server))  # type: ignore[arg-type]
+    sid = sbx.sandbox_id
+    try:
+        g = start_app(switch_off_server, sbx)
+        assert asyncio.run(_echo(g, "before")) == "before"
+        with _api(switch_off_server) as api:
+            _pause(api, sid)
+            with pytest.raises(InvalidStatus) as info:
+                asyncio.run(_echo(g, "after"))
+            resp = info.value.response
+            assert resp.status_code == 502
+            assert resp.headers["content-type"].startswith("application/json")
+            body = json.loads(resp.body)
+            assert body["code"] == 502 and body["sandboxId"] == sid
+            assert "was not found" in body["message"] and "paused" in body["message"]
+            assert api.get(f"/sandboxes/{sid}").json()["state"] == "paused"
+    finally:
+        sbx.kill()
