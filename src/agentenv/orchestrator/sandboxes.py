@@ -51,7 +51,8 @@ MAX_TIMEOUT_S = 24 * 3600
 _ID_ALPHABET = string.ascii_lowercase + string.digits
 # How often the reaper looks for expired sandboxes when nothing is due sooner.
 _REAPER_TICK_S = 1.0
-# How often paused sandboxes are checked against the retention limit.
+# How often paused sandboxes are checked against the retention limit (at most; a shorter
+# retention is checked as often as it is long).
 _RETENTION_CHECK_S = 30.0
 
 
@@ -94,6 +95,7 @@ class SandboxManager:
         min_memory_mb: int = 128,
         max_memory_mb: int = 16384,
         paused_retention_s: float = 0.0,
+        retention_check_s: float | None = None,
         auto_resume: bool = True,
     ) -> None:
         self.store = store
@@ -108,6 +110,11 @@ class SandboxManager:
         self.max_memory_mb = max_memory_mb
         # Paused sandboxes whose timeout passed longer ago than this are deleted (0: never).
         self.paused_retention_s = paused_retention_s
+        self.retention_check_s = (
+            min(_RETENTION_CHECK_S, paused_retention_s)
+            if retention_check_s is None
+            else retention_check_s
+        )
         # Whether proxy traffic resumes a paused sandbox whose create request left it unset.
         self.auto_resume = auto_resume
         self._retention_checked = 0.0
@@ -424,25 +431,29 @@ class SandboxManager:
             rec = self.store.get(sandbox_id)
             if rec is None or rec.state is SandboxState.GONE:
                 raise SandboxNotFound(sandbox_id)
-            if not self.store.transition(sandbox_id, rec.state, SandboxState.KILLING):
-                raise SandboxNotFound(sandbox_id)
-            if rec.runtime_id is not None:
-                try:
-                    await asyncio.shield(self.runtime.delete(rec.runtime_id))
-                except Exception as exc:
-                    # The row still goes to gone: the node owns cleanup of what it allocated,
-                    # and a retry here could not do better than its own teardown did.
-                    log.error(
-                        "sandbox %s delete failed: %r",
-                        sandbox_id,
-                        exc,
-                        extra={"sandbox_id": sandbox_id},
-                    )
-                    self.store.log(sandbox_id, f"delete failed: {exc!r}", "error")
-            self.store.transition(sandbox_id, SandboxState.KILLING, SandboxState.GONE)
-            await self._released(sandbox_id)
-            self.store.log(sandbox_id, reason)
-            log.info("sandbox %s gone (%s)", sandbox_id, reason, extra={"sandbox_id": sandbox_id})
+            await self._kill_locked(rec, reason)
+
+    async def _kill_locked(self, rec: SandboxRecord, reason: str) -> None:
+        sandbox_id = rec.id
+        if not self.store.transition(sandbox_id, rec.state, SandboxState.KILLING):
+            raise SandboxNotFound(sandbox_id)
+        if rec.runtime_id is not None:
+            try:
+                await asyncio.shield(self.runtime.delete(rec.runtime_id))
+            except Exception as exc:
+                # The row still goes to gone: the node owns cleanup of what it allocated,
+                # and a retry here could not do better than its own teardown did.
+                log.error(
+                    "sandbox %s delete failed: %r",
+                    sandbox_id,
+                    exc,
+                    extra={"sandbox_id": sandbox_id},
+                )
+                self.store.log(sandbox_id, f"delete failed: {exc!r}", "error")
+        self.store.transition(sandbox_id, SandboxState.KILLING, SandboxState.GONE)
+        await self._released(sandbox_id)
+        self.store.log(sandbox_id, reason)
+        log.info("sandbox %s gone (%s)", sandbox_id, reason, extra={"sandbox_id": sandbox_id})
 
     async def set_timeout(self, sandbox_id: str, seconds: int) -> None:
         async with self._locked(sandbox_id):
@@ -558,13 +569,32 @@ class SandboxManager:
     async def _reap_paused(self) -> None:
         """Paused sandboxes past their retention go, with everything only they held."""
         now = time.time()
-        if self.paused_retention_s <= 0 or now - self._retention_checked < _RETENTION_CHECK_S:
+        if self.paused_retention_s <= 0 or now - self._retention_checked < self.retention_check_s:
             return
         self._retention_checked = now
         for rec in self.store.select([SandboxState.PAUSED]):
-            if rec.end_at + self.paused_retention_s <= now:
-                with contextlib.suppress(SandboxNotFound, Conflict):
-                    await self.kill(rec.id, reason="paused longer than the retention limit")
+            if self._retention_over(rec, now):
+                try:
+                    await self._collect_paused(rec.id)
+                except Exception as exc:
+                    # One sandbox that cannot be deleted must not stop the reaper.
+                    log.error("sandbox %s retention delete failed: %r", rec.id, exc)
+
+    def _retention_over(self, rec: SandboxRecord, now: float) -> bool:
+        return rec.end_at + self.paused_retention_s <= now
+
+    async def _collect_paused(self, sandbox_id: str) -> None:
+        async with self._locked(sandbox_id):
+            rec = self.store.get(sandbox_id)
+            # The rows were read before earlier deletions awaited: a connect may have resumed
+            # this one, or a new timeout moved its deadline, in the meantime.
+            if (
+                rec is None
+                or rec.state is not SandboxState.PAUSED
+                or not self._retention_over(rec, time.time())
+            ):
+                return
+            await self._kill_locked(rec, "paused longer than the retention limit")
 
     async def _expire(self, sandbox_id: str) -> None:
         async with self._locked(sandbox_id):
