@@ -38,11 +38,11 @@ def test_warm_watermarks(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("AGENTENV_WARM_LOW", raising=False)
     monkeypatch.delenv("AGENTENV_WARM_HIGH", raising=False)
     s = Settings.from_env()
-    assert (s.warm_low, s.warm_high) == (0, 0)
-    monkeypatch.setenv("AGENTENV_WARM_LOW", "1")
-    monkeypatch.setenv("AGENTENV_WARM_HIGH", "2")
-    s = Settings.from_env()
     assert (s.warm_low, s.warm_high) == (1, 2)
+    monkeypatch.setenv("AGENTENV_WARM_LOW", "0")
+    monkeypatch.setenv("AGENTENV_WARM_HIGH", "3")
+    s = Settings.from_env()
+    assert (s.warm_low, s.warm_high) == (0, 3)
 
 
 @pytest.mark.parametrize(
@@ -54,7 +54,7 @@ def test_warm_watermarks(monkeypatch: pytest.MonkeyPatch) -> None:
         ("AGENTENV_ACCEL", "warp", "kvm, pvm or tcg"),
         ("AGENTENV_BOOT_TIMEOUT", "soon", "AGENTENV_BOOT_TIMEOUT"),
         ("AGENTENV_AUTO_RESUME", "yes", "AGENTENV_AUTO_RESUME"),
-        ("AGENTENV_WARM_LOW", "1", "expected 0 <= low <= high"),
+        ("AGENTENV_WARM_LOW", "3", "expected 0 <= low <= high"),
         ("AGENTENV_WARM_HIGH", "-1", "AGENTENV_WARM_HIGH=-1"),
         ("AGENTENV_WARM_LOW", "many", "AGENTENV_WARM_LOW"),
     ],

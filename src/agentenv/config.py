@@ -105,9 +105,12 @@ class Settings:
     slot_pool_low: int = 0
     slot_pool_high: int = 0
     # Pre-spawned restores per recently used template shape (orchestrator.warm); 0: off.
-    # Off by default: warm entries are sandbox workdirs before anyone asked for them.
-    warm_low: int = 0
-    warm_high: int = 0
+    # An entry waiting costs ~no CPU and a few MB of host memory (a QEMU over a private
+    # mapping it has not touched) and one network slot. Two per shape lets a pair of creates
+    # (a test and its fixture, a parent and its helper) both skip the spawn; refilling only
+    # once the pool is empty (low 1) keeps the background work on a small host to one burst.
+    warm_low: int = 1
+    warm_high: int = 2
     boot_timeout_s: float = 120.0
     # Nameservers written into a guest's /etc/resolv.conf at first boot (template build).
     dns: tuple[str, ...] = ()
@@ -142,8 +145,8 @@ class Settings:
         idle = _env_int("AGENTENV_IDLE_RECLAIM_S", 60)
         if idle < 0:
             raise ConfigError(f"AGENTENV_IDLE_RECLAIM_S={idle}: expected 0 (off) or more")
-        warm_low = _env_int("AGENTENV_WARM_LOW", 0)
-        warm_high = _env_int("AGENTENV_WARM_HIGH", 0)
+        warm_low = _env_int("AGENTENV_WARM_LOW", cls.warm_low)
+        warm_high = _env_int("AGENTENV_WARM_HIGH", cls.warm_high)
         if not 0 <= warm_low <= warm_high:
             raise ConfigError(
                 f"AGENTENV_WARM_LOW={warm_low}, AGENTENV_WARM_HIGH={warm_high}: "
@@ -180,6 +183,12 @@ class Settings:
     @property
     def sandboxes_dir(self) -> Path:
         return self.home / "sandboxes"
+
+    @property
+    def warm_dir(self) -> Path:
+        """Workdirs of warm pool entries (orchestrator.warm), outside `sandboxes_dir` until
+        a create takes one and moves it there; same filesystem, so that is a rename."""
+        return self.home / "warm"
 
     @property
     def templates_file(self) -> Path:

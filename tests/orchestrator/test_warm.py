@@ -1,9 +1,11 @@
 """Warm pools: a create of a recently used shape takes a QEMU spawned before it was asked
-for, the pool refills, stale entries are discarded, and close leaves nothing."""
+for (and moves it into the sandboxes dir, where pause and snapshot work as for any other), the
+pool refills, stale, idle and orphaned entries are discarded, and close leaves nothing."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import statistics
 import time
@@ -17,6 +19,7 @@ from agentenv.config import Settings
 from agentenv.guest.envd.client import EnvdClient
 from agentenv.orchestrator.node import Node, SandboxHandle
 from agentenv.orchestrator.warm import Shape
+from agentenv.template.catalog import TemplateCatalog
 
 pytestmark = pytest.mark.vm
 
@@ -32,11 +35,16 @@ async def sh(sb: SandboxHandle, cmd: str) -> str:
     return out.strip()
 
 
-async def wait_ready(node: Node, count: int) -> None:
+async def wait_ready(node: Node, count: int, shape: Shape = SHAPE) -> None:
     deadline = time.monotonic() + FILL_TIMEOUT_S
-    while len(node.warm.ready(SHAPE)) < count:
+    while len(node.warm.ready(shape)) < count:
         assert time.monotonic() < deadline, f"warm pool did not reach {count} entries"
         await asyncio.sleep(0.1)
+
+
+def warm_entries(settings: Settings) -> list[Path]:
+    root = settings.warm_dir
+    return [e for d in root.iterdir() for e in d.iterdir()] if root.is_dir() else []
 
 
 async def wait_gone(pid: int, workdir: Path) -> None:
@@ -58,6 +66,9 @@ async def test_create_takes_prespawned_qemu_and_pool_refills(
         await node.delete(first.id)
         await wait_ready(node, 1)
         (entry,) = node.warm.ready(SHAPE)
+        # Waiting entries are not sandboxes: they live outside the sandboxes dir.
+        assert entry.workdir.parent.parent == settings.warm_dir
+        assert not (settings.sandboxes_dir / entry.name).exists()
         spawned_pid = entry.vm.pid
         assert spawned_pid is not None and entry.vm.started_at is not None
         asked_at = time.monotonic()
@@ -68,6 +79,16 @@ async def test_create_takes_prespawned_qemu_and_pool_refills(
         assert sb.id == entry.name and sb.pid == spawned_pid
         assert await sh(sb, "hostname") == sb.id
         assert await sh(sb, "echo warm > /root/f; cat /root/f") == "warm"
+        # Taken, it moved into the sandboxes dir while QEMU ran; what QEMU opens later (a
+        # sealed disk's new upper, a RAM stream) goes there too.
+        assert sb.workdir == settings.sandboxes_dir / sb.id and sb.upper.parent == sb.workdir
+        assert not entry.workdir.exists() or entry.workdir == sb.workdir
+        snap = await node.snapshot(sb.id, "warm-test-snap")
+        assert sb.upper.parent == sb.workdir
+        await node.pause(sb.id)
+        sb = await node.resume(sb.id)
+        assert await sh(sb, "cat /root/f") == "warm"
+        node.repo.delete(snap.id)
 
         # Refilled with a new guest; a rebuilt snapshot makes it stale and it is discarded.
         await wait_ready(node, 1)
@@ -82,6 +103,51 @@ async def test_create_takes_prespawned_qemu_and_pool_refills(
     finally:
         await node.close()
     assert not list(settings.sandboxes_dir.glob("*/rootfs.qcow2"))
+    assert not warm_entries(settings) and not list(settings.warm_dir.iterdir())
+
+
+async def test_entries_of_a_deleted_template_and_of_idle_shapes_are_dropped(
+    settings: Settings, base_template: Any
+) -> None:
+    catalog = TemplateCatalog(settings)
+    base = catalog.get("base")
+    copy = replace(base, name="warm-copy")
+    catalog.put(copy)
+    shape = Shape("warm-copy", 1, MEM)
+    # Default watermarks (on by default); a short check period so the test need not wait.
+    node = Node(settings)
+    assert (node.warm.low, node.warm.high) == (1, 2)
+    node.warm.check_s = 0.2
+    await node.start()
+    try:
+        await node.delete((await node.create("warm-copy", memory_mb=MEM)).id)
+        await node.delete((await node.create("base", memory_mb=MEM)).id)
+        await wait_ready(node, 2, shape)
+        await wait_ready(node, 2)
+        # Never more than `high`, however long it runs.
+        await asyncio.sleep(1)
+        assert len(node.warm.ready(shape)) == 2 and len(node.warm.ready(SHAPE)) == 2
+        doomed = [(p.vm.pid, p.workdir) for p in node.warm.ready(shape)]
+        catalog.delete("warm-copy")
+        for pid, workdir in doomed:
+            assert pid is not None
+            await wait_gone(pid, workdir)
+        assert shape not in node.warm.shapes() and node.warm.discarded == 2
+        # The base shape is untouched until it idles.
+        assert len(node.warm.ready(SHAPE)) == 2
+        idle = [(p.vm.pid, p.workdir) for p in node.warm.ready(SHAPE)]
+        node.warm.idle_s = 0.5
+        for pid, workdir in idle:
+            assert pid is not None
+            await wait_gone(pid, workdir)
+        assert node.warm.shapes() == [] and warm_entries(settings) == []
+    finally:
+        await node.close()
+        for name in ("warm-copy",):
+            with contextlib.suppress(Exception):
+                catalog.delete(name)
+        with contextlib.suppress(Exception):
+            node.repo.delete("warm-copy.1c.512m")
 
 
 async def test_create_p50_with_and_without_warm_pool(

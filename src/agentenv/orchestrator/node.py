@@ -3,10 +3,12 @@ everything it held (VM, cgroup, slot, upper layer, layer and snapshot references
 
 With snapshots on (the default), create = resume: the template's snapshot (built once by a cold
 boot, `snapshot.templates`) is restored with private copy-on-write RAM and the guest gets its
-identity through envd `/init`; nobody boots a kernel. A cold boot remains for disks larger
-than the template (a restored guest cannot grow its filesystem) and as the fallback when the
-template snapshot cannot be built. `pause`/`resume`, `snapshot` and `fork` use `snapshot/`;
-a paused sandbox lives only in its workdir, so it survives a restart of the node.
+identity through envd `/init`; nobody boots a kernel, also not for a disk larger than the
+template's (the restored guest's disk and ext4 are grown online). A cold boot remains the
+fallback when the template snapshot cannot be built. `pause`/`resume`, `snapshot` and `fork`
+use `snapshot/`; a paused sandbox lives only in its workdir, so it survives a restart of the
+node. Warm pool entries (`orchestrator.warm`) live in `settings.warm_dir` until a create takes
+one and moves its workdir into the sandboxes dir.
 
 Creation is ordered so that validation happens before any resource exists, and every step
 after that has its undo registered; a failure anywhere unwinds in reverse.
@@ -19,6 +21,7 @@ import builtins
 import contextlib
 import json
 import logging
+import os
 import secrets
 import shutil
 import string
@@ -31,6 +34,7 @@ import httpx
 
 from agentenv import snapshot as snaps
 from agentenv.config import ENVD_PORT, Settings
+from agentenv.guest.envd.client import EnvdClient, EnvdError
 from agentenv.network import Slot, SlotPool
 from agentenv.orchestrator.memory import HostMemory, MemoryManager, MemoryPolicy, host_memory
 from agentenv.orchestrator.node_errors import (
@@ -49,10 +53,18 @@ from agentenv.orchestrator.warm import Shape, WarmPool
 from agentenv.snapshot import GuestImage, Machine, MemoryMode, Snapshot, SnapshotError
 from agentenv.snapshot.fork import MAX_CHILDREN, ForkTarget
 from agentenv.snapshot.pause import PAUSED
-from agentenv.snapshot.restore import Prepared, discard, load, prepare
+from agentenv.snapshot.restore import (
+    Prepared,
+    discard,
+    load,
+    prepare,
+    relocate,
+    unlink_relocated,
+)
 from agentenv.storage import DiskTooSmall, LayerStore, create_upper, info
 from agentenv.vmm.accel import AccelChoice, detect
 from agentenv.vmm.base import BootSource, Drive, MachineSpec, NetIface
+from agentenv.vmm.errors import VMMError
 from agentenv.vmm.qemu import QemuVM
 
 log = logging.getLogger(__name__)
@@ -63,6 +75,21 @@ HEALTH_REQUEST_TIMEOUT_S = 2.0
 ROOTFS = "rootfs.qcow2"
 # What a paused sandbox needs besides `snapshot.pause`'s record to come back as a handle.
 META = "sandbox.json"
+# Growing a restored guest's ext4 after its disk grew: wait (bounded) until the kernel has
+# taken the new capacity from the config-change interrupt, then resize2fs on the mounted
+# root, both from the tools layer so it works whatever the rootfs has. `{sectors}` is
+# filled in. Needs a /bin/sh in the rootfs (envd runs commands through a login shell).
+_TOOLS = "/.agentenv"
+GROW_FS = (
+    f"B={_TOOLS}/bin/busybox; i=0; "
+    'while [ "$($B cat /sys/class/block/vda/size)" -lt {sectors} ]; do '
+    "i=$((i+1)); if [ $i -gt 200 ]; then "
+    'echo "the guest kernel still sees $($B cat /sys/class/block/vda/size) sectors" >&2; '
+    "exit 1; fi; $B sleep 0.05; done; "
+    f"exec {_TOOLS}/python/lib/ld-linux-x86-64.so.2 --library-path {_TOOLS}/python/lib "
+    f"{_TOOLS}/python/bin/resize2fs /dev/vda"
+)
+GROW_TIMEOUT_S = 120.0
 
 
 def new_sandbox_id() -> str:
@@ -136,7 +163,10 @@ class Node:
             settings.warm_high if self.snapshots else 0,
             self._warm_make,
             self._warm_drop,
+            self._warm_current,
         )
+        # This node's warm entries (`<warm_dir>/<pid>-<random>/<sandbox id>`), made at start.
+        self._warm_root: Path | None = None
         self._accel: AccelChoice | None = None
         self._layer_mb: dict[str, int] = {}
         self._boot: _Boot | None = None
@@ -184,6 +214,8 @@ class Node:
             shim,
         )
         self.settings.sandboxes_dir.mkdir(parents=True, exist_ok=True)
+        if self.warm.enabled:
+            self._warm_root = await asyncio.to_thread(_warm_root, self.settings.warm_dir)
         await self.pool.start()
         self.memory.start()
         self.warm.start()
@@ -205,6 +237,9 @@ class Node:
                 continue
             with contextlib.suppress(Exception):
                 await self.delete(sandbox_id)
+        if self._warm_root is not None:
+            await asyncio.to_thread(shutil.rmtree, self._warm_root, True)
+            self._warm_root = None
         await self.pool.close()
 
     async def __aenter__(self) -> Node:
@@ -294,7 +329,7 @@ class Node:
             self._validate, template, cpu, memory_mb, disk_size_mb
         )
         snap = None
-        if self.snapshots and disk_mb == base_mb:
+        if self.snapshots:
             snap = await self._template_snapshot(template, cpu, memory_mb)
         t0 = time.monotonic()
         warm: Prepared | None = None
@@ -310,8 +345,13 @@ class Node:
             if warm is not None:
                 prep = warm
                 slot = prep.slot
+                warm_workdir = prep.workdir
                 undo.append(lambda: self.pool.release(prep.slot))
                 undo.append(lambda: discard(prep, self.repo, self.layers))
+                undo.append(lambda: asyncio.to_thread(shutil.rmtree, warm_workdir, True))
+                undo.append(lambda: asyncio.to_thread(unlink_relocated, warm_workdir))
+                # From here on it is an ordinary sandbox, in the sandboxes dir.
+                await relocate(prep, workdir)
 
             await asyncio.to_thread(self.layers.ref, top, sandbox_id)
             undo.append(lambda: asyncio.to_thread(self.layers.unref, top, sandbox_id))
@@ -327,6 +367,8 @@ class Node:
                     snap.id, sandbox_id, template, workdir, slot, top, prepared=warm
                 )
                 undo.append(lambda: self._release(handle))
+                if disk_mb > base_mb:
+                    await self._grow_disk(handle, disk_mb)
                 handle.boot_s = time.monotonic() - t0
                 self._sandboxes[sandbox_id] = handle
                 log.info("sandbox %s restored in %.2fs at %s", sandbox_id, handle.boot_s, slot)
@@ -436,6 +478,7 @@ class Node:
         try:
             if sb is not None and not sb.paused:
                 await sb.vm.kill()
+                await self._drop_warm_link(sandbox_id)
         finally:
             if sb is not None and not sb.paused:
                 await self.pool.release(sb.slot)
@@ -522,10 +565,63 @@ class Node:
         handle.spawn_to_healthy_s = time.monotonic() - t0
         return handle
 
+    async def _grow_disk(self, handle: SandboxHandle, disk_mb: int) -> None:
+        """A restored guest has the template's disk: grow the virtual disk under it, then
+        its ext4 online, before anyone uses the sandbox."""
+        size = disk_mb * 1024 * 1024
+        t0 = time.monotonic()
+        try:
+            await handle.vm.resize_disk("vda", size)
+            async with EnvdClient(handle.envd_url) as envd:
+                res = await envd.run(
+                    GROW_FS.format(sectors=size // 512),
+                    user="root",
+                    timeout=GROW_TIMEOUT_S,
+                    shell="/bin/sh",
+                )
+        except (VMMError, EnvdError, httpx.HTTPError) as exc:
+            raise BootFailed(
+                f"sandbox {handle.id}: growing its disk to {disk_mb} MB failed: {exc}"
+            ) from exc
+        if res.exit_code != 0:
+            detail = (res.stderr.strip().splitlines() or [f"exit code {res.exit_code}"])[-1]
+            raise BootFailed(
+                f"sandbox {handle.id}: growing its filesystem to {disk_mb} MB failed: {detail}"
+            )
+        handle.disk_size_mb = disk_mb
+        log.info(
+            "sandbox %s: disk grown to %d MB in %.2fs", handle.id, disk_mb, time.monotonic() - t0
+        )
+
+    async def _drop_warm_link(self, sandbox_id: str) -> None:
+        """The old name of a sandbox that came from the warm pool (`relocate`), once its
+        QEMU is gone."""
+        if self._warm_root is not None:
+            await asyncio.to_thread(unlink_relocated, self._warm_root / sandbox_id)
+
+    async def _warm_current(self, shape: Shape) -> str | None:
+        from agentenv.template.catalog import TemplateNotFound
+
+        try:
+            snap = await asyncio.to_thread(
+                snaps.find_template_snapshot,
+                self.settings,
+                self.image,
+                shape.template,
+                shape.cpu,
+                shape.memory_mb,
+            )
+        except TemplateNotFound:
+            return None
+        return None if snap is None else snap.id
+
     async def _warm_make(self, snapshot_id: str) -> Prepared:
-        """A warm pool entry: a new sandbox id with its workdir, slot and waiting QEMU."""
+        """A warm pool entry: a new sandbox id with its workdir (outside the sandboxes dir
+        until a create takes it), slot and waiting QEMU."""
+        if self._warm_root is None:
+            raise SandboxError("node is not started")
         sandbox_id = new_sandbox_id()
-        workdir = self.settings.sandboxes_dir / sandbox_id
+        workdir = self._warm_root / sandbox_id
         await asyncio.to_thread(workdir.mkdir, 0o700, False, False)
         slot: Slot | None = None
         try:
@@ -608,6 +704,7 @@ class Node:
         except SnapshotError as exc:
             raise SandboxError(str(exc)) from exc
         sb.paused = True
+        await self._drop_warm_link(sandbox_id)
         await self.pool.release(sb.slot)
         # A paused sandbox no longer maps the snapshot it came from; it may have been the
         # last holder of a deleted one.
@@ -695,6 +792,19 @@ class Node:
             self._sandboxes[child.name] = h
             handles.append(h)
         return handles
+
+
+def _warm_root(warm_dir: Path) -> Path:
+    """A fresh directory for this node's warm entries; those of nodes whose process is gone
+    (a crash) are removed, those of live ones (another server on this data dir) kept."""
+    warm_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    for old in warm_dir.iterdir():
+        pid = old.name.split("-", 1)[0]
+        if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+            shutil.rmtree(old, ignore_errors=True)
+    root = warm_dir / f"{os.getpid()}-{secrets.token_hex(4)}"
+    root.mkdir(mode=0o700)
+    return root
 
 
 def _tail(path: Path, lines: int = 3) -> str:

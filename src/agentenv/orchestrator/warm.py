@@ -2,9 +2,11 @@
 `-incoming defer`), so a create only loads the state and gives the guest its identity.
 
 Pools are per shape (template, cpu, memory) and only for shapes used recently: a shape joins
-when a create asks for it and leaves after `idle_s` without one. Each entry is tied to the
-snapshot id it was prepared from; a rebuilt template snapshot makes older entries stale, and
-they are discarded instead of handed out.
+when a create asks for it and leaves, its entries dropped, after `idle_s` without one. Each
+entry is tied to the snapshot id it was prepared from; a rebuilt template snapshot makes older
+entries stale, and they are discarded instead of handed out. A periodic check also drops the
+entries of a shape whose template snapshot changed or went away, so nobody has to create
+from it for them (and the old snapshot they keep mapped) to go.
 """
 
 from __future__ import annotations
@@ -21,9 +23,10 @@ from agentenv.snapshot.restore import Prepared
 
 log = logging.getLogger(__name__)
 
-# A shape nobody created for this long stops being refilled (its entries stay until taken
-# or the node closes).
+# A shape nobody created for this long leaves the pool and its entries are dropped.
 IDLE_S = 600.0
+# How often idle shapes and entries of a changed or deleted template snapshot are looked for.
+CHECK_S = 5.0
 # After a failed prepare, the refill waits this long before trying that shape again.
 RETRY_S = 5.0
 
@@ -46,7 +49,8 @@ class _Entries:
 
 class WarmPool:
     """`make(snapshot_id)` prepares one guest (its sandbox id is `Prepared.name`);
-    `drop(prepared)` undoes it, slot and workdir included."""
+    `drop(prepared)` undoes it, slot and workdir included; `current(shape)` is the snapshot id
+    a create of that shape would restore now (None: none, or the template is gone)."""
 
     def __init__(
         self,
@@ -54,10 +58,12 @@ class WarmPool:
         high: int,
         make: Callable[[str], Awaitable[Prepared]],
         drop: Callable[[Prepared], Coroutine[Any, Any, None]],
+        current: Callable[[Shape], Awaitable[str | None]] | None = None,
         idle_s: float = IDLE_S,
+        check_s: float = CHECK_S,
     ) -> None:
-        self.low, self.high, self.idle_s = low, high, idle_s
-        self._make, self._drop = make, drop
+        self.low, self.high, self.idle_s, self.check_s = low, high, idle_s, check_s
+        self._make, self._drop, self._current = make, drop, current
         self._shapes: dict[Shape, _Entries] = {}
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -114,12 +120,44 @@ class WarmPool:
         task.add_done_callback(self._drops.discard)
         task.add_done_callback(_log_failure)
 
+    def shapes(self) -> list[Shape]:
+        return list(self._shapes)
+
     async def _refill_loop(self) -> None:
         while True:
-            await self._wake.wait()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.check_s):
+                    await self._wake.wait()
             self._wake.clear()
+            try:
+                await self._check()
+            except Exception:
+                log.exception("warm pool check failed")
             while await self._refill_one():
                 pass
+
+    async def _check(self) -> None:
+        """Drop idle shapes, and entries whose template snapshot is no longer the one a
+        create would restore."""
+        for shape, entries in list(self._shapes.items()):
+            current: str | None = None
+            idle = time.monotonic() - entries.used_at > self.idle_s
+            if not idle:
+                current = entries.snapshot_id
+                if self._current is not None:
+                    current = await self._current(shape)
+            # A create may have replaced the entries while `current` was looked up.
+            if current == entries.snapshot_id or self._shapes.get(shape) is not entries:
+                continue
+            stale, entries.ready = entries.ready, []
+            for prep in stale:
+                self._discard(prep)
+            if current is None:
+                why = "idle" if idle else "template snapshot gone"
+                log.info("warm pool for %s closed (%s), %d dropped", shape, why, len(stale))
+                del self._shapes[shape]
+            else:
+                entries.snapshot_id = current
 
     async def _refill_one(self) -> bool:
         """Prepare one entry for the neediest shape; False when none needs one."""

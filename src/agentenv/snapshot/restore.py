@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -117,6 +118,32 @@ async def prepare(
         await _undo(vm, upper, name, repo, layers)
         raise
     return Prepared(snap, name, workdir, slot, upper, vm)
+
+
+async def relocate(prep: Prepared, workdir: Path) -> None:
+    """Move a prepared guest's workdir (a warm pool entry becoming a sandbox) while its QEMU
+    waits; `workdir` must not exist and be on the same filesystem.
+
+    QEMU keeps the name it opened a disk by and may open it again: inactivating the disks at
+    the end of a RAM stream after a seal failed with EPERM once the old name was gone
+    (measured, QEMU 7.2). So the old name stays, as a symlink to the new place, for as long
+    as this QEMU runs; the caller removes it (`unlink_relocated`)."""
+    old = prep.workdir
+    await asyncio.to_thread(os.rename, old, workdir)
+    try:
+        await asyncio.to_thread(old.symlink_to, workdir, True)
+    except BaseException:
+        await asyncio.to_thread(os.rename, workdir, old)
+        raise
+    prep.vm.relocate(workdir)
+    prep.upper = workdir / prep.upper.relative_to(old)
+    prep.workdir = workdir
+
+
+def unlink_relocated(old_workdir: Path) -> None:
+    """Remove the symlink `relocate` left (once the QEMU that needed it is gone)."""
+    if old_workdir.is_symlink():
+        old_workdir.unlink()
 
 
 async def load(

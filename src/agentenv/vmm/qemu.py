@@ -10,6 +10,7 @@ import os
 import shlex
 import signal
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from qemu.qmp import QMPClient
@@ -388,6 +389,33 @@ class QemuVM:
     def disk_path(self, drive_id: str) -> Path:
         """The file that currently takes the drive's writes."""
         return self._paths[drive_id]
+
+    async def resize_disk(self, drive_id: str, size_bytes: int) -> None:
+        """Grow the drive's writable top to `size_bytes` while the guest runs. The device
+        tells the guest (virtio config change), whose kernel takes the new capacity; a
+        restored guest needs this because its device state carries the old one."""
+        if drive_id not in self._top:
+            raise VMMError(f"{self.name} has no drive {drive_id!r}")
+        await self._execute("block_resize", {"node-name": self._top[drive_id], "size": size_bytes})
+
+    def relocate(self, workdir: Path) -> None:
+        """Follow a rename of the workdir that the caller made while QEMU runs. QEMU keeps
+        the files it opened (disks, serial log) by descriptor and still listens on the moved
+        socket; only paths named later (a seal's new upper, a RAM stream, cleanup) must use
+        the new place."""
+        old = self.workdir
+
+        def moved(path: Path) -> Path:
+            return workdir / path.relative_to(old) if path.is_relative_to(old) else path
+
+        self.workdir = workdir
+        self.serial_log = moved(self.serial_log)
+        self.stderr_log = moved(self.stderr_log)
+        self.qmp_socket = moved(self.qmp_socket)
+        self._paths = {k: moved(v) for k, v in self._paths.items()}
+        self.drives = [replace(d, path=moved(d.path)) for d in self.drives]
+        if self.machine.mem_file is not None:
+            self.machine = replace(self.machine, mem_file=moved(self.machine.mem_file))
 
     async def _ignore_shared(self, on: bool = True) -> None:
         # On: RAM lives in the memory file, so migration writes device state only (~50 KB).
