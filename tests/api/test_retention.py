@@ -157,8 +157,6 @@ def test_paused_past_retention_goes_with_what_only_it_held(
         layers = _layers(short_retention)
         for rid in doomed.values():
             assert not [d for d in layers.digests() if rid in layers.holders(d)]
-        left = {d for d in child_layers if layers.path(d).exists()}
-        assert not left, f"layers only the deleted child held are still in the store: {left}"
         missing = [str(p) for p in kept_files if not p.exists()]
         assert not missing, f"template or snapshot files went with the sandbox: {missing}"
 
@@ -179,6 +177,8 @@ def test_paused_past_retention_goes_with_what_only_it_held(
             assert fresh.commands.run("echo ok").stdout.strip() == "ok"
         finally:
             fresh.kill()
+        left = {d for d in child_layers if _layers(short_retention).path(d).exists()}
+        assert not left, f"layers only the deleted child held are still in the store: {left}"
     finally:
         _kill_quietly(rapi, *(s for s in (src.sandbox_id, child_id, kept_id) if s))
         rapi.delete(f"/templates/{snap_name}")
