@@ -104,30 +104,44 @@ DIRTY = (
 
 
 async def pause_resume(settings: Settings, sizes: Sequence[int], fracs: Sequence[float]) -> None:
-    print("pause / resume (s)  [first = RAM stream from a template clone; next = state only]")
+    print(
+        "pause / resume (s)  [first pause = RAM stream from a template clone; resume right "
+        "after it waits for the background conversion or loads the stream; converted = the "
+        "conversion finished first; next = state only]"
+    )
     async with Node(settings) as node:
         for mem in sizes:
             for frac in fracs:
-                sb = await node.create("base", memory_mb=mem)
-                try:
-                    await sh(sb, DIRTY.format(n=int(mem * MIB * frac)))
-                    row = []
-                    for _ in range(2):
+                row = []
+                for settle_first in (False, True):
+                    sb = await node.create("base", memory_mb=mem)
+                    try:
+                        await sh(sb, DIRTY.format(n=int(mem * MIB * frac)))
                         t0 = time.monotonic()
                         await node.pause(sb.id)
                         t1 = time.monotonic()
-                        sb = await node.resume(sb.id)
+                        if settle_first:
+                            await node.conversions.wait(sb.id)
                         t2 = time.monotonic()
-                        row.append((t1 - t0, t2 - t1))
-                    await sh(sb, "test -e /tmp/dirty.ready")
-                    print(
-                        f"  {mem:5d} MiB, {frac:4.0%} dirty: first pause {row[0][0]:.3f} "
-                        f"resume {row[0][1]:.3f} | next pause {row[1][0]:.3f} "
-                        f"resume {row[1][1]:.3f}",
-                        flush=True,
-                    )
-                finally:
-                    await node.delete(sb.id)
+                        sb = await node.resume(sb.id)
+                        t3 = time.monotonic()
+                        row.append((t1 - t0, t2 - t1, t3 - t2))
+                        if settle_first:
+                            t0 = time.monotonic()
+                            await node.pause(sb.id)
+                            t1 = time.monotonic()
+                            sb = await node.resume(sb.id)
+                            row.append((t1 - t0, 0.0, time.monotonic() - t1))
+                        await sh(sb, "test -e /tmp/dirty.ready")
+                    finally:
+                        await node.delete(sb.id)
+                (p1, _, r1), (_, conv, r2), (p3, _, r3) = row
+                print(
+                    f"  {mem:5d} MiB, {frac:4.0%} dirty: first pause {p1:.3f} resume {r1:.3f} | "
+                    f"converted in {conv:.3f}, resume {r2:.3f} | next pause {p3:.3f} "
+                    f"resume {r3:.3f}",
+                    flush=True,
+                )
 
 
 async def forks(settings: Settings, counts: Sequence[int]) -> None:

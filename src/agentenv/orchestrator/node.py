@@ -36,6 +36,7 @@ from agentenv import snapshot as snaps
 from agentenv.config import ENVD_PORT, Settings
 from agentenv.guest.envd.client import EnvdClient, EnvdError
 from agentenv.network import Slot, SlotPool
+from agentenv.orchestrator.conversions import PausedConversions
 from agentenv.orchestrator.memory import HostMemory, MemoryManager, MemoryPolicy, host_memory
 from agentenv.orchestrator.node_errors import (
     BootFailed,
@@ -61,7 +62,15 @@ from agentenv.snapshot.restore import (
     relocate,
     unlink_relocated,
 )
-from agentenv.storage import DiskTooSmall, LayerStore, create_upper, info
+from agentenv.storage import (
+    DiskTooSmall,
+    LayerInUse,
+    LayerNotFound,
+    LayerStore,
+    StorageError,
+    create_upper,
+    info,
+)
 from agentenv.vmm.accel import AccelChoice, detect
 from agentenv.vmm.base import BootSource, Drive, MachineSpec, NetIface
 from agentenv.vmm.errors import VMMError
@@ -172,6 +181,8 @@ class Node:
         self._boot: _Boot | None = None
         self._image: GuestImage | None = None
         # Balloons of idle sandboxes (orchestrator.memory); captures hold it off a sandbox.
+        # Paused sandboxes' RAM streams become memory files of their own in the background.
+        self.conversions = PausedConversions(lambda: self.image)
         self.memory = MemoryManager(
             self.list,
             MemoryPolicy(
@@ -231,6 +242,7 @@ class Node:
         sandboxes stay on disk: a later node resumes them."""
         await self.memory.close()
         await self.warm.close()
+        await self.conversions.close()
         for sandbox_id, sb in list(self._sandboxes.items()):
             if sb.paused:
                 self._sandboxes.pop(sandbox_id, None)
@@ -469,6 +481,7 @@ class Node:
     async def delete(self, sandbox_id: str) -> None:
         sb = self._sandboxes.pop(sandbox_id, None)
         self.memory.forget(sandbox_id)
+        await self.conversions.cancel(sandbox_id)
         if sb is None:
             if not self._paused_on_disk(sandbox_id):
                 raise UnknownSandbox(f"sandbox {sandbox_id!r} does not exist")
@@ -482,11 +495,32 @@ class Node:
         finally:
             if sb is not None and not sb.paused:
                 await self.pool.release(sb.slot)
+            held = await asyncio.to_thread(self._layers_held_by, sandbox_id)
             await asyncio.to_thread(self.layers.unref_holder, sandbox_id)
             await asyncio.to_thread(self.repo.unref_holder, sandbox_id)
             await asyncio.to_thread(shutil.rmtree, workdir, True)
         # The snapshot a fork made goes with its last child.
         await asyncio.to_thread(self.repo.gc)
+        await asyncio.to_thread(self._remove_unheld_layers, held)
+
+    def _layers_held_by(self, sandbox_id: str) -> builtins.list[str]:
+        return [d for d in self.layers.digests() if sandbox_id in self.layers.holders(d)]
+
+    def _remove_unheld_layers(self, digests: builtins.list[str]) -> None:
+        """Layers the deleted sandbox was the last to hold (a fork's top layer once the fork
+        snapshot is gone), top down, up to the first one something else still uses. Not a
+        store-wide gc: that would race with a capture between adding a layer and committing
+        the snapshot that references it."""
+        for top in digests:
+            try:
+                chain = self.layers.chain(top)
+            except (LayerNotFound, StorageError):
+                continue
+            for digest in chain:
+                try:
+                    self.layers.remove(digest)
+                except (LayerInUse, LayerNotFound):
+                    break
 
     # -- snapshots --------------------------------------------------------------------------
 
@@ -700,10 +734,12 @@ class Node:
         sb, machine = self._machine(sandbox_id)
         try:
             async with self.memory.hold(sandbox_id):
-                await snaps.pause(machine, self.repo, self.image)
+                record = await snaps.pause(machine, self.repo, self.image)
         except SnapshotError as exc:
             raise SandboxError(str(exc)) from exc
         sb.paused = True
+        if record.kind == "stream":
+            self.conversions.start(sandbox_id, machine.workdir)
         await self._drop_warm_link(sandbox_id)
         await self.pool.release(sb.slot)
         # A paused sandbox no longer maps the snapshot it came from; it may have been the
@@ -719,6 +755,7 @@ class Node:
             raise UnknownSandbox(f"sandbox {sandbox_id!r} does not exist")
         workdir = self.settings.sandboxes_dir / sandbox_id
         t0 = time.monotonic()
+        await self.conversions.settle(sandbox_id)
         slot = await self.pool.acquire()
         try:
             machine = await snaps.resume(workdir, self.image, slot)

@@ -8,6 +8,11 @@ would only lengthen its chain). Its RAM is saved the cheapest way its memory mod
   resumed QEMU maps it shared again, so every later pause/resume cycle is as cheap.
 - `MemoryMode.SNAPSHOT` (created from a template): a full migration stream. Resume loads it
   into a memory file of the sandbox's own, which turns the sandbox into `OWN` mode.
+  `convert_stream` does that load ahead of time, while the sandbox is paused (a converter
+  QEMU with no network loads the stream into the memory file and saves device state over
+  it), so the resume after it is as cheap as any later one. Until the record says "state"
+  the stream is the truth: a conversion cut short leaves only `*.cv` files, removed by the
+  next attempt or by a resume.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import asyncio
 import contextlib
 import json
 import os
+import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -38,6 +44,9 @@ from agentenv.vmm.qemu import DEVICE_SET
 
 PAUSED = "paused.json"
 STATE = "state"
+# A conversion's work in progress (see `convert_stream`).
+CONVERT = "convert"
+CV_SUFFIX = ".cv"
 STREAM = "stream"
 
 
@@ -103,14 +112,77 @@ async def pause(machine: Machine, repo: SnapshotStore, image: GuestImage) -> Pau
         paused_at=time.time(),
         device_set=DEVICE_SET,
     )
-    tmp = workdir / (PAUSED + ".tmp")
-    await asyncio.to_thread(tmp.write_text, json.dumps(asdict(record)))
-    await asyncio.to_thread(os.replace, tmp, workdir / PAUSED)
+    await asyncio.to_thread(_write_record, workdir, record)
     await vm.kill()
     if kind == "stream":
         # The stream holds all of the guest's RAM: it no longer needs the snapshot's file.
         await asyncio.to_thread(repo.unref_holder, machine.name)
     return record
+
+
+def _write_record(workdir: Path, record: PausedState) -> None:
+    tmp = workdir / (PAUSED + ".tmp")
+    tmp.write_text(json.dumps(asdict(record)))
+    os.replace(tmp, workdir / PAUSED)
+
+
+def _clear_conversion(workdir: Path) -> None:
+    shutil.rmtree(workdir / CONVERT, ignore_errors=True)
+    for name in (MEMORY, STATE):
+        (workdir / (name + CV_SUFFIX)).unlink(missing_ok=True)
+
+
+async def convert_stream(workdir: Path, image: GuestImage) -> bool:
+    """Turn the RAM stream of the sandbox paused in `workdir` into a memory file of its own
+    plus device state. False if there is nothing to convert (not paused, or already state).
+    The caller makes sure no resume of this sandbox runs meanwhile: both open its disk."""
+    record = await asyncio.to_thread(paused_state, workdir)
+    if record is None or record.kind != "stream":
+        return False
+    check_compatible(
+        f"paused sandbox {record.name}",
+        image,
+        accel=record.accel,
+        qemu_version=record.qemu_version,
+        tools_image=record.tools_image,
+        device_set=record.device_set,
+    )
+    await asyncio.to_thread(_clear_conversion, workdir)
+    memory, state = workdir / (MEMORY + CV_SUFFIX), workdir / (STATE + CV_SUFFIX)
+    helper = new_vm(
+        image,
+        name=f"{record.name}-cv",
+        workdir=workdir / CONVERT,
+        vcpus=record.vcpus,
+        memory_mb=record.memory_mb,
+        mem_file=memory,
+        shared=True,
+        upper=workdir / record.upper,
+        upper_read_only=True,
+        tools_image=Path(record.tools_image),
+        slot=None,
+        incoming=True,
+        balloon=record.balloon,
+    )
+    try:
+        try:
+            await helper.start()
+            await helper.stream_load(workdir / STREAM, run=False)
+            await helper.snapshot_create(state)
+        finally:
+            await helper.kill()
+        await asyncio.to_thread(os.replace, memory, workdir / MEMORY)
+        await asyncio.to_thread(os.replace, state, workdir / STATE)
+        converted = PausedState(**{**asdict(record), "kind": "state"})
+        await asyncio.to_thread(_write_record, workdir, converted)
+    except BaseException as exc:
+        await asyncio.to_thread(_clear_conversion, workdir)
+        if isinstance(exc, VMMError):
+            raise SnapshotError(f"{record.name}: converting its RAM stream failed: {exc}") from exc
+        raise
+    await asyncio.to_thread(_clear_conversion, workdir)
+    (workdir / STREAM).unlink(missing_ok=True)
+    return True
 
 
 async def resume(
@@ -135,6 +207,7 @@ async def resume(
     )
     memory = workdir / MEMORY
     source = workdir / (STATE if record.kind == "state" else STREAM)
+    await asyncio.to_thread(_clear_conversion, workdir)
     if record.kind == "stream":
         # Whatever a failed earlier resume left; the stream refills it completely.
         memory.unlink(missing_ok=True)
