@@ -114,3 +114,24 @@ async def test_a_failed_conversion_leaves_the_stream_to_resume_from(
         os.rename(workdir / "stream.aside", workdir / STREAM)
         sb = await node.resume(sb.id)
         await still_there(sb)
+
+
+async def test_a_restarted_node_converts_what_the_last_one_did_not(
+    settings: Settings, base_template: Any
+) -> None:
+    async with Node(settings) as node:
+        sb = await with_state(node)
+        workdir = node.settings.sandboxes_dir / sb.id
+        await node.pause(sb.id)
+        # As if the server stopped before the conversion got anywhere.
+        await node.conversions.cancel(sb.id)
+    # The stream is still what the sandbox is.
+    record = paused_state(workdir)
+    assert record is not None and record.kind == "stream" and leftovers(workdir) == []
+    async with Node(settings) as node:
+        assert node.conversions.busy(sb.id)
+        await node.conversions.wait(sb.id)
+        record = paused_state(workdir)
+        assert record is not None and record.kind == "state"
+        sb = await node.resume(sb.id)
+        await still_there(sb)

@@ -230,6 +230,20 @@ class Node:
         await self.pool.start()
         self.memory.start()
         self.warm.start()
+        # Streams an earlier node paused and did not get to convert.
+        for sandbox_id, workdir in await asyncio.to_thread(self._unconverted_pauses):
+            self.conversions.start(sandbox_id, workdir)
+
+    def _unconverted_pauses(self) -> builtins.list[tuple[str, Path]]:
+        found = []
+        for workdir in sorted(self.settings.sandboxes_dir.iterdir()):
+            try:
+                record = snaps.paused_state(workdir)
+            except SnapshotError:
+                continue
+            if record is not None and record.kind == "stream":
+                found.append((workdir.name, workdir))
+        return found
 
     @property
     def image(self) -> GuestImage:
