@@ -120,6 +120,17 @@ async def pause(machine: Machine, repo: SnapshotStore, image: GuestImage) -> Pau
     return record
 
 
+def _check(record: PausedState, image: GuestImage) -> None:
+    check_compatible(
+        f"paused sandbox {record.name}",
+        image,
+        accel=record.accel,
+        qemu_version=record.qemu_version,
+        tools_image=record.tools_image,
+        device_set=record.device_set,
+    )
+
+
 def _write_record(workdir: Path, record: PausedState) -> None:
     tmp = workdir / (PAUSED + ".tmp")
     tmp.write_text(json.dumps(asdict(record)))
@@ -139,14 +150,7 @@ async def convert_stream(workdir: Path, image: GuestImage) -> bool:
     record = await asyncio.to_thread(paused_state, workdir)
     if record is None or record.kind != "stream":
         return False
-    check_compatible(
-        f"paused sandbox {record.name}",
-        image,
-        accel=record.accel,
-        qemu_version=record.qemu_version,
-        tools_image=record.tools_image,
-        device_set=record.device_set,
-    )
+    _check(record, image)
     await asyncio.to_thread(_clear_conversion, workdir)
     memory, state = workdir / (MEMORY + CV_SUFFIX), workdir / (STATE + CV_SUFFIX)
     helper = new_vm(
@@ -197,14 +201,7 @@ async def resume(
     record = await asyncio.to_thread(paused_state, workdir)
     if record is None:
         raise RestoreFailed(f"{workdir.name} is not paused")
-    check_compatible(
-        f"paused sandbox {record.name}",
-        image,
-        accel=record.accel,
-        qemu_version=record.qemu_version,
-        tools_image=record.tools_image,
-        device_set=record.device_set,
-    )
+    _check(record, image)
     memory = workdir / MEMORY
     source = workdir / (STATE if record.kind == "state" else STREAM)
     await asyncio.to_thread(_clear_conversion, workdir)
