@@ -157,6 +157,9 @@ def test_paused_past_retention_goes_with_what_only_it_held(
         layers = _layers(short_retention)
         for rid in doomed.values():
             assert not [d for d in layers.digests() if rid in layers.holders(d)]
+        store_dir = short_retention.home / "layers"
+        left = {d for d in child_layers if (store_dir / f"{d}.qcow2").exists()}
+        assert not left, f"layers only the deleted child held are still in the store: {left}"
         missing = [str(p) for p in kept_files if not p.exists()]
         assert not missing, f"template or snapshot files went with the sandbox: {missing}"
 
@@ -177,9 +180,6 @@ def test_paused_past_retention_goes_with_what_only_it_held(
             assert fresh.commands.run("echo ok").stdout.strip() == "ok"
         finally:
             fresh.kill()
-        store_dir = short_retention.home / "layers"
-        left = {d for d in child_layers if (store_dir / f"{d}.qcow2").exists()}
-        assert not left, f"layers only the deleted child held are still in the store: {left}"
     finally:
         _kill_quietly(rapi, *(s for s in (src.sandbox_id, child_id, kept_id) if s))
         rapi.delete(f"/templates/{snap_name}")
