@@ -63,3 +63,15 @@ async def test_sweep_spares_a_sandbox_resumed_while_it_ran(mgr: SandboxManager) 
     async with EnvdClient(now.envd_url, access_token=now.envd_token) as guest:
         assert (await guest.run("echo alive")).stdout.strip() == "alive"
     await mgr.kill(second.id)
+
+
+async def test_retention_counts_from_the_pause_not_from_the_timeout(mgr: SandboxManager) -> None:
+    rec = await mgr.create(CreateSpec(template="base", timeout=3600))
+    await mgr.pause(rec.id)
+    paused = mgr.get(rec.id)
+    assert paused.end_at <= rec.end_at - 3000, "the hour left of the timeout does not count"
+    await asyncio.sleep(RETENTION_S + 0.5)
+    mgr.retention_check_s = 0.0
+    await mgr.reap_expired()
+    with pytest.raises(SandboxNotFound):
+        mgr.get(rec.id)

@@ -539,8 +539,14 @@ class SandboxManager:
                 if isinstance(exc, Unsupported):
                     raise NotSupported(str(exc)) from exc
                 raise
+            # A paused sandbox's timeout stops (a resume starts a new one), and its retention
+            # counts from now, not from a deadline it never reached.
             self.store.transition(
-                sandbox_id, SandboxState.PAUSING, SandboxState.PAUSED, address=None
+                sandbox_id,
+                SandboxState.PAUSING,
+                SandboxState.PAUSED,
+                address=None,
+                end_at=min(rec.end_at, time.time()),
             )
             await self._released(sandbox_id)
             self.store.log(sandbox_id, "paused")
