@@ -19,6 +19,7 @@ from agentenv.vmm.accel import detect
 from agentenv.vmm.base import BootSource, Drive, MachineSpec, NetIface, VMStatus
 from agentenv.vmm.errors import VMMError
 from agentenv.vmm.qemu import QemuVM
+from agentenv.vmm.ramshim import ensure_ram_shim
 
 pytestmark = pytest.mark.vm
 
@@ -66,6 +67,7 @@ async def test_snapshot_and_restore_a_running_guest(
                 net=NetIface(slot.tap, slot.guest_mac),
                 netns=slot.netns,
                 incoming=incoming,
+                ram_shim=ensure_ram_shim(settings.cache),
             )
 
         url = f"http://{slot.slot_ip}:49983"
