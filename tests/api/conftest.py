@@ -20,9 +20,11 @@ from agentenv.api.devserver import ServerProcess, prepare_home
 REQUEST_TIMEOUT_S = 300.0
 
 
-def qemu_processes(home: Path, *, warm: bool = False) -> list[str]:
+def qemu_processes(home: Path, *, warm: bool = False, converters: bool = False) -> list[str]:
     """QEMU processes whose command line points into ``home`` (a server's sandboxes); those
-    of its warm pool (waiting in ``home/warm``, not sandboxes yet) only with ``warm``."""
+    of its warm pool (waiting in ``home/warm``, not sandboxes yet) only with ``warm``, and
+    those converting a paused sandbox's RAM stream (in ``<workdir>/convert``, no guest runs
+    in them) only with ``converters``."""
     found = []
     warm_dir = str(home / "warm") + "/"
     for entry in Path("/proc").iterdir():
@@ -32,7 +34,9 @@ def qemu_processes(home: Path, *, warm: bool = False) -> list[str]:
             cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
         except OSError:
             continue
-        if "qemu-system" in cmd and str(home) in cmd and (warm or warm_dir not in cmd):
+        if "qemu-system" not in cmd or str(home) not in cmd:
+            continue
+        if (warm or warm_dir not in cmd) and (converters or "/convert/" not in cmd):
             found.append(f"{entry.name} {cmd[:100]}")
     return found
 
@@ -43,7 +47,9 @@ def stop_and_check(srv: ServerProcess) -> None:
     # uvicorn re-raises the SIGTERM it handled once shutdown is complete.
     assert code in (0, -signal.SIGTERM), f"server exited with {code}: {srv.log_tail()}"
     assert "Application shutdown complete" in srv.log_tail(40)
-    assert not qemu_processes(srv.home, warm=True), "server left QEMU processes behind"
+    assert not qemu_processes(srv.home, warm=True, converters=True), (
+        "server left QEMU processes behind"
+    )
     sandboxes = srv.home / "sandboxes"
     assert not (sandboxes.is_dir() and os.listdir(sandboxes)), "server left sandbox dirs"
 

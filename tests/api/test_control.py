@@ -141,6 +141,12 @@ def test_lifecycle_shapes_and_status_codes(api: httpx.Client, server: ServerProc
     assert api.post(f"/sandboxes/{sid}/pause", json={}).status_code == 204
     assert api.get(f"/sandboxes/{sid}").json()["state"] == "paused"
     assert not qemu_processes(server.home), "a paused sandbox still has a VM"
+    # Its RAM stream is converted in the background; that helper QEMU ends by itself.
+    for _ in range(600):
+        if not qemu_processes(server.home, converters=True):
+            break
+        time.sleep(0.2)
+    assert not qemu_processes(server.home, converters=True), "a conversion did not end"
     _assert_error(api.post(f"/sandboxes/{sid}/pause", json={}), 409)
     paused = api.get("/v2/sandboxes", params={"state": "paused"}).json()
     assert [s["sandboxID"] for s in paused] == [sid]
