@@ -105,10 +105,14 @@ def test_refs_protect_layers_and_gc_removes_the_rest(store: LayerStore, tmp_path
 
 def test_unref_holder_and_unknown_digest(store: LayerStore, tmp_path: Path) -> None:
     d = store.add(make_raw(tmp_path / "a.raw", 4, 0x01))
+    e = store.add(make_raw(tmp_path / "b.raw", 4, 0x02))
     store.ref(d, "sbx-1")
     store.ref(d, "sbx-2")
+    store.ref(e, "sbx-1")
+    assert store.held_by("sbx-1") == sorted([d, e])
     store.unref_holder("sbx-1")
     assert store.holders(d) == ["sbx-2"]
+    assert store.held_by("sbx-1") == [] and store.held_by("sbx-2") == [d]
     with pytest.raises(LayerNotFound):
         store.path("0" * 64)
     with pytest.raises(LayerNotFound):

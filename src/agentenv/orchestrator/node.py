@@ -509,16 +509,13 @@ class Node:
         finally:
             if sb is not None and not sb.paused:
                 await self.pool.release(sb.slot)
-            held = await asyncio.to_thread(self._layers_held_by, sandbox_id)
+            held = await asyncio.to_thread(self.layers.held_by, sandbox_id)
             await asyncio.to_thread(self.layers.unref_holder, sandbox_id)
             await asyncio.to_thread(self.repo.unref_holder, sandbox_id)
             await asyncio.to_thread(shutil.rmtree, workdir, True)
         # The snapshot a fork made goes with its last child.
         await asyncio.to_thread(self.repo.gc)
         await asyncio.to_thread(self._remove_unheld_layers, held)
-
-    def _layers_held_by(self, sandbox_id: str) -> builtins.list[str]:
-        return [d for d in self.layers.digests() if sandbox_id in self.layers.holders(d)]
 
     def _remove_unheld_layers(self, digests: builtins.list[str]) -> None:
         """Layers the deleted sandbox was the last to hold (a fork's top layer once the fork

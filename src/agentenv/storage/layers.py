@@ -80,6 +80,11 @@ class LayerStore:
         with self._locked() as refs:
             return list(refs.get(digest, []))
 
+    def held_by(self, holder: str) -> list[str]:
+        """Digests `holder` references (one read of the refs)."""
+        with self._locked() as refs:
+            return sorted(d for d, held in refs.items() if holder in held)
+
     def parent(self, digest: str) -> str | None:
         backing = images.info(self.path(digest)).backing_file
         return None if backing is None else self._digest_of_store_path(backing)
