@@ -2,8 +2,8 @@
 limit is deleted with its workdir and the layers only it held; the template and a persistent
 snapshot it was the source of stay usable; one within the limit is kept.
 
-The retention counts from a sandbox's timeout (`end_at`), so the tests set the timeout of a
-paused sandbox to 0 to start its retention now.
+The retention counts from the pause (`end_at` becomes the pause time); a timeout set on a
+paused sandbox moves that start, so the tests set 0 to start it now, or 600 to keep one.
 """
 
 from __future__ import annotations
@@ -132,6 +132,8 @@ def test_paused_past_retention_goes_with_what_only_it_held(
         kept = Sandbox.create(template="base", timeout=600, **opts)  # type: ignore[arg-type]
         kept_id = kept.sandbox_id
         _pause(rapi, kept_id)
+        resp = rapi.post(f"/sandboxes/{kept_id}/timeout", json={"timeout": 600})
+        assert resp.status_code == 204, resp.text
 
         doomed = {sid: _runtime_id(short_retention, sid) for sid in (src.sandbox_id, child_id)}
         workdirs = {sid: short_retention.home / "sandboxes" / rid for sid, rid in doomed.items()}
