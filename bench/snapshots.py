@@ -1,6 +1,7 @@
 """Snapshot benchmark, one run, every number side by side:
 
-- create from the template snapshot (p50/p99) vs a cold boot of the same template, and ratio;
+- create from the template snapshot (p50/p99), from a warm pool entry, and a cold boot of the
+  same template, with ratios;
 - pause and resume of 256 MiB and 1 GiB guests with 10% and 50% of their RAM dirtied (the
   first pause of a sandbox created from a template writes a RAM stream; later ones only
   device state);
@@ -30,6 +31,7 @@ from agentenv.config import Settings
 from agentenv.guest.envd.client import EnvdClient
 from agentenv.orchestrator.memory import read_pressure
 from agentenv.orchestrator.node import Node, SandboxHandle
+from agentenv.orchestrator.warm import Shape
 
 sys.path.insert(0, str(Path(__file__).parent))
 import memory as membench
@@ -59,20 +61,39 @@ async def sh(sb: SandboxHandle, cmd: str) -> str:
     return out
 
 
+async def _creates(node: Node, n: int, *, warm: bool) -> list[float]:
+    """`n` creates, each deleted again; with `warm`, each waits (bounded) until the pool has
+    an entry ready, as on a node that is not creating faster than the pool refills."""
+    shape = Shape("base", 1, 512)
+    xs = []
+    for _ in range(n):
+        if warm:
+            for _ in range(600):
+                if node.warm.ready(shape):
+                    break
+                await asyncio.sleep(0.05)
+        t0 = time.monotonic()
+        sb = await node.create("base", memory_mb=512)
+        xs.append(time.monotonic() - t0)
+        if warm and sb.origin != "warm":
+            print(f"  (create {len(xs)} found no warm entry)")
+        await node.delete(sb.id)
+    return xs
+
+
 async def create_vs_cold(settings: Settings, creates: int, cold: int) -> dict[str, float]:
     res: dict[str, float] = {}
-    async with Node(settings) as node:
+    async with Node(replace(settings, warm_low=0, warm_high=0)) as node:
         t0 = time.monotonic()
         first = await node.create("base", memory_mb=512)  # builds the template snapshot
         print(f"  template snapshot build + first create: {time.monotonic() - t0:.2f}s")
         await node.delete(first.id)
-        xs = []
-        for _ in range(creates):
-            t0 = time.monotonic()
-            sb = await node.create("base", memory_mb=512)
-            xs.append(time.monotonic() - t0)
-            await node.delete(sb.id)
+        xs = await _creates(node, creates, warm=False)
     res["restore_p50"], res["restore_p99"] = pct(xs, 50), pct(xs, 99)
+    async with Node(settings) as node:
+        await node.delete((await node.create("base", memory_mb=512)).id)  # the shape joins
+        ws = await _creates(node, creates, warm=True)
+    res["warm_p50"], res["warm_p99"] = pct(ws, 50), pct(ws, 99)
     ys = []
     async with Node(settings, snapshots=False) as node:
         for _ in range(cold):
@@ -84,9 +105,12 @@ async def create_vs_cold(settings: Settings, creates: int, cold: int) -> dict[st
     print(
         f"create from template snapshot ({creates} runs): p50 {res['restore_p50']:.3f}s  "
         f"p99 {res['restore_p99']:.3f}s\n"
+        f"create from a warm pool entry ({creates} runs): p50 {res['warm_p50']:.3f}s  "
+        f"p99 {res['warm_p99']:.3f}s\n"
         f"cold boot of the same template ({cold} runs): p50 {res['cold_p50']:.2f}s  "
         f"p99 {res['cold_p99']:.2f}s\n"
-        f"ratio cold/restore (p50): {res['cold_p50'] / res['restore_p50']:.1f}x",
+        f"ratio cold/restore (p50): {res['cold_p50'] / res['restore_p50']:.1f}x, "
+        f"cold/warm: {res['cold_p50'] / res['warm_p50']:.1f}x",
         flush=True,
     )
     return res
