@@ -41,6 +41,12 @@ async def still_there(sb: SandboxHandle) -> None:
     assert await sh(sb, "hostname") == sb.id
 
 
+def kind_of(workdir: Path) -> str | None:
+    """How the sandbox paused in `workdir` holds its RAM ("stream" or "state")."""
+    record = paused_state(workdir)
+    return None if record is None else record.kind
+
+
 def leftovers(workdir: Path) -> list[str]:
     return sorted(
         p.name for p in workdir.iterdir() if p.name.endswith(".cv") or p.name == "convert"
@@ -55,8 +61,7 @@ async def test_the_resume_after_a_conversion_loads_device_state_only(
         workdir = node.settings.sandboxes_dir / sb.id
         await node.pause(sb.id)
         await node.conversions.wait(sb.id)
-        record = paused_state(workdir)
-        assert record is not None and record.kind == "state"
+        assert kind_of(workdir) == "state"
         assert not (workdir / STREAM).exists() and leftovers(workdir) == []
         assert node.conversions.converted == 1 and node.conversions.failed == 0
         sb = await node.resume(sb.id)
@@ -65,8 +70,7 @@ async def test_the_resume_after_a_conversion_loads_device_state_only(
         # The sandbox now owns its RAM file: the next pause is device state only.
         await node.pause(sb.id)
         assert not node.conversions.busy(sb.id)
-        record = paused_state(workdir)
-        assert record is not None and record.kind == "state"
+        assert kind_of(workdir) == "state"
         sb = await node.resume(sb.id)
         await still_there(sb)
 
@@ -108,8 +112,7 @@ async def test_a_failed_conversion_leaves_the_stream_to_resume_from(
         os.rename(workdir / STREAM, workdir / "stream.aside")
         with pytest.raises(SnapshotError, match="converting its RAM stream failed"):
             await convert_stream(workdir, node.image)
-        record = paused_state(workdir)
-        assert record is not None and record.kind == "stream"
+        assert kind_of(workdir) == "stream"
         assert leftovers(workdir) == []
         os.rename(workdir / "stream.aside", workdir / STREAM)
         sb = await node.resume(sb.id)
@@ -126,12 +129,10 @@ async def test_a_restarted_node_converts_what_the_last_one_did_not(
         # As if the server stopped before the conversion got anywhere.
         await node.conversions.cancel(sb.id)
     # The stream is still what the sandbox is.
-    record = paused_state(workdir)
-    assert record is not None and record.kind == "stream" and leftovers(workdir) == []
+    assert kind_of(workdir) == "stream" and leftovers(workdir) == []
     async with Node(settings) as node:
         assert node.conversions.busy(sb.id)
         await node.conversions.wait(sb.id)
-        record = paused_state(workdir)
-        assert record is not None and record.kind == "state"
+        assert kind_of(workdir) == "state"
         sb = await node.resume(sb.id)
         await still_there(sb)
