@@ -20,7 +20,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import shutil
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -28,7 +27,13 @@ from pathlib import Path
 
 from agentenv.guest.envd import ENVD_VERSION
 from agentenv.snapshot.errors import CaptureFailed
-from agentenv.snapshot.machine import GuestImage, Machine, MemoryMode, new_vm
+from agentenv.snapshot.machine import (
+    GuestImage,
+    Machine,
+    MemoryMode,
+    new_vm,
+    stream_to_memory_file,
+)
 from agentenv.snapshot.model import Snapshot
 from agentenv.snapshot.repository import MEMORY, STATE, SnapshotStore
 from agentenv.storage import LayerStore
@@ -176,28 +181,20 @@ async def _rehome(machine: Machine, image: GuestImage, staging: Path) -> None:
 
 
 async def _convert_stream(machine: Machine, image: GuestImage, staging: Path, disk: Path) -> None:
-    """Load a migration stream into a QEMU whose RAM is a shared file in `staging`, and save
-    its device state: the result is a plain RAM image plus state, like any capture."""
-    helper = new_vm(
-        image,
-        name=f"{machine.name}-cv",
-        workdir=staging / "convert",
-        vcpus=machine.vcpus,
-        memory_mb=machine.memory_mb,
-        mem_file=staging / MEMORY,
-        shared=True,
-        upper=disk,
-        upper_read_only=True,
-        tools_image=machine.tools_image,
-        slot=None,
-        incoming=True,
-        balloon=machine.balloon,
-    )
-    await helper.start()
+    """The stream in `staging` becomes `staging/memory` + `staging/state`, like any capture."""
     try:
-        await helper.stream_load(staging / STREAM, run=False)
-        await helper.snapshot_create(staging / STATE)
+        await stream_to_memory_file(
+            image,
+            name=machine.name,
+            scratch=staging / "convert",
+            vcpus=machine.vcpus,
+            memory_mb=machine.memory_mb,
+            balloon=machine.balloon,
+            disk=disk,
+            tools_image=machine.tools_image,
+            stream=staging / STREAM,
+            memory=staging / MEMORY,
+            state=staging / STATE,
+        )
     finally:
-        await helper.kill()
-        await asyncio.to_thread(shutil.rmtree, staging / "convert", True)
         (staging / STREAM).unlink(missing_ok=True)

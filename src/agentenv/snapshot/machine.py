@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -161,6 +162,48 @@ def new_vm(
         incoming=incoming,
         ram_shim=image.ram_shim,
     )
+
+
+async def stream_to_memory_file(
+    image: GuestImage,
+    *,
+    name: str,
+    scratch: Path,
+    vcpus: int,
+    memory_mb: int,
+    balloon: bool,
+    disk: Path,
+    tools_image: Path,
+    stream: Path,
+    memory: Path,
+    state: Path,
+) -> None:
+    """Load a RAM stream into a converter QEMU (no network, `disk` read-only) whose RAM is the
+    shared file `memory`, and save its device state to `state`: a plain RAM image plus state,
+    as a capture of a guest with a memory file of its own makes. The converter and `scratch`
+    (its workdir) are gone when this returns."""
+    helper = new_vm(
+        image,
+        name=f"{name}-cv",
+        workdir=scratch,
+        vcpus=vcpus,
+        memory_mb=memory_mb,
+        mem_file=memory,
+        shared=True,
+        upper=disk,
+        upper_read_only=True,
+        tools_image=tools_image,
+        slot=None,
+        incoming=True,
+        balloon=balloon,
+    )
+    try:
+        await helper.start()
+        await helper.stream_load(stream, run=False)
+        await helper.snapshot_create(state)
+    finally:
+        await helper.kill()
+        await asyncio.to_thread(shutil.rmtree, scratch, True)
 
 
 async def wait_envd(url: str, vm: QemuVM, timeout_s: float, poll_s: float = HEALTH_POLL_S) -> None:

@@ -35,6 +35,7 @@ from agentenv.snapshot.machine import (
     Machine,
     MemoryMode,
     new_vm,
+    stream_to_memory_file,
     wait_envd,
 )
 from agentenv.snapshot.repository import SnapshotStore
@@ -153,28 +154,20 @@ async def convert_stream(workdir: Path, image: GuestImage) -> bool:
     _check(record, image)
     await asyncio.to_thread(_clear_conversion, workdir)
     memory, state = workdir / (MEMORY + CV_SUFFIX), workdir / (STATE + CV_SUFFIX)
-    helper = new_vm(
-        image,
-        name=f"{record.name}-cv",
-        workdir=workdir / CONVERT,
-        vcpus=record.vcpus,
-        memory_mb=record.memory_mb,
-        mem_file=memory,
-        shared=True,
-        upper=workdir / record.upper,
-        upper_read_only=True,
-        tools_image=Path(record.tools_image),
-        slot=None,
-        incoming=True,
-        balloon=record.balloon,
-    )
     try:
-        try:
-            await helper.start()
-            await helper.stream_load(workdir / STREAM, run=False)
-            await helper.snapshot_create(state)
-        finally:
-            await helper.kill()
+        await stream_to_memory_file(
+            image,
+            name=record.name,
+            scratch=workdir / CONVERT,
+            vcpus=record.vcpus,
+            memory_mb=record.memory_mb,
+            balloon=record.balloon,
+            disk=workdir / record.upper,
+            tools_image=Path(record.tools_image),
+            stream=workdir / STREAM,
+            memory=memory,
+            state=state,
+        )
         await asyncio.to_thread(os.replace, memory, workdir / MEMORY)
         await asyncio.to_thread(os.replace, state, workdir / STATE)
         converted = PausedState(**{**asdict(record), "kind": "state"})
@@ -184,7 +177,6 @@ async def convert_stream(workdir: Path, image: GuestImage) -> bool:
         if isinstance(exc, VMMError):
             raise SnapshotError(f"{record.name}: converting its RAM stream failed: {exc}") from exc
         raise
-    await asyncio.to_thread(_clear_conversion, workdir)
     (workdir / STREAM).unlink(missing_ok=True)
     return True
 

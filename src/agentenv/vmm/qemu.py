@@ -60,12 +60,11 @@ _STATUS = {
 DEVICE_SET = "2"
 
 
-def balloon_device(machine: MachineSpec) -> str:
-    """The balloon's QEMU device: free page reporting and deflate-on-oom for every guest. A
-    guest whose RAM is a private mapping of a shared snapshot file discards through the
-    preload library (see `ramshim`), so its freed pages never reach that file."""
-    del machine  # one device set for every VM: snapshots load only into the same one
-    return "virtio-balloon-device,free-page-reporting=on,deflate-on-oom=on"
+# Every guest's balloon: free page reporting and deflate-on-oom. A guest whose RAM is a private
+# mapping of a shared snapshot file discards through the preload library (`ramshim`), so its
+# freed pages never reach that file. One device for every VM: snapshots load only into the
+# device set that saved them.
+BALLOON_DEVICE = "virtio-balloon-device,free-page-reporting=on,deflate-on-oom=on"
 
 
 def private_ram(machine: MachineSpec) -> bool:
@@ -179,7 +178,7 @@ class QemuVM:
                 f"virtio-net-device,netdev=n0,mac={self.net.mac}",
             ]
         if m.balloon:
-            args += ["-device", balloon_device(m)]
+            args += ["-device", BALLOON_DEVICE]
         if self.incoming:
             args += ["-S", "-incoming", "defer"]
         return args
