@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ipaddress
+import os
 
 import pytest
 
@@ -45,6 +46,22 @@ def test_warm_watermarks(monkeypatch: pytest.MonkeyPatch) -> None:
     assert (s.warm_low, s.warm_high) == (0, 3)
 
 
+def test_admission_limits(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("MAX_SANDBOXES", "MAX_STARTS", "START_QUEUE", "MIN_FREE_MEMORY_MB"):
+        monkeypatch.delenv(f"AGENTENV_{name}", raising=False)
+    monkeypatch.delenv("AGENTENV_MIN_FREE_DISK_MB", raising=False)
+    s = Settings.from_env()
+    assert (s.max_sandboxes, s.start_queue) == (0, 128)
+    assert s.max_starts == max(2, os.cpu_count() or 1)
+    assert (s.min_free_memory_mb, s.min_free_disk_mb) == (256, 1024)
+    monkeypatch.setenv("AGENTENV_MAX_SANDBOXES", "32")
+    monkeypatch.setenv("AGENTENV_MAX_STARTS", "1")
+    monkeypatch.setenv("AGENTENV_START_QUEUE", "0")
+    monkeypatch.setenv("AGENTENV_MIN_FREE_DISK_MB", "0")
+    s = Settings.from_env()
+    assert (s.max_sandboxes, s.max_starts, s.start_queue, s.min_free_disk_mb) == (32, 1, 0, 0)
+
+
 @pytest.mark.parametrize(
     ("name", "value", "needle"),
     [
@@ -57,6 +74,11 @@ def test_warm_watermarks(monkeypatch: pytest.MonkeyPatch) -> None:
         ("AGENTENV_WARM_LOW", "3", "expected 0 <= low <= high"),
         ("AGENTENV_WARM_HIGH", "-1", "AGENTENV_WARM_HIGH=-1"),
         ("AGENTENV_WARM_LOW", "many", "AGENTENV_WARM_LOW"),
+        ("AGENTENV_MAX_STARTS", "0", "AGENTENV_MAX_STARTS=0: expected 1 or more"),
+        ("AGENTENV_MAX_SANDBOXES", "-1", "AGENTENV_MAX_SANDBOXES=-1"),
+        ("AGENTENV_START_QUEUE", "lots", "AGENTENV_START_QUEUE"),
+        ("AGENTENV_MIN_FREE_MEMORY_MB", "-5", "AGENTENV_MIN_FREE_MEMORY_MB=-5"),
+        ("AGENTENV_MIN_FREE_DISK_MB", "-5", "AGENTENV_MIN_FREE_DISK_MB=-5"),
     ],
 )
 def test_bad_values_are_named(

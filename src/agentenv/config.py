@@ -58,6 +58,12 @@ def _env_opt_path(name: str) -> Path | None:
     return Path(raw).expanduser() if raw else None
 
 
+def default_max_starts() -> int:
+    """Concurrent sandbox starts: one per core, at least two (a start mostly waits on QEMU
+    and the guest, so two overlap even on one core)."""
+    return max(2, os.cpu_count() or 1)
+
+
 @dataclass(frozen=True)
 class NetworkPlan:
     """Address plan for network slots."""
@@ -125,6 +131,15 @@ class Settings:
     memory_pressure_pct: float = 80.0
     # Proxy traffic to a paused sandbox resumes it, unless its create request opted out.
     auto_resume: bool = True
+    # Admission (orchestrator.admission): running + starting sandboxes (0: no count limit,
+    # memory, disk and slots still apply), starts at once, starts waiting (FIFO) beyond that,
+    # host memory kept free after what running sandboxes may still grow into, and the free
+    # space the data dir must keep.
+    max_sandboxes: int = 0
+    max_starts: int = field(default_factory=default_max_starts)
+    start_queue: int = 128
+    min_free_memory_mb: int = 256
+    min_free_disk_mb: int = 1024
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -152,6 +167,20 @@ class Settings:
                 f"AGENTENV_WARM_LOW={warm_low}, AGENTENV_WARM_HIGH={warm_high}: "
                 "expected 0 <= low <= high"
             )
+        limits = {
+            name: _env_int(name, default)
+            for name, default in (
+                ("AGENTENV_MAX_SANDBOXES", cls.max_sandboxes),
+                ("AGENTENV_MAX_STARTS", default_max_starts()),
+                ("AGENTENV_START_QUEUE", cls.start_queue),
+                ("AGENTENV_MIN_FREE_MEMORY_MB", cls.min_free_memory_mb),
+                ("AGENTENV_MIN_FREE_DISK_MB", cls.min_free_disk_mb),
+            )
+        }
+        for name, value in limits.items():
+            least = 1 if name == "AGENTENV_MAX_STARTS" else 0
+            if value < least:
+                raise ConfigError(f"{name}={value}: expected {least} or more")
         return cls(
             home=_env_path("AGENTENV_HOME", Path("/var/lib/agentenv")),
             cache=_env_path("AGENTENV_CACHE", Path.home() / ".cache" / "agentenv"),
@@ -173,6 +202,11 @@ class Settings:
             balloon_floor_mb=floor,
             memory_pressure_pct=float(pressure),
             auto_resume=_env_bool("AGENTENV_AUTO_RESUME", True),
+            max_sandboxes=limits["AGENTENV_MAX_SANDBOXES"],
+            max_starts=limits["AGENTENV_MAX_STARTS"],
+            start_queue=limits["AGENTENV_START_QUEUE"],
+            min_free_memory_mb=limits["AGENTENV_MIN_FREE_MEMORY_MB"],
+            min_free_disk_mb=limits["AGENTENV_MIN_FREE_DISK_MB"],
         )
 
     # Layout of the data dir. Components create what they use.
@@ -197,6 +231,17 @@ class Settings:
     @property
     def run_dir(self) -> Path:
         return self.home / "run"
+
+    @property
+    def vms_dir(self) -> Path:
+        """One record per QEMU this data dir runs (`vmm.registry`): how a restarted server
+        finds what its predecessor left running."""
+        return self.run_dir / "vms"
+
+    @property
+    def slots_dir(self) -> Path:
+        """One marker per network slot this data dir holds (`network.slot`)."""
+        return self.run_dir / "slots"
 
 
 def _dns_servers() -> tuple[str, ...]:

@@ -3,6 +3,12 @@ node restart), persistent snapshots, fork, and deletion of all of it."""
 
 from __future__ import annotations
 
+import asyncio
+import importlib
+import json
+import time
+from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -12,6 +18,7 @@ from agentenv.guest.envd.client import EnvdClient
 from agentenv.orchestrator import node as node_module
 from agentenv.orchestrator.node import Node, SandboxHandle
 from agentenv.orchestrator.node_errors import BootFailed, SandboxPaused, UnknownSandbox
+from agentenv.snapshot.errors import RestoreFailed
 
 pytestmark = pytest.mark.vm
 
@@ -102,3 +109,107 @@ async def test_larger_disk_is_a_restore_grown_online(
         assert set(settings.sandboxes_dir.iterdir()) == before and node.list() == []
     finally:
         await node.close()
+
+
+async def test_fork_eight_in_parallel_and_all_or_none(
+    settings: Settings, base_template: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Eight children restored concurrently: all run, each has its own disk. Then a fork
+    whose third child fails, and one cancelled midway: the others are cancelled or released,
+    nothing is left."""
+    # No warm pool: its background refills would change the holders compared below.
+    node = Node(replace(settings, warm_low=0, warm_high=0))
+    await node.start()
+    try:
+        src = await node.create("base", memory_mb=MEM)
+        await sh(src, "echo parent > /root/p")
+        t0 = time.monotonic()
+        kids = await node.fork(src.id, 8)
+        wall = time.monotonic() - t0
+        print(f"fork of 8 (max_starts {settings.max_starts}): {wall:.2f}s, {wall / 8:.3f}s/child")
+        assert len({k.id for k in kids}) == 8 and src.id not in {k.id for k in kids}
+        assert [await sh(k, "hostname") for k in kids] == [k.id for k in kids]
+        assert {await sh(k, "cat /root/p") for k in kids} == {"parent"}
+        await sh(kids[0], "echo mine > /root/only-0 && sync")
+        for k in kids[1:]:
+            assert await sh(k, "test -e /root/only-0 && echo yes || echo no") == "no"
+        assert await sh(src, "test -e /root/only-0 && echo yes || echo no") == "no"
+        assert await sh(kids[0], "cat /root/only-0") == "mine"
+        for k in kids:
+            await node.delete(k.id)
+
+        fork_module = importlib.import_module("agentenv.snapshot.fork")
+        real_identify = fork_module.identify
+        calls = 0
+
+        async def flaky(*args: Any, **kwargs: Any) -> None:
+            nonlocal calls
+            calls += 1
+            if calls == 3:
+                raise RestoreFailed("injected failure of the third child")
+            await real_identify(*args, **kwargs)
+
+        monkeypatch.setattr(fork_module, "identify", flaky)
+        before = set(settings.sandboxes_dir.iterdir())
+        held = holders(node)
+        with pytest.raises(RestoreFailed, match="injected"):
+            await node.fork(src.id, 8)
+        assert calls >= 3
+        assert [h.id for h in node.list()] == [src.id]
+        assert set(settings.sandboxes_dir.iterdir()) == before
+        assert node.pool.busy == [src.slot]
+        ours = [c for c in qemu_cmdlines() if str(settings.sandboxes_dir) in c]
+        assert len(ours) == 1 and src.id in ours[0], ours
+        # The capture is held by nobody now (no child, no claim): the GC takes it and its
+        # layer references, and every holder is one from before.
+        await asyncio.to_thread(node.repo.gc)
+        assert holders(node) == held
+
+        # Cancelled while two children are made and others wait or restore: the same.
+        second = asyncio.Event()
+        calls = 0
+
+        async def stuck(*args: Any, **kwargs: Any) -> None:
+            nonlocal calls
+            calls += 1
+            await real_identify(*args, **kwargs)
+            if calls == 2:
+                second.set()
+            await asyncio.sleep(3600)
+
+        monkeypatch.setattr(fork_module, "identify", stuck)
+        task = asyncio.create_task(node.fork(src.id, 8))
+        await asyncio.wait_for(second.wait(), 300)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert [h.id for h in node.list()] == [src.id]
+        assert set(settings.sandboxes_dir.iterdir()) == before
+        assert node.pool.busy == [src.slot]
+        ours = [c for c in qemu_cmdlines() if str(settings.sandboxes_dir) in c]
+        assert len(ours) == 1 and src.id in ours[0], ours
+        await asyncio.to_thread(node.repo.gc)
+        assert holders(node) == held
+        await node.delete(src.id)
+    finally:
+        await node.close()
+
+
+def qemu_cmdlines() -> list[str]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            except OSError:
+                continue
+            if "qemu-system" in cmd:
+                found.append(cmd)
+    return found
+
+
+def holders(node: Node) -> set[str]:
+    """Everyone holding a layer or a snapshot."""
+    refs = json.loads((node.settings.layers_dir / "refs.json").read_text())
+    snaps = {h for s in node.repo.list() for h in s.holders}
+    return {h for hs in refs.values() for h in hs} | snaps

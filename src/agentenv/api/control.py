@@ -83,8 +83,8 @@ def api_key(
 Auth = Annotated[ApiKey, Depends(api_key)]
 
 
-def error(status: int, message: str) -> JSONResponse:
-    return JSONResponse({"code": status, "message": message}, status_code=status)
+def error(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse({"code": status, "message": message}, status_code=status, headers=headers)
 
 
 def build_control_app(ctx: ControlContext) -> FastAPI:
@@ -101,7 +101,9 @@ def build_control_app(ctx: ControlContext) -> FastAPI:
 
     @app.exception_handler(OrchestratorError)
     async def _orch(_: Request, exc: OrchestratorError) -> JSONResponse:
-        return error(exc.status, exc.message)
+        # A node at capacity (503) says when to come back; the SDK retries after it.
+        retry = {"Retry-After": str(exc.retry_after)} if exc.retry_after is not None else None
+        return error(exc.status, exc.message, retry)
 
     @app.exception_handler(ApiError)
     async def _api(_: Request, exc: ApiError) -> JSONResponse:

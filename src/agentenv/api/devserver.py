@@ -119,6 +119,18 @@ class ServerProcess:
                 proc.wait()
         return proc.returncode
 
+    def crash(self) -> None:
+        """SIGKILL the server (no shutdown runs: its VMs stay, as after a crash)."""
+        if self.proc is None:
+            return
+        proc, self.proc = self.proc, None
+        proc.kill()
+        proc.wait()
+
+    @property
+    def pid(self) -> int | None:
+        return None if self.proc is None else self.proc.pid
+
     def log_tail(self, lines: int = 20) -> str:
         try:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])

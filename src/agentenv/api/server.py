@@ -72,6 +72,9 @@ def parse_bind(raw: str) -> tuple[str, int]:
         raise ConfigError(f"AGENTENV_BIND={raw!r}: port is not a number") from exc
 
 
+SHUTDOWN_GRACE_S = 10
+
+
 def serve(
     host: str | None = None,
     port: int | None = None,
@@ -114,6 +117,9 @@ def serve(
         ws="websockets-sansio",
         # The SDK pools keep-alive sockets for up to 300 s.
         timeout_keep_alive=300,
+        # Open streams (process output, watches) can last for hours: on SIGTERM they get
+        # this long, then shutdown goes on (and releases every sandbox) without them.
+        timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
         log_level=log_level,
         access_log=False,
         lifespan="on",

@@ -2,7 +2,14 @@
 
 from agentenv.network.errors import NetworkError, NoFreeSlot
 from agentenv.network.pool import SlotPool
-from agentenv.network.slot import Slot, cleanup_stale, create_slot, destroy_slot, slot_for
+from agentenv.network.slot import (
+    Slot,
+    cleanup_stale,
+    create_slot,
+    destroy_slot,
+    recover_slots,
+    slot_for,
+)
 
 __all__ = [
     "NetworkError",
@@ -12,5 +19,6 @@ __all__ = [
     "cleanup_stale",
     "create_slot",
     "destroy_slot",
+    "recover_slots",
     "slot_for",
 ]

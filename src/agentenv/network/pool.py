@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from pathlib import Path
 
 from agentenv.config import NetworkPlan
 from agentenv.network.slot import Slot, create_slot, destroy_slot, reset_slot
@@ -17,10 +18,14 @@ class SlotPool:
     destroys it otherwise.
     """
 
-    def __init__(self, plan: NetworkPlan, low: int = 0, high: int = 0) -> None:
+    def __init__(
+        self, plan: NetworkPlan, low: int = 0, high: int = 0, *, owner: Path | None = None
+    ) -> None:
         if low < 0 or high < low:
             raise ValueError(f"slot pool watermarks need 0 <= low <= high, got {low}, {high}")
         self.plan = plan
+        # The data dir's slot markers (`network.slot.create_slot`).
+        self.owner = owner
         self.low = low
         self.high = high
         self._idle: list[Slot] = []
@@ -39,15 +44,19 @@ class SlotPool:
     async def start(self) -> None:
         """Fill up to the high watermark before returning."""
         while len(self._idle) < self.high:
-            self._idle.append(await create_slot(self.plan))
+            self._idle.append(await create_slot(self.plan, owner=self.owner))
 
     async def acquire(self) -> Slot:
         if self._closed:
             raise RuntimeError("slot pool is closed")
-        slot = self._idle.pop(0) if self._idle else await create_slot(self.plan)
+        slot = self._idle.pop(0) if self._idle else await create_slot(self.plan, owner=self.owner)
         self._busy[slot.index] = slot
         self._maybe_refill()
         return slot
+
+    def adopt(self, slot: Slot) -> None:
+        """A slot a VM of an earlier server still uses (crash recovery) counts as busy."""
+        self._busy[slot.index] = slot
 
     async def release(self, slot: Slot) -> None:
         self._busy.pop(slot.index, None)
@@ -55,11 +64,11 @@ class SlotPool:
             try:
                 await reset_slot(slot)
             except Exception:
-                await destroy_slot(slot)
+                await destroy_slot(slot, owner=self.owner)
                 raise
             self._idle.append(slot)
         else:
-            await destroy_slot(slot)
+            await destroy_slot(slot, owner=self.owner)
 
     def _maybe_refill(self) -> None:
         if self._closed or len(self._idle) >= self.low or self.high == 0:
@@ -69,9 +78,9 @@ class SlotPool:
 
     async def _fill(self) -> None:
         while not self._closed and len(self._idle) < self.high:
-            slot = await create_slot(self.plan)
+            slot = await create_slot(self.plan, owner=self.owner)
             if self._closed:
-                await destroy_slot(slot)
+                await destroy_slot(slot, owner=self.owner)
                 return
             self._idle.append(slot)
 
@@ -86,4 +95,4 @@ class SlotPool:
         self._idle.clear()
         self._busy.clear()
         for slot in slots:
-            await destroy_slot(slot)
+            await destroy_slot(slot, owner=self.owner)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import fcntl
 import ipaddress
 import os
 from collections.abc import AsyncIterator, Collection
@@ -21,6 +20,7 @@ from pyroute2 import AsyncConntrack, AsyncIPRoute, netns
 from pyroute2.netlink.exceptions import NetlinkError
 
 from agentenv.config import NetworkPlan
+from agentenv.filelock import file_lock
 from agentenv.network import nft
 from agentenv.network.errors import NetworkError, NoFreeSlot
 
@@ -30,6 +30,8 @@ NS_VETH_PREFIX = "ae-n"
 TAP = "tap0"
 # Host-wide: slot creation and the shared host nft table are coordinated across processes.
 LOCK_FILE = Path("/run/agentenv-network.lock")
+# Holders only build or tear down one slot (tens of ms); a minute means something is stuck.
+HOST_LOCK_TIMEOUT_S = 60.0
 # Namespaces this process created and has not removed. Other servers on the host reuse the
 # same names (and the kernel reuses namespace inode numbers), so this is how tests and
 # diagnostics tell this process's slots apart.
@@ -84,13 +86,13 @@ def slot_for(plan: NetworkPlan, index: int) -> Slot:
 
 
 @contextlib.asynccontextmanager
-async def host_lock() -> AsyncIterator[None]:
-    fd = os.open(LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        await asyncio.to_thread(fcntl.flock, fd, fcntl.LOCK_EX)
+async def host_lock(waiter: str | None = None) -> AsyncIterator[None]:
+    """Slot changes and the host table, one at a time on this host (`filelock`: waiting
+    happens in asyncio, so holders' own thread work never queues behind waiters)."""
+    async with file_lock(
+        LOCK_FILE, name="the host network lock", timeout_s=HOST_LOCK_TIMEOUT_S, waiter=waiter
+    ):
         yield
-    finally:
-        os.close(fd)
 
 
 def _existing_indexes() -> set[int]:
@@ -125,9 +127,25 @@ async def _link_index(ipr: AsyncIPRoute, name: str) -> int:
     return int(found[0])
 
 
-async def create_slot(plan: NetworkPlan, index: int | None = None) -> Slot:
-    """Build a slot (lowest free index unless `index` is given); nothing is left on failure."""
-    async with host_lock():
+def _mark(owner: Path | None, slot: Slot, held: bool) -> None:
+    """Marker files name the slots a data dir holds, so its next server can remove the
+    ones a crash left (`recover_slots`) without touching other servers' slots."""
+    if owner is None:
+        return
+    marker = owner / slot.netns
+    if held:
+        owner.mkdir(mode=0o700, parents=True, exist_ok=True)
+        marker.touch()
+    else:
+        marker.unlink(missing_ok=True)
+
+
+async def create_slot(
+    plan: NetworkPlan, index: int | None = None, *, owner: Path | None = None
+) -> Slot:
+    """Build a slot (lowest free index unless `index` is given); nothing is left on failure.
+    With `owner` (a data dir's slots directory) the slot is marked as held by it."""
+    async with host_lock("a new network slot"):
         if index is None:
             slot = _claim_netns(plan, 0)
         else:
@@ -138,10 +156,12 @@ async def create_slot(plan: NetworkPlan, index: int | None = None) -> Slot:
                 raise NetworkError(f"slot {index} is already in use") from exc
             _remember(slot.netns)
         try:
+            _mark(owner, slot, True)
             await _build(plan, slot)
             await nft.apply_host_rules()
         except BaseException:
             await _teardown(slot)
+            _mark(owner, slot, False)
             raise
     return slot
 
@@ -235,9 +255,36 @@ def _host_veths() -> list[str]:
     ]
 
 
-async def destroy_slot(slot: Slot) -> None:
-    async with host_lock():
+async def destroy_slot(slot: Slot, *, owner: Path | None = None) -> None:
+    async with host_lock(f"removing slot {slot.index}"):
         await _teardown(slot)
+    _mark(owner, slot, False)
+
+
+def marked_slots(plan: NetworkPlan, owner: Path) -> list[Slot]:
+    """The slots `owner` holds by its markers."""
+    if not owner.is_dir():
+        return []
+    out = []
+    for marker in sorted(owner.iterdir()):
+        index = marker.name[len(NETNS_PREFIX) :]
+        if marker.name.startswith(NETNS_PREFIX) and index.isdigit():
+            if int(index) < plan.max_slots:
+                out.append(slot_for(plan, int(index)))
+            else:
+                marker.unlink(missing_ok=True)
+    return out
+
+
+async def recover_slots(plan: NetworkPlan, owner: Path, keep: Collection[int]) -> list[int]:
+    """Remove every slot `owner` holds except `keep` (those of VMs a restarted server
+    adopted): what a crashed server of this data dir left (its pool, dead VMs' slots)."""
+    removed = []
+    for slot in marked_slots(plan, owner):
+        if slot.index not in keep:
+            await destroy_slot(slot, owner=owner)
+            removed.append(slot.index)
+    return removed
 
 
 def _netns_in_use(name: str) -> bool:
@@ -266,7 +313,7 @@ async def cleanup_stale(
     if only is not None:
         indexes &= set(only)
     removed: list[int] = []
-    async with host_lock():
+    async with host_lock("stale slot cleanup"):
         for i in sorted(indexes):
             if i >= plan.max_slots:
                 continue

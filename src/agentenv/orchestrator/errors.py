@@ -5,6 +5,8 @@ from __future__ import annotations
 
 class OrchestratorError(Exception):
     status = 500
+    # Seconds after which the same request may succeed (a `Retry-After` header), if known.
+    retry_after: int | None = None
 
     def __init__(self, message: str) -> None:
         super().__init__(message)
@@ -20,6 +22,14 @@ class SandboxNotFound(OrchestratorError):
 
     def __init__(self, sandbox_id: str) -> None:
         super().__init__(f"sandbox {sandbox_id!r} not found")
+        self.sandbox_id = sandbox_id
+
+
+class SandboxLost(SandboxNotFound):
+    """Gone for good, not deleted by anyone: its VM died (or a restart found it dead)."""
+
+    def __init__(self, sandbox_id: str, why: str) -> None:
+        OrchestratorError.__init__(self, f"sandbox {sandbox_id} was lost: {why}")
         self.sandbox_id = sandbox_id
 
 
@@ -41,3 +51,19 @@ class NotSupported(OrchestratorError):
 
 class CreateFailed(OrchestratorError):
     status = 500
+
+
+class Unavailable(OrchestratorError):
+    """No capacity for this now (a node limit or a full start queue); nothing was made."""
+
+    status = 503
+
+    def __init__(self, message: str, retry_after: int | None = None) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class InsufficientStorage(OrchestratorError):
+    """The data dir ran out of space (ENOSPC) during the operation; what it made is gone."""
+
+    status = 507

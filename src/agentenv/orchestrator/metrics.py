@@ -71,6 +71,11 @@ class Metrics:
             buckets=_LATENCY_BUCKETS,
             registry=self.registry,
         )
+        self.sandboxes_lost = Counter(
+            "agentenv_sandboxes_lost",
+            "Running sandboxes whose VM ended on its own (crash, killed from outside)",
+            registry=self.registry,
+        )
         self.create_failures = Counter(
             "agentenv_sandbox_create_failures",
             "Sandbox creations that failed and were torn down",

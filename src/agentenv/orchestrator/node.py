@@ -24,6 +24,7 @@ import logging
 import os
 import secrets
 import shutil
+import signal
 import string
 import time
 from collections.abc import Awaitable, Callable
@@ -35,7 +36,9 @@ import httpx
 from agentenv import snapshot as snaps
 from agentenv.config import ENVD_PORT, Settings
 from agentenv.guest.envd.client import EnvdClient, EnvdError
-from agentenv.network import Slot, SlotPool
+from agentenv.network import Slot, SlotPool, recover_slots, slot_for
+from agentenv.network.slot import NETNS_PREFIX
+from agentenv.orchestrator.admission import Admission, Limits
 from agentenv.orchestrator.conversions import PausedConversions
 from agentenv.orchestrator.memory import HostMemory, MemoryManager, MemoryPolicy, host_memory
 from agentenv.orchestrator.node_errors import (
@@ -53,7 +56,8 @@ from agentenv.orchestrator.node_errors import (
 from agentenv.orchestrator.warm import Shape, WarmPool
 from agentenv.snapshot import GuestImage, Machine, MemoryMode, Snapshot, SnapshotError
 from agentenv.snapshot.fork import MAX_CHILDREN, ForkTarget
-from agentenv.snapshot.pause import PAUSED
+from agentenv.snapshot.machine import wait_envd
+from agentenv.snapshot.pause import PAUSED, STATE, STREAM
 from agentenv.snapshot.restore import (
     Prepared,
     discard,
@@ -71,8 +75,10 @@ from agentenv.storage import (
     create_upper,
     info,
 )
+from agentenv.vmm import registry as vm_registry
 from agentenv.vmm.accel import AccelChoice, detect
-from agentenv.vmm.base import BootSource, Drive, MachineSpec, NetIface
+from agentenv.vmm.base import BootSource, Drive, MachineSpec, NetIface, VMStatus
+from agentenv.vmm.cgroup import Cgroup
 from agentenv.vmm.errors import VMMError
 from agentenv.vmm.qemu import QemuVM
 
@@ -99,6 +105,8 @@ GROW_FS = (
     f"{_TOOLS}/python/bin/resize2fs /dev/vda"
 )
 GROW_TIMEOUT_S = 120.0
+# An adopted guest's envd answers at once unless the guest is broken.
+ADOPT_HEALTH_TIMEOUT_S = 30.0
 
 
 def new_sandbox_id() -> str:
@@ -124,7 +132,8 @@ class SandboxHandle:
     machine: Machine | None = field(default=None, repr=False)
     paused: bool = False
     # "restore" (from the template snapshot or a named snapshot), "warm" (the same, from a
-    # pre-spawned QEMU of the warm pool), "boot" (cold) or "fork".
+    # pre-spawned QEMU of the warm pool), "boot" (cold), "fork", or "adopted" (left running
+    # by a server that died, taken over by this one).
     origin: str = "boot"
 
     @property
@@ -165,8 +174,25 @@ class Node:
         self.mem_file = mem_file or self.snapshots
         self.layers = LayerStore(settings.layers_dir)
         self.repo = snaps.SnapshotRepository(settings.home / "snapshots", self.layers)
-        self.pool = SlotPool(settings.network, settings.slot_pool_low, settings.slot_pool_high)
+        self.pool = SlotPool(
+            settings.network,
+            settings.slot_pool_low,
+            settings.slot_pool_high,
+            owner=settings.slots_dir,
+        )
         self._sandboxes: dict[str, SandboxHandle] = {}
+        # Sandboxes whose VM ended on its own (or could not be re-adopted at start): why.
+        self.lost: dict[str, str] = {}
+        # Told (sandbox id, why) the moment a running sandbox's VM ends on its own; without
+        # a handler the node deletes the sandbox itself.
+        self.on_lost: Callable[[str, str], None] | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        # Every start (create, resume, fork) is admitted first: capacity, then a FIFO turn.
+        self.admission = Admission(
+            Limits.from_settings(settings),
+            lambda: [sb for sb in self._sandboxes.values() if not sb.paused],
+            settings.home,
+        )
         self.warm = WarmPool(
             settings.warm_low if self.snapshots else 0,
             settings.warm_high if self.snapshots else 0,
@@ -223,8 +249,11 @@ class Node:
             self.settings.qemu_binary,
             cmdline,
             shim,
+            self.settings.vms_dir,
+            self._vm_exited,
         )
         self.settings.sandboxes_dir.mkdir(parents=True, exist_ok=True)
+        await self._recover()
         if self.warm.enabled:
             self._warm_root = await asyncio.to_thread(_warm_root, self.settings.warm_dir)
         await self.pool.start()
@@ -233,6 +262,158 @@ class Node:
         # Streams an earlier node paused and did not get to convert.
         for sandbox_id, workdir in await asyncio.to_thread(self._unconverted_pauses):
             self.conversions.start(sandbox_id, workdir)
+
+    # -- crash recovery and dying VMs ----------------------------------------------------------
+
+    async def _recover(self) -> None:
+        """Own everything an earlier server of this data dir left: adopt the running
+        sandboxes' QEMUs (by their registry records), end every other QEMU it started (warm
+        entries, converters, template builds, guests of an operation cut short), and free
+        their slots, cgroups, files and references. A sandbox dir that neither runs nor is
+        paused is lost: removed, and the reason kept in `lost`."""
+        s = self.settings
+        keep: set[int] = set()
+        for rec in await asyncio.to_thread(vm_registry.load_all, s.vms_dir):
+            pid = await asyncio.to_thread(vm_registry.live_pid, rec)
+            workdir = Path(rec.workdir)
+            is_sandbox = workdir.parent == s.sandboxes_dir and workdir.name == rec.name
+            if pid is not None and is_sandbox and not self._paused_on_disk(rec.name):
+                try:
+                    handle = await self._adopt(rec, pid)
+                except Exception as exc:
+                    why = f"its VM could not be taken over after a server restart: {exc}"
+                    self.lost[rec.name] = why
+                    log.warning("sandbox %s: %s", rec.name, why)
+                else:
+                    keep.add(handle.slot.index)
+                    log.info("sandbox %s: adopted its running VM (pid %d)", rec.name, pid)
+                    continue
+            await self._reap(rec, pid, keep_workdir=is_sandbox)
+        for workdir in await asyncio.to_thread(lambda: sorted(s.sandboxes_dir.iterdir())):
+            name = workdir.name
+            if name in self._sandboxes or self._paused_on_disk(name):
+                continue
+            why = self.lost.setdefault(
+                name, "its VM was no longer running when the server restarted"
+            )
+            log.warning("sandbox %s lost: %s", name, why)
+            await asyncio.to_thread(shutil.rmtree, workdir, True)
+        removed = await recover_slots(s.network, s.slots_dir, keep)
+        if removed:
+            log.info("removed %d network slot(s) a previous server left", len(removed))
+        await asyncio.to_thread(self._release_orphan_holders)
+
+    async def _reap(
+        self, rec: vm_registry.VMRecord, pid: int | None, *, keep_workdir: bool
+    ) -> None:
+        """End a QEMU of an earlier server that nobody adopts and remove what it had."""
+        if pid is not None:
+            log.info("ending %s (pid %d) left by a previous server", rec.name, pid)
+            with contextlib.suppress(ProcessLookupError):
+                fd = os.pidfd_open(pid)
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                    await _wait_readable(fd, 10.0)
+                finally:
+                    os.close(fd)
+        if rec.spec.get("cgroup"):
+            with contextlib.suppress(Exception):
+                await asyncio.to_thread(Cgroup(rec.name).remove)
+        await asyncio.to_thread(Path(rec.qmp_socket).unlink, True)
+        workdir = Path(rec.workdir)
+        if not keep_workdir and workdir.is_relative_to(self.settings.home):
+            await asyncio.to_thread(shutil.rmtree, workdir, True)
+        await asyncio.to_thread(vm_registry.remove, self.settings.vms_dir, rec.name)
+
+    async def _adopt(self, rec: vm_registry.VMRecord, pid: int) -> SandboxHandle:
+        """Take over a sandbox's QEMU that a dead server started. An operation it was in the
+        middle of is rolled forward: a guest stopped for a pause or capture runs on; one
+        that never got its state (a restore cut short) cannot be adopted."""
+        workdir = Path(rec.workdir)
+        meta = json.loads(await asyncio.to_thread((workdir / META).read_text))
+        vm = await QemuVM.adopt(
+            rec, pid, accel=self.accel, registry=self.settings.vms_dir, on_exit=self._vm_exited
+        )
+        try:
+            status = await vm.status()
+            if status is VMStatus.CREATED:
+                raise SandboxError("its VM never received its state (a restore was cut short)")
+            if status is VMStatus.PAUSED:
+                await vm.resume()
+            if vm.netns is None or not vm.netns.startswith(NETNS_PREFIX):
+                raise SandboxError(f"its VM runs in no slot namespace ({vm.netns})")
+            slot = slot_for(self.settings.network, int(vm.netns[len(NETNS_PREFIX) :]))
+            mem = vm.machine.mem_file
+            private = mem is not None and not vm.machine.mem_shared
+            # A clone maps a committed snapshot's memory (not a capture's staging dir).
+            snapshot_id = None
+            if mem is not None and private and mem.parent.parent == self.repo.root:
+                snapshot_id = mem.parent.name
+            machine = Machine(
+                name=rec.name,
+                workdir=workdir,
+                vcpus=vm.machine.vcpus,
+                memory_mb=vm.machine.memory_mb,
+                slot=slot,
+                vm=vm,
+                memory=MemoryMode.OWN if vm.machine.mem_shared else MemoryMode.SNAPSHOT,
+                tools_image=vm.drives[1].path,
+                balloon=vm.machine.balloon,
+                snapshot_id=snapshot_id,
+            )
+            await wait_envd(machine.envd_url, vm, ADOPT_HEALTH_TIMEOUT_S)
+            handle = await asyncio.to_thread(
+                self._handle, machine, meta["template"], meta["top_layer"]
+            )
+        except BaseException:
+            await vm.kill()
+            raise
+        handle.origin = "adopted"
+        self.pool.adopt(slot)
+        self._sandboxes[rec.name] = handle
+        # A running sandbox has no use for saved state: what is there is from a pause cut
+        # short before it wrote its record.
+        for leftover in (STATE, STREAM):
+            await asyncio.to_thread((workdir / leftover).unlink, True)
+        return handle
+
+    def _release_orphan_holders(self) -> None:
+        """References held in the layer store and snapshot catalog by a sandbox, warm entry
+        or template build that no longer exists (a crash between taking and dropping)."""
+        alive = {p.name for p in self.settings.sandboxes_dir.iterdir()}
+
+        def orphan(holder: str) -> bool:
+            return ":" not in holder and holder not in alive
+
+        for holder in filter(orphan, self.layers.all_holders()):
+            self.layers.unref_holder(holder)
+        for holder in filter(orphan, self.repo.all_holders()):
+            self.repo.unref_holder(holder)
+
+    def _vm_exited(self, vm: QemuVM) -> None:
+        """A QEMU ended without being asked to (crashed, killed from outside). Called by
+        its watcher at once; the sandbox it ran is lost, a warm entry is replaced."""
+        sb = self._sandboxes.get(vm.name)
+        if sb is not None and sb.vm is vm and not sb.paused:
+            why = f"its VM ended unexpectedly (exit status {vm.exit_code}): {_tail(vm.serial_log)}"
+            self.lost[sb.id] = why
+            if self.on_lost is not None:
+                self.on_lost(sb.id, why)
+            else:
+                self._background(self.delete(sb.id), f"delete-lost-{sb.id}")
+            return
+        self.warm.evict(vm.name)
+
+    def _background(self, coro: Awaitable[None], name: str) -> None:
+        async def run() -> None:
+            try:
+                await coro
+            except Exception:
+                log.exception("%s failed", name)
+
+        task = asyncio.create_task(run(), name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     def _unconverted_pauses(self) -> builtins.list[tuple[str, Path]]:
         found = []
@@ -257,6 +438,8 @@ class Node:
         await self.memory.close()
         await self.warm.close()
         await self.conversions.close()
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
         for sandbox_id, sb in list(self._sandboxes.items()):
             if sb.paused:
                 self._sandboxes.pop(sandbox_id, None)
@@ -299,10 +482,20 @@ class Node:
         pid = None if sb is None or sb.paused else sb.vm.pid
         return None if pid is None else host_memory(pid)
 
-    def _paused_on_disk(self, sandbox_id: str) -> bool:
+    def _on_disk(self, sandbox_id: str, what: str = "") -> bool:
         if "/" in sandbox_id or sandbox_id in ("", ".", ".."):
             return False
-        return (self.settings.sandboxes_dir / sandbox_id / PAUSED).is_file()
+        return (self.settings.sandboxes_dir / sandbox_id / what).exists()
+
+    def _paused_on_disk(self, sandbox_id: str) -> bool:
+        return self._on_disk(sandbox_id, PAUSED)
+
+    def sandbox_ids(self) -> builtins.list[str]:
+        """Every sandbox this node holds: running ones and those paused on disk."""
+        ids = {sb.id for sb in self._sandboxes.values() if not sb.paused}
+        if self.settings.sandboxes_dir.is_dir():
+            ids |= {p.name for p in self.settings.sandboxes_dir.iterdir() if (p / PAUSED).is_file()}
+        return sorted(ids)
 
     # -- create / delete --------------------------------------------------------------------
 
@@ -354,6 +547,25 @@ class Node:
         top, top_path, disk_mb, base_mb = await asyncio.to_thread(
             self._validate, template, cpu, memory_mb, disk_size_mb
         )
+        async with self.admission.start(f"a create of {template!r}", memory_mb):
+            return await self._create(
+                template, cpu, memory_mb, disk_size_mb, top, top_path, disk_mb, base_mb
+            )
+
+    async def _create(
+        self,
+        template: str,
+        cpu: int,
+        memory_mb: int,
+        disk_size_mb: int | None,
+        top: str,
+        top_path: Path,
+        disk_mb: int,
+        base_mb: int,
+    ) -> SandboxHandle:
+        """`create` once the input is valid and the start admitted."""
+        if self._boot is None or self._accel is None:
+            raise SandboxError("node is not started")
         snap = None
         if self.snapshots:
             snap = await self._template_snapshot(template, cpu, memory_mb)
@@ -423,6 +635,8 @@ class Node:
                 net=NetIface(slot.tap, slot.guest_mac),
                 netns=slot.netns,
                 qemu_binary=self.settings.qemu_binary,
+                registry=self.settings.vms_dir,
+                on_exit=self._vm_exited,
             )
             await vm.start()
             undo.append(vm.kill)
@@ -497,7 +711,8 @@ class Node:
         self.memory.forget(sandbox_id)
         await self.conversions.cancel(sandbox_id)
         if sb is None:
-            if not self._paused_on_disk(sandbox_id):
+            # Paused, or what is left of one that was lost while resuming.
+            if not self._on_disk(sandbox_id):
                 raise UnknownSandbox(f"sandbox {sandbox_id!r} does not exist")
             workdir = self.settings.sandboxes_dir / sandbox_id
         else:
@@ -714,6 +929,10 @@ class Node:
             await snaps.release(handle.machine, self.repo, self.layers)
 
     async def _create_from_snapshot(self, snap: Snapshot, ref: str) -> SandboxHandle:
+        async with self.admission.start(f"a create from snapshot {ref!r}", snap.memory_mb):
+            return await self._from_snapshot(snap, ref)
+
+    async def _from_snapshot(self, snap: Snapshot, ref: str) -> SandboxHandle:
         sandbox_id = new_sandbox_id()
         workdir = self.settings.sandboxes_dir / sandbox_id
         t0 = time.monotonic()
@@ -762,6 +981,26 @@ class Node:
         sb = self._sandboxes.get(sandbox_id)
         if sb is not None and not sb.paused:
             raise SandboxNotPaused(f"sandbox {sandbox_id} is running")
+        if sb is None:
+            record = await asyncio.to_thread(self._paused_record, sandbox_id)
+            memory_mb = record.memory_mb
+        else:
+            memory_mb = sb.memory_mb
+        async with self.admission.start(f"a resume of {sandbox_id}", memory_mb):
+            return await self._resume(sandbox_id)
+
+    def _paused_record(self, sandbox_id: str) -> snaps.PausedState:
+        record = None
+        if self._paused_on_disk(sandbox_id):
+            record = snaps.paused_state(self.settings.sandboxes_dir / sandbox_id)
+        if record is None:
+            raise UnknownSandbox(f"sandbox {sandbox_id!r} does not exist")
+        return record
+
+    async def _resume(self, sandbox_id: str) -> SandboxHandle:
+        sb = self._sandboxes.get(sandbox_id)
+        if sb is not None and not sb.paused:
+            raise SandboxNotPaused(f"sandbox {sandbox_id} is running")
         if sb is None and not self._paused_on_disk(sandbox_id):
             raise UnknownSandbox(f"sandbox {sandbox_id!r} does not exist")
         workdir = self.settings.sandboxes_dir / sandbox_id
@@ -770,8 +1009,11 @@ class Node:
         slot = await self.pool.acquire()
         try:
             machine = await snaps.resume(workdir, self.image, slot)
-        except BaseException:
+        except BaseException as exc:
             await self.pool.release(slot)
+            if isinstance(exc, snaps.ResumedButLost):
+                self.lost[sandbox_id] = str(exc)
+                await self.delete(sandbox_id)
             raise
         if sb is None:
             meta = json.loads(await asyncio.to_thread((workdir / META).read_text))
@@ -810,22 +1052,67 @@ class Node:
     async def fork(
         self, sandbox_id: str, count: int, envd_token: str | None = None
     ) -> builtins.list[SandboxHandle]:
-        """`count` new sandboxes from one capture of a running sandbox, which keeps running."""
+        """`count` new sandboxes from one capture of a running sandbox, which keeps running
+        (admitted as `count` starts of its size)."""
+        sb, _ = self._machine(sandbox_id)
+        async with self.admission.start(f"a fork of {sandbox_id}", sb.memory_mb, count):
+            return await self._fork(sandbox_id, count, envd_token)
+
+    async def _fork(
+        self, sandbox_id: str, count: int, envd_token: str | None
+    ) -> builtins.list[SandboxHandle]:
         sb, machine = self._machine(sandbox_id)
         if not 1 <= count <= MAX_CHILDREN:
             raise SandboxError(f"fork count must be between 1 and {MAX_CHILDREN}, got {count}")
         targets: list[ForkTarget] = []
+        loop = asyncio.get_running_loop()
+        futures: list[asyncio.Future[ForkTarget]] = [loop.create_future() for _ in range(count)]
+
+        async def setup() -> None:
+            # One at a time (a slot build takes a host-wide lock, ~60 ms under TCG), while
+            # the capture and the first children's restores run.
+            try:
+                for fut in futures:
+                    child_id = new_sandbox_id()
+                    workdir = self.settings.sandboxes_dir / child_id
+                    # Synchronous (one mkdir), so that no cancel falls between it and its undo.
+                    workdir.mkdir(0o700)
+                    try:
+                        slot = await self.pool.acquire()
+                    except BaseException:
+                        await asyncio.to_thread(shutil.rmtree, workdir, True)
+                        raise
+                    targets.append(ForkTarget(child_id, workdir, slot))
+                    fut.set_result(targets[-1])
+            except BaseException as exc:
+                err = exc if isinstance(exc, Exception) else SandboxError("fork: setup cancelled")
+                for fut in futures:
+                    if not fut.done():
+                        fut.set_exception(err)
+                raise
+
+        setup_task = asyncio.create_task(setup())
         try:
-            for _ in range(count):
-                child_id = new_sandbox_id()
-                workdir = self.settings.sandboxes_dir / child_id
-                await asyncio.to_thread(workdir.mkdir, 0o700, False, False)
-                targets.append(ForkTarget(child_id, workdir, await self.pool.acquire()))
             async with self.memory.hold(sandbox_id):
                 res = await snaps.fork(
-                    machine, targets, self.repo, self.layers, self.image, envd_token=envd_token
+                    machine,
+                    futures,
+                    self.repo,
+                    self.layers,
+                    self.image,
+                    envd_token=envd_token,
+                    concurrency=self.settings.max_starts,
                 )
+            await setup_task
         except BaseException:
+            setup_task.cancel()
+            await asyncio.wait([setup_task])
+            # A setup error reached the caller through fork (or fork failed first): retrieved.
+            if not setup_task.cancelled():
+                setup_task.exception()
+            for fut in futures:
+                if fut.done() and not fut.cancelled():
+                    fut.exception()
             for t in targets:
                 await self.pool.release(t.slot)
                 await asyncio.to_thread(shutil.rmtree, t.workdir, True)
@@ -853,6 +1140,25 @@ def _warm_root(warm_dir: Path) -> Path:
     root = warm_dir / f"{os.getpid()}-{secrets.token_hex(4)}"
     root.mkdir(mode=0o700)
     return root
+
+
+async def _wait_readable(fd: int, timeout_s: float) -> None:
+    """Until a pidfd says its process ended (bounded)."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[None] = loop.create_future()
+
+    def readable() -> None:
+        if not done.done():
+            done.set_result(None)
+
+    loop.add_reader(fd, readable)
+    try:
+        async with asyncio.timeout(timeout_s):
+            await done
+    except TimeoutError:
+        raise SandboxError(f"a process still runs {timeout_s:.0f}s after SIGKILL") from None
+    finally:
+        loop.remove_reader(fd)
 
 
 def _tail(path: Path, lines: int = 3) -> str:

@@ -46,3 +46,14 @@ class SandboxPaused(SandboxError):
 
 class SandboxNotPaused(SandboxError):
     """Resume of a sandbox that is running."""
+
+
+class NoCapacity(SandboxError):
+    """The node cannot take this start now: a limit (sandboxes, host memory, disk, network
+    slots) or a full start queue. Raised before anything is allocated. `resource` names what
+    ran out; `retry_after_s` is when trying again may help."""
+
+    def __init__(self, message: str, *, resource: str, retry_after_s: int) -> None:
+        super().__init__(message)
+        self.resource = resource
+        self.retry_after_s = retry_after_s

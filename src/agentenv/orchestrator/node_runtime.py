@@ -2,18 +2,26 @@
 
 from __future__ import annotations
 
+import contextlib
+import errno
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
 from agentenv import snapshot as snaps
 from agentenv.config import Settings
-from agentenv.orchestrator.errors import BadRequest
+from agentenv.orchestrator.errors import BadRequest, InsufficientStorage, Unavailable
 from agentenv.orchestrator.memory import HostMemory
 from agentenv.orchestrator.node import Node, SandboxHandle
 from agentenv.orchestrator.node_errors import (
     InvalidResources,
+    NoCapacity,
     NotPausable,
     UnknownSandbox,
     UnknownTemplate,
 )
 from agentenv.orchestrator.runtime import (
+    Found,
+    Lost,
     Placement,
     SnapshotInfo,
     TemplateInfo,
@@ -36,6 +44,35 @@ def _placement(h: SandboxHandle) -> Placement:
     return Placement(h.id, h.address, h.envd_url)
 
 
+def _out_of_space(exc: BaseException) -> bool:
+    """ENOSPC anywhere in the chain: an OSError, or a tool's message (qemu-img, QEMU)."""
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+            return True
+        if "No space left on device" in str(e):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+@contextlib.contextmanager
+def _capacity(data_dir: Path) -> Iterator[None]:
+    """A node's refusal (`NoCapacity`) as 503 with its retry hint, a full data dir as 507.
+    The node releases what the operation made before either reaches here."""
+    try:
+        yield
+    except NoCapacity as exc:
+        raise Unavailable(str(exc), exc.retry_after_s) from exc
+    except Exception as exc:
+        # A resumed guest that was lost stays lost, whatever filled the disk.
+        if isinstance(exc, snaps.ResumedButLost) or not _out_of_space(exc):
+            raise
+        raise InsufficientStorage(f"no space left in the data dir {data_dir}: {exc}") from exc
+
+
 class NodeRuntime:
     def __init__(self, settings: Settings, node: Node | None = None) -> None:
         self.node = node or Node(settings)
@@ -48,7 +85,8 @@ class NodeRuntime:
 
     async def create(self, template: str, cpu: int, memory_mb: int, disk_size_mb: int) -> Placement:
         try:
-            handle = await self.node.create(template, cpu, memory_mb, disk_size_mb)
+            with _capacity(self.node.settings.home):
+                handle = await self.node.create(template, cpu, memory_mb, disk_size_mb)
         except UnknownTemplate as exc:
             raise TemplateUnavailable(str(exc)) from exc
         except InvalidResources as exc:
@@ -64,21 +102,42 @@ class NodeRuntime:
 
     async def pause(self, runtime_id: str) -> None:
         try:
-            await self.node.pause(runtime_id)
+            with _capacity(self.node.settings.home):
+                await self.node.pause(runtime_id)
         except NotPausable as exc:
             raise Unsupported(str(exc)) from exc
 
     async def resume(self, runtime_id: str) -> Placement:
-        return _placement(await self.node.resume(runtime_id))
+        try:
+            with _capacity(self.node.settings.home):
+                return _placement(await self.node.resume(runtime_id))
+        except snaps.ResumedButLost as exc:
+            raise Lost(str(exc)) from exc
 
     def is_alive(self, runtime_id: str) -> bool:
         return self.node.is_alive(runtime_id)
+
+    def find(self, runtime_id: str) -> Found | None:
+        sb = self.node._sandboxes.get(runtime_id)
+        if sb is not None and not sb.paused:
+            return Found("running", _placement(sb)) if self.node.is_alive(runtime_id) else None
+        return Found("paused", None) if self.node.is_alive(runtime_id) else None
+
+    def sandbox_ids(self) -> list[str]:
+        return self.node.sandbox_ids()
+
+    def lost_reason(self, runtime_id: str) -> str | None:
+        return self.node.lost.get(runtime_id)
+
+    def watch_lost(self, handler: Callable[[str, str], None]) -> None:
+        self.node.on_lost = handler
 
     async def snapshot(
         self, runtime_id: str, name: str | None, envd_token: str | None
     ) -> SnapshotInfo:
         try:
-            snap = await self.node.snapshot(runtime_id, name, envd_token)
+            with _capacity(self.node.settings.home):
+                snap = await self.node.snapshot(runtime_id, name, envd_token)
         except NotPausable as exc:
             raise Unsupported(str(exc)) from exc
         except snaps.InvalidSnapshotName as exc:
@@ -89,7 +148,8 @@ class NodeRuntime:
         if not 1 <= count <= MAX_CHILDREN:
             raise BadRequest(f"count must be between 1 and {MAX_CHILDREN}")
         try:
-            children = await self.node.fork(runtime_id, count, envd_token)
+            with _capacity(self.node.settings.home):
+                children = await self.node.fork(runtime_id, count, envd_token)
         except NotPausable as exc:
             raise Unsupported(str(exc)) from exc
         return [_placement(h) for h in children]

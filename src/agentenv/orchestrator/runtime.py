@@ -6,8 +6,9 @@ snapshot-capable node and a multi-node gateway can all sit behind it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Literal, Protocol
 
 from agentenv.orchestrator.memory import HostMemory
 
@@ -32,6 +33,19 @@ class Unsupported(RuntimeFailure):
 
 class TemplateUnavailable(RuntimeFailure):
     """The runtime has no template by that name."""
+
+
+class Lost(RuntimeFailure):
+    """The sandbox is gone for good (its VM died, or ran and failed after a resume)."""
+
+
+@dataclass(frozen=True)
+class Found:
+    """What the runtime holds of a sandbox (after a restart: what it re-adopted)."""
+
+    state: Literal["running", "paused"]
+    # Where it runs; None while paused.
+    placement: Placement | None
 
 
 @dataclass(frozen=True)
@@ -65,8 +79,24 @@ class Runtime(Protocol):
         ...
 
     def is_alive(self, runtime_id: str) -> bool:
-        """Whether the runtime still holds this sandbox, running or paused (used after a
-        server restart)."""
+        """Whether the runtime still holds this sandbox, running or paused."""
+        ...
+
+    def find(self, runtime_id: str) -> Found | None:
+        """Running (where) or paused, None if the runtime does not hold it."""
+        ...
+
+    def sandbox_ids(self) -> list[str]:
+        """Every sandbox the runtime holds, running or paused."""
+        ...
+
+    def lost_reason(self, runtime_id: str) -> str | None:
+        """Why a sandbox the runtime no longer holds was lost, if it knows."""
+        ...
+
+    def watch_lost(self, handler: Callable[[str, str], None]) -> None:
+        """`handler(runtime_id, why)` is called the moment a running sandbox's VM ends on
+        its own; the handler deletes it (`delete`)."""
         ...
 
     async def snapshot(

@@ -28,13 +28,17 @@ from agentenv.orchestrator.errors import (
     BadRequest,
     Conflict,
     CreateFailed,
+    InsufficientStorage,
     NotSupported,
+    SandboxLost,
     SandboxNotFound,
     TemplateNotFound,
+    Unavailable,
 )
 from agentenv.orchestrator.memory import HostMemory
 from agentenv.orchestrator.metrics import Metrics
 from agentenv.orchestrator.runtime import (
+    Lost,
     Placement,
     Runtime,
     SnapshotInfo,
@@ -45,6 +49,9 @@ from agentenv.orchestrator.runtime import (
 from agentenv.orchestrator.store import LIVE_STATES, SandboxRecord, SandboxState, Store
 
 log = logging.getLogger("agentenv.sandboxes")
+
+# Lifecycle log lines of a sandbox that nobody deleted but is gone start with this.
+LOST = "lost: "
 
 DEFAULT_TIMEOUT_S = 300
 MAX_TIMEOUT_S = 24 * 3600
@@ -131,12 +138,14 @@ class SandboxManager:
         # Called with a sandbox id once it stops being reachable (killed or paused), e.g. so
         # the proxy closes its connections to it.
         self.on_release: list[Callable[[str], Awaitable[None]]] = []
+        self._tasks: set[asyncio.Task[None]] = set()
 
     # -- lifecycle of the manager ----------------------------------------------------------
 
     async def start(self) -> None:
         await self.runtime.start()
-        self._reconcile()
+        self.runtime.watch_lost(self._runtime_lost)
+        await self._reconcile()
         self._reaper = asyncio.create_task(self._reap_forever(), name="sandbox-reaper")
 
     async def close(self) -> None:
@@ -147,19 +156,110 @@ class SandboxManager:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._reaper
             self._reaper = None
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
         for rec in self.store.select(LIVE_STATES - {SandboxState.PAUSED}):
             with contextlib.suppress(SandboxNotFound):
                 await self.kill(rec.id, reason="server shutdown")
         await self.runtime.close()
         await self._http.aclose()
 
-    def _reconcile(self) -> None:
-        """Rows left by a previous server whose VMs are gone become ``gone``."""
+    async def _reconcile(self) -> None:
+        """Match the rows a previous server left with what the runtime re-adopted.
+
+        Running and paused sandboxes carry on (ids, tokens, timeouts, metadata kept). A
+        pause or resume cut short by the crash ends in the state the runtime found the
+        sandbox in (rolled forward or back there); a create or kill cut short is finished
+        as a kill (the caller never got the sandbox, or asked for it to go). A row whose
+        sandbox the runtime does not hold is lost, with the reason in its log. Sandboxes
+        the runtime holds that no row names (a fork cut short) are deleted."""
+        named: set[str] = set()
+        now = time.time()
         for rec in self.store.select(LIVE_STATES):
-            if rec.runtime_id and self.runtime.is_alive(rec.runtime_id):
+            rid = rec.runtime_id
+            found = self.runtime.find(rid) if rid else None
+            was = rec.state.value
+            if found is None or rec.state in (SandboxState.CREATING, SandboxState.KILLING):
+                if found is not None and rid is not None:
+                    with contextlib.suppress(Exception):
+                        await self.runtime.delete(rid)
+                self.store.transition(rec.id, rec.state, SandboxState.GONE)
+                if rec.state is SandboxState.KILLING:
+                    self.store.log(rec.id, "killed (finished after a server restart)")
+                elif rec.state is SandboxState.CREATING:
+                    self.store.log(rec.id, "create cut short by a server restart", "warn")
+                else:
+                    why = (rid and self.runtime.lost_reason(rid)) or (
+                        "the server restarted and found nothing of it"
+                    )
+                    self.store.log(rec.id, f"{LOST}{why} (was {was})", "error")
+                await self._released(rec.id)
                 continue
-            self.store.transition(rec.id, rec.state, SandboxState.GONE)
-            self.store.log(rec.id, f"marked gone at server start (was {rec.state.value})", "warn")
+            assert rid is not None
+            named.add(rid)
+            if found.state == "running" and found.placement is not None:
+                # A resume that the crash cut short after the guest ran: the timeout it
+                # would have started (its request's value is gone with the request).
+                end_at = rec.end_at
+                if rec.state in (SandboxState.RESUMING, SandboxState.PAUSED):
+                    end_at = now + DEFAULT_TIMEOUT_S
+                self.store.transition(
+                    rec.id,
+                    rec.state,
+                    SandboxState.RUNNING,
+                    address=found.placement.address,
+                    envd_url=found.placement.envd_url,
+                    end_at=end_at,
+                )
+                self.store.log(rec.id, f"running, taken over by a restarted server (was {was})")
+            elif found.state == "paused":
+                self.store.transition(
+                    rec.id,
+                    rec.state,
+                    SandboxState.PAUSED,
+                    address=None,
+                    end_at=min(rec.end_at, now),
+                )
+                if rec.state is not SandboxState.PAUSED:
+                    self.store.log(rec.id, f"paused, as a restarted server found it (was {was})")
+        for rid in self.runtime.sandbox_ids():
+            if rid not in named:
+                log.warning("runtime sandbox %s belongs to no sandbox; deleting it", rid)
+                with contextlib.suppress(Exception):
+                    await self.runtime.delete(rid)
+
+    def _runtime_lost(self, runtime_id: str, why: str) -> None:
+        """The runtime says a running sandbox's VM ended on its own."""
+        task = asyncio.create_task(self._lose(runtime_id, why), name=f"lost-{runtime_id}")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _lose(self, runtime_id: str, why: str) -> None:
+        rec = self.store.by_runtime_id(runtime_id)
+        if rec is None:
+            with contextlib.suppress(Exception):
+                await self.runtime.delete(runtime_id)
+            return
+        async with self._locked(rec.id):
+            rec = self.store.get(rec.id)
+            # An operation holding the lock may have replaced the VM meanwhile (a resume).
+            if (
+                rec is None
+                or rec.state is not SandboxState.RUNNING
+                or rec.runtime_id != runtime_id
+                or self.runtime.is_alive(runtime_id)
+            ):
+                return
+            self.metrics.sandboxes_lost.inc()
+            # Logged first: from here on every request for it is told why it is gone.
+            self.store.log(rec.id, f"{LOST}{why}", "error")
+            await self._kill_locked(rec, "its resources were released")
+
+    def _lost_reason(self, sandbox_id: str) -> str | None:
+        for line in reversed(self.store.logs(sandbox_id)):
+            if line.message.startswith(LOST):
+                return line.message[len(LOST) :]
+        return None
 
     @contextlib.asynccontextmanager
     async def _locked(self, sandbox_id: str) -> AsyncIterator[None]:
@@ -176,6 +276,9 @@ class SandboxManager:
     def get(self, sandbox_id: str) -> SandboxRecord:
         rec = self.store.get(sandbox_id)
         if rec is None or rec.state in (SandboxState.GONE, SandboxState.KILLING):
+            why = None if rec is None else self._lost_reason(sandbox_id)
+            if why is not None:
+                raise SandboxLost(sandbox_id, why)
             raise SandboxNotFound(sandbox_id)
         return rec
 
@@ -290,7 +393,9 @@ class SandboxManager:
                 await self._teardown_failed_create(rec, placement, exc)
                 if isinstance(exc, TemplateUnavailable):
                     raise TemplateNotFound(spec.template) from exc
-                if isinstance(exc, Exception) and not isinstance(exc, CreateFailed):
+                # A node's refusal (503, nothing was made) and a full disk (507) keep theirs.
+                passed = (CreateFailed, Unavailable, InsufficientStorage)
+                if isinstance(exc, Exception) and not isinstance(exc, passed):
                     raise CreateFailed(f"sandbox creation failed: {exc}") from exc
                 raise
         self.metrics.create_seconds.observe(time.monotonic() - started)
@@ -508,6 +613,12 @@ class SandboxManager:
                     await self.runtime.pause(placement.runtime_id)
                 raise
         except BaseException as exc:
+            if isinstance(exc, Lost):
+                # The guest ran again and failed: nothing paused is left to go back to.
+                self.store.transition(rec.id, SandboxState.RESUMING, SandboxState.GONE)
+                self.store.log(rec.id, f"{LOST}{exc}", "error")
+                await self._released(rec.id)
+                raise SandboxLost(rec.id, str(exc)) from exc
             self.store.transition(rec.id, SandboxState.RESUMING, SandboxState.PAUSED)
             if isinstance(exc, Unsupported):
                 raise NotSupported(str(exc)) from exc

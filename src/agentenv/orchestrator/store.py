@@ -223,6 +223,14 @@ class Store:
         ).fetchall()
         return [_from_row(r) for r in rows]
 
+    def by_runtime_id(self, runtime_id: str) -> SandboxRecord | None:
+        """The live row whose sandbox runs as `runtime_id`."""
+        row = self._db.execute(
+            "SELECT * FROM sandboxes WHERE runtime_id = ? AND state != ? ORDER BY seq DESC",
+            (runtime_id, SandboxState.GONE.value),
+        ).fetchone()
+        return None if row is None else _from_row(row)
+
     def expired(self, now: float) -> list[SandboxRecord]:
         rows = self._db.execute(
             "SELECT * FROM sandboxes WHERE state = ? AND end_at <= ?",

@@ -111,6 +111,17 @@ class WarmPool:
         self._wake.set()
         return found
 
+    def evict(self, name: str) -> bool:
+        """Drop the ready entry `name` (its QEMU died) and refill; False if it is none."""
+        for entries in self._shapes.values():
+            for prep in entries.ready:
+                if prep.name == name:
+                    entries.ready.remove(prep)
+                    self._discard(prep)
+                    self._wake.set()
+                    return True
+        return False
+
     def _discard(self, prep: Prepared) -> None:
         self.discarded += 1
         log.info("warm %s from %s discarded", prep.name, prep.snap.id[:12])

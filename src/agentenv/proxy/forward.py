@@ -13,8 +13,8 @@ import contextlib
 import json
 import logging
 import secrets
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from typing import Any, TypeVar
 
 import httpx
 from websockets.asyncio.client import ClientConnection
@@ -66,8 +66,34 @@ _UPSTREAM_LIMITS = httpx.Limits(
 )
 
 
+T = TypeVar("T")
+
+
 class _ClientGone(Exception):
     """The downstream client disconnected while we were relaying its request body."""
+
+
+class _SandboxGone(Exception):
+    """The sandbox was paused or killed (or its VM died) while a request to it was open."""
+
+
+async def _unless_cut(step: Awaitable[T], cut: asyncio.Event) -> T:
+    """Await `step` unless `cut` is set first. A paused or dead guest never answers (its
+    slot may already be gone, so no reset comes either), so an open request must not wait
+    for it: reads to guests have no deadline."""
+    task = asyncio.ensure_future(step)
+    waiter = asyncio.create_task(cut.wait())
+    try:
+        await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        waiter.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+    if task.cancelled() and cut.is_set():
+        raise _SandboxGone
+    return task.result()
 
 
 def not_found_body(sandbox_id: str, *, paused: bool = False) -> dict[str, Any]:
@@ -94,6 +120,8 @@ class SandboxProxy:
         self._metrics = metrics
         self._on_activity = on_activity
         self._pools: dict[str, tuple[str, httpx.AsyncClient]] = {}
+        # Per sandbox, one event per open request; `drop` sets them.
+        self._open: dict[str, set[asyncio.Event]] = {}
 
     async def close(self) -> None:
         pools = list(self._pools.values())
@@ -102,9 +130,25 @@ class SandboxProxy:
             await client.aclose()
 
     async def drop(self, sandbox_id: str) -> None:
+        """The sandbox stopped being reachable: end its open requests and its pool."""
+        for cut in self._open.pop(sandbox_id, set()):
+            cut.set()
         entry = self._pools.pop(sandbox_id, None)
         if entry is not None:
             await entry[1].aclose()
+
+    @contextlib.contextmanager
+    def _opened(self, sandbox_id: str) -> Iterator[asyncio.Event]:
+        cut = asyncio.Event()
+        self._open.setdefault(sandbox_id, set()).add(cut)
+        try:
+            yield cut
+        finally:
+            open_here = self._open.get(sandbox_id)
+            if open_here is not None:
+                open_here.discard(cut)
+                if not open_here:
+                    del self._open[sandbox_id]
 
     def _pool(self, rec: SandboxRecord) -> httpx.AsyncClient:
         assert rec.address is not None
@@ -185,10 +229,28 @@ class SandboxProxy:
             scope["method"], url, headers=fwd, content=body() if has_body else None
         )
         client = self._pool(rec)
+        with self._opened(rec.id) as cut:
+            await self._exchange(rec, target, client, request, receive, send, cut, lambda: sent_up)
+
+    async def _exchange(
+        self,
+        rec: SandboxRecord,
+        target: Sandbox,
+        client: httpx.AsyncClient,
+        request: httpx.Request,
+        receive: Receive,
+        send: Send,
+        cut: asyncio.Event,
+        sent: Callable[[], int],
+    ) -> None:
         try:
-            response = await client.send(request, stream=True)
+            response = await _unless_cut(client.send(request, stream=True), cut)
         except _ClientGone:
             self._metrics.proxy_requests.labels("client_gone").inc()
+            return
+        except _SandboxGone:
+            self._metrics.proxy_requests.labels("sandbox_gone").inc()
+            await send_json(send, 502, not_found_body(rec.id))
             return
         except httpx.TransportError as exc:
             self._metrics.proxy_requests.labels("upstream_error").inc()
@@ -211,10 +273,23 @@ class SandboxProxy:
             )
             return
         finally:
-            self._metrics.proxy_bytes.labels("up").inc(sent_up)
+            self._metrics.proxy_bytes.labels("up").inc(sent())
         self._metrics.proxy_requests.labels("ok").inc()
         try:
-            await self._relay_response(response, receive, send)
+            await _unless_cut(self._relay_response(response, receive, send), cut)
+        except (_SandboxGone, httpx.TransportError) as exc:
+            # Paused, killed or dead in the middle of a response: end it here. A stream
+            # protocol (Connect) sees no end message and reports the cut; a sized body
+            # comes up short.
+            log.info(
+                "sandbox %s port %d: response cut (%s)",
+                rec.id,
+                target.port,
+                "sandbox released" if isinstance(exc, _SandboxGone) else repr(exc),
+                extra={"sandbox_id": rec.id},
+            )
+            with contextlib.suppress(Exception):
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
             await response.aclose()
 
@@ -315,7 +390,12 @@ class SandboxProxy:
             return
         async with upstream:
             await send({"type": "websocket.accept", "subprotocol": upstream.subprotocol})
-            await self._ws_pump(upstream, receive, send)
+            with self._opened(rec.id) as cut:
+                try:
+                    await _unless_cut(self._ws_pump(upstream, receive, send), cut)
+                except _SandboxGone:
+                    with contextlib.suppress(Exception):
+                        await send({"type": "websocket.close", "code": 1011})
 
     async def _ws_pump(self, upstream: ClientConnection, receive: Receive, send: Send) -> None:
         async def down() -> None:

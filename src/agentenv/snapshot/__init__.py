@@ -16,6 +16,7 @@ from agentenv.snapshot.errors import (
     IncompatibleSnapshot,
     InvalidSnapshotName,
     RestoreFailed,
+    ResumedButLost,
     SnapshotError,
     SnapshotNotFound,
 )
@@ -45,6 +46,7 @@ __all__ = [
     "MemoryMode",
     "PausedState",
     "RestoreFailed",
+    "ResumedButLost",
     "Snapshot",
     "SnapshotError",
     "SnapshotNotFound",

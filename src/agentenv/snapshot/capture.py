@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from agentenv.faults import crash_point
 from agentenv.guest.envd import ENVD_VERSION
 from agentenv.snapshot.errors import CaptureFailed
 from agentenv.snapshot.machine import (
@@ -89,6 +90,7 @@ async def capture(
         try:
             await vm.pause()
             sealed = await vm.seal_disk("vda", _next_upper(machine.workdir))
+            crash_point("capture:sealed")
             if machine.memory is MemoryMode.OWN:
                 await vm.snapshot_create(staging / STATE)
                 await vm.kill()

@@ -25,3 +25,8 @@ class RestoreFailed(SnapshotError):
 
 class InvalidSnapshotName(SnapshotError):
     """A snapshot name is not usable as a template name."""
+
+
+class ResumedButLost(RestoreFailed):
+    """A resumed guest ran and then failed: its paused state is gone, nothing can bring it
+    back."""

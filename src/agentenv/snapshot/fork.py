@@ -4,12 +4,14 @@ identity (id, hostname, reseeded RNG, clock). The source is stopped only for the
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+from agentenv.faults import crash_point
 from agentenv.network import Slot
 from agentenv.snapshot.capture import Capture, capture
 from agentenv.snapshot.identity import identify
@@ -17,6 +19,8 @@ from agentenv.snapshot.machine import GuestImage, Machine
 from agentenv.snapshot.repository import SnapshotStore
 from agentenv.snapshot.restore import release, restore
 from agentenv.storage import LayerStore
+
+log = logging.getLogger(__name__)
 
 MAX_CHILDREN = 100
 # Restores are mostly QEMU spawn and page faults; a few at once keep two cores busy.
@@ -39,7 +43,7 @@ class ForkResult:
 
 async def fork(
     source: Machine,
-    targets: Sequence[ForkTarget],
+    targets: Sequence[ForkTarget | Awaitable[ForkTarget]],
     repo: SnapshotStore,
     layers: LayerStore,
     image: GuestImage,
@@ -48,10 +52,19 @@ async def fork(
     concurrency: int = RESTORE_CONCURRENCY,
     envd_token: str | None = None,
 ) -> ForkResult:
-    """All children or none: a failure releases the children already started. The capture
-    is an unnamed snapshot held by the children; `repo.gc()` drops it after the last one."""
+    """All children or none: a failure (or a cancellation) of any child cancels the others
+    and releases the children already started; the caller releases the targets (workdirs,
+    slots). The capture is an unnamed snapshot held by the children; `repo.gc()` drops it
+    after the last one.
+
+    Up to `concurrency` children are restored at once; `children` is in target order. A
+    target may be an awaitable (e.g. a future the caller resolves while it sets up the next
+    one) so that setting up targets overlaps the capture and the first restores; the caller
+    owns what it made for those, also when fork fails before awaiting them."""
     if not 1 <= len(targets) <= MAX_CHILDREN:
         raise ValueError(f"fork count must be between 1 and {MAX_CHILDREN}, got {len(targets)}")
+    if concurrency < 1:
+        raise ValueError(f"fork concurrency must be at least 1, got {concurrency}")
     t0 = time.monotonic()
     claim = f"fork:{source.name}:{t0}"
     cap = await capture(
@@ -64,33 +77,78 @@ async def fork(
         holders=[claim],
         envd_token=envd_token,
     )
+    crash_point("fork:captured")
     sem = asyncio.Semaphore(concurrency)
-    children: list[Machine] = []
+    made: dict[int, Machine] = {}
 
-    async def one(t: ForkTarget) -> None:
+    async def one(i: int, target: ForkTarget | Awaitable[ForkTarget]) -> None:
+        # Shielded: cancelling this child must not cancel the caller's future.
+        t = target if isinstance(target, ForkTarget) else await asyncio.shield(target)
         async with sem:
-            child = await restore(
+            made[i] = await restore(
                 repo, layers, image, cap.snapshot.id, name=t.name, workdir=t.workdir, slot=t.slot
             )
-            children.append(child)
+            crash_point("fork:child")
             await identify(
-                child.envd_url,
+                made[i].envd_url,
                 hostname=t.name,
                 env_vars=env_vars,
                 current_token=envd_token,
                 access_token="" if envd_token else None,
             )
 
+    claimed = True
+
+    async def unclaim() -> None:
+        nonlocal claimed
+        if claimed:
+            await asyncio.to_thread(repo.unref, cap.snapshot.id, claim)
+            claimed = False
+
+    async def undo() -> None:
+        await _release_all(list(made.values()), repo, layers)
+        await unclaim()
+
     try:
-        results = await asyncio.gather(*(one(t) for t in targets), return_exceptions=True)
-        for r in results:
-            if isinstance(r, BaseException):
-                raise r
+        try:
+            async with asyncio.TaskGroup() as tg:
+                for i, target in enumerate(targets):
+                    tg.create_task(one(i, target), name=f"fork-{source.name}-{i}")
+        except BaseExceptionGroup as group:
+            # Callers map single errors (RestoreFailed, ...) to their own; give them the first.
+            raise _first(group) from None
+        # A cancel arriving here still releases the children (below).
+        await _finish(unclaim())
     except BaseException:
-        for child in children:
-            with contextlib.suppress(Exception):
-                await release(child, repo, layers)
+        await _finish(undo())
         raise
-    finally:
-        await asyncio.to_thread(repo.unref, cap.snapshot.id, claim)
-    return ForkResult(cap, children, time.monotonic() - t0)
+    return ForkResult(cap, [made[i] for i in range(len(targets))], time.monotonic() - t0)
+
+
+def _first(group: BaseExceptionGroup[BaseException]) -> BaseException:
+    for exc in group.exceptions:
+        return _first(exc) if isinstance(exc, BaseExceptionGroup) else exc
+    return group
+
+
+async def _release_all(children: list[Machine], repo: SnapshotStore, layers: LayerStore) -> None:
+    for child in children:
+        try:
+            await release(child, repo, layers)
+        except Exception as exc:
+            log.warning("fork: releasing child %s failed: %r", child.name, exc)
+
+
+async def _finish(cleanup: Coroutine[Any, Any, object]) -> None:
+    """Run `cleanup` to its end even if the caller is cancelled meanwhile (a second cancel
+    must not leave half the children running); the cancellation is raised afterwards."""
+    task = asyncio.ensure_future(cleanup)
+    cancelled = False
+    while not task.done():
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            cancelled = True
+    task.result()
+    if cancelled:
+        raise asyncio.CancelledError

@@ -55,6 +55,10 @@ class GuestImage:
     cmdline: Callable[[str], str]
     # Preloaded into QEMUs whose RAM is a private mapping of a snapshot (`vmm.ramshim`).
     ram_shim: Path
+    # Where every QEMU keeps its record while it runs (`vmm.registry`), and who hears of one
+    # that ended on its own.
+    vm_registry: Path | None = None
+    on_vm_exit: Callable[[QemuVM], None] | None = None
 
     @classmethod
     def resolve(cls, settings: Settings) -> GuestImage:
@@ -76,6 +80,7 @@ class GuestImage:
             settings.qemu_binary,
             cmdline,
             shim,
+            settings.vms_dir,
         )
 
     @property
@@ -161,6 +166,8 @@ def new_vm(
         qemu_binary=image.qemu_binary,
         incoming=incoming,
         ram_shim=image.ram_shim,
+        registry=image.vm_registry,
+        on_exit=image.on_vm_exit,
     )
 
 

@@ -26,8 +26,9 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from agentenv.faults import crash_point
 from agentenv.network import Slot
-from agentenv.snapshot.errors import RestoreFailed, SnapshotError
+from agentenv.snapshot.errors import RestoreFailed, ResumedButLost, SnapshotError
 from agentenv.snapshot.machine import (
     MEMORY,
     RESTORE_HEALTH_TIMEOUT_S,
@@ -100,6 +101,7 @@ async def pause(machine: Machine, repo: SnapshotStore, image: GuestImage) -> Pau
         if isinstance(exc, VMMError):
             raise SnapshotError(f"{machine.name}: pause failed: {exc}") from exc
         raise
+    crash_point("pause:saved")
     record = PausedState(
         name=machine.name,
         vcpus=machine.vcpus,
@@ -114,6 +116,7 @@ async def pause(machine: Machine, repo: SnapshotStore, image: GuestImage) -> Pau
         device_set=DEVICE_SET,
     )
     await asyncio.to_thread(_write_record, workdir, record)
+    crash_point("pause:recorded")
     await vm.kill()
     if kind == "stream":
         # The stream holds all of the guest's RAM: it no longer needs the snapshot's file.
@@ -228,16 +231,28 @@ async def resume(
     await vm.start()
     try:
         if record.kind == "state":
-            await vm.snapshot_load(source)
+            await vm.snapshot_load(source, run=False)
         else:
-            await vm.stream_load(source)
-        await wait_envd(machine.envd_url, vm, health_timeout_s)
+            await vm.stream_load(source, run=False)
+        crash_point("resume:loaded")
+        # The saved state goes before the guest runs: once it ran, its disk and RAM are
+        # newer than the state, and a server that died from here on must find a running
+        # sandbox (to adopt), never a paused record that no longer matches its disk.
+        await asyncio.to_thread((workdir / PAUSED).unlink)
     except BaseException as exc:
         await vm.kill()
         if isinstance(exc, VMMError):
             raise RestoreFailed(f"{record.name}: resume failed: {exc}") from exc
         raise
-    # Running again: the saved state is stale from here on.
-    await asyncio.to_thread((workdir / PAUSED).unlink)
+    try:
+        await vm.resume()
+        crash_point("resume:running")
+        await wait_envd(machine.envd_url, vm, health_timeout_s)
+    except BaseException as exc:
+        await vm.kill()
+        raise ResumedButLost(
+            f"{record.name}: the guest ran again but did not answer ({exc}); its paused "
+            "state no longer matches its disk"
+        ) from exc
     source.unlink(missing_ok=True)
     return machine

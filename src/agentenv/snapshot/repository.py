@@ -252,6 +252,10 @@ class SnapshotRepository:
             if snap is not None and holder in snap.holders:
                 snap.holders.remove(holder)
 
+    def all_holders(self) -> set[str]:
+        """Every holder of any snapshot (one read of the catalog)."""
+        return {h for snap in self._read().values() for h in snap.holders}
+
     def unref_holder(self, holder: str) -> None:
         with self._locked() as snaps:
             for snap in snaps.values():

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import fcntl
 import hashlib
 import json
 import logging
@@ -19,6 +18,8 @@ import shutil
 from pathlib import Path
 
 from agentenv.config import Settings
+from agentenv.faults import crash_point
+from agentenv.filelock import file_lock
 from agentenv.network import create_slot, destroy_slot
 from agentenv.snapshot.capture import capture
 from agentenv.snapshot.errors import SnapshotNotFound
@@ -35,6 +36,9 @@ log = logging.getLogger(__name__)
 # 2: the balloon device no longer offers free page reporting to file-backed guests.
 # 3: free page reporting for every guest again (clones discard through vmm.ramshim).
 RECIPE = "3"
+# A waiter for another process's build gives up after this many boot timeouts (a cold boot
+# under TCG plus the capture).
+BUILD_LOCK_BOOTS = 3
 
 
 def snapshots_dir(settings: Settings) -> Path:
@@ -87,26 +91,34 @@ async def ensure_template_snapshot(
 ) -> Snapshot:
     """The snapshot sandboxes of template `name` start from, built if missing or stale.
 
-    Raises `TemplateNotFound` for an unknown template. Builds of one template are
-    serialised across processes by a lock file."""
+    Raises `TemplateNotFound` for an unknown template. A current snapshot is returned
+    without locking; builds of one template shape are serialised across processes by a lock
+    file (`filelock`: waiters wait in asyncio, up to three boot timeouts, then
+    `LockTimeout`)."""
     if image is None:
         image = await asyncio.to_thread(GuestImage.resolve, settings)
     tpl = await asyncio.to_thread(TemplateCatalog(settings).get, name)
     key = build_key(image, tpl.layers, tpl.build_key, cpu, memory_mb)
     alias = template_alias(name, cpu, memory_mb)
     repo = repository(settings)
+    with contextlib.suppress(SnapshotNotFound):
+        snap = await asyncio.to_thread(repo.get, alias)
+        if snap.build_key == key:
+            return snap
     root = snapshots_dir(settings)
     await asyncio.to_thread(root.mkdir, 0o755, True, True)
-    lock = await asyncio.to_thread(open, root / f".build-{alias}.lock", "a+")
-    try:
-        await asyncio.to_thread(fcntl.flock, lock, fcntl.LOCK_EX)
+    async with file_lock(
+        root / f".build-{alias}.lock",
+        name=f"the template build lock of {alias}",
+        timeout_s=settings.boot_timeout_s * BUILD_LOCK_BOOTS,
+        waiter=f"snapshot of template {name!r}",
+    ):
+        # Someone else may have built it while we waited.
         with contextlib.suppress(SnapshotNotFound):
             snap = await asyncio.to_thread(repo.get, alias)
             if snap.build_key == key:
                 return snap
         return await _build(settings, image, repo, tpl.layers[-1], name, alias, key, cpu, memory_mb)
-    finally:
-        lock.close()
 
 
 async def _build(
@@ -123,7 +135,7 @@ async def _build(
     vm_name = f"tpl-{template[:20]}-{secrets.token_hex(4)}"
     workdir = snapshots_dir(settings) / f".build-{vm_name}"
     layers = repo.layers
-    slot = await create_slot(settings.network)
+    slot = await create_slot(settings.network, owner=settings.slots_dir)
     try:
         await asyncio.to_thread(workdir.mkdir, 0o700)
         await asyncio.to_thread(layers.ref, top_layer, vm_name)
@@ -156,6 +168,7 @@ async def _build(
         await vm.start()
         try:
             await _wait_envd(machine.envd_url, vm, settings.boot_timeout_s, poll_s=0.1)
+            crash_point("template:booted")
             cap = await capture(
                 machine,
                 repo,
@@ -176,7 +189,7 @@ async def _build(
         )
         return cap.snapshot
     finally:
-        await destroy_slot(slot)
+        await destroy_slot(slot, owner=settings.slots_dir)
         with contextlib.suppress(Exception):
             await asyncio.to_thread(layers.unref_holder, vm_name)
         await asyncio.to_thread(shutil.rmtree, workdir, True)

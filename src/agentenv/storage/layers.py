@@ -80,6 +80,11 @@ class LayerStore:
         with self._locked() as refs:
             return list(refs.get(digest, []))
 
+    def all_holders(self) -> set[str]:
+        """Every holder of any layer (one read of the refs)."""
+        with self._locked() as refs:
+            return {h for held in refs.values() for h in held}
+
     def held_by(self, holder: str) -> list[str]:
         """Digests `holder` references (one read of the refs)."""
         with self._locked() as refs:

@@ -10,12 +10,15 @@ import os
 import shlex
 import signal
 import time
-from dataclasses import replace
+from collections.abc import Callable
+from dataclasses import asdict, replace
 from pathlib import Path
+from typing import Any
 
 from qemu.qmp import QMPClient
 
 from agentenv.storage.images import create_overlay_sync
+from agentenv.vmm import registry as vm_registry
 from agentenv.vmm.accel import AccelChoice
 from agentenv.vmm.base import BootSource, Drive, MachineSpec, NetIface, VMStatus
 from agentenv.vmm.cgroup import Cgroup, Limits
@@ -29,6 +32,13 @@ log = logging.getLogger(__name__)
 _MAX_SOCK_PATH = 100
 _SOCK_FALLBACK_DIR = Path("/run/agentenv-qmp")
 QMP_CONNECT_TIMEOUT_S = 10.0
+# No QMP command of ours takes long (migrations run in the background and are polled); one
+# that does not answer in this time means a stuck QEMU.
+QMP_COMMAND_TIMEOUT_S = 30.0
+# A SIGKILLed process is gone within milliseconds unless the kernel holds it (D state).
+KILL_TIMEOUT_S = 30.0
+# The exit status of an adopted QEMU (not our child: its parent reaps it, we only see it end).
+EXIT_UNKNOWN = -1
 # QEMU itself (TCG code cache, device state, page tables) on top of the guest's RAM.
 MEMORY_OVERHEAD_MB = 192
 PIDS_LIMIT = 256
@@ -83,7 +93,12 @@ def cgroup_limits(machine: MachineSpec) -> Limits:
 class QemuVM:
     """A microvm guest. Every file it makes lives in `workdir` (serial log, QEMU's stderr,
     QMP socket); `kill()`/`stop()` release the process, the cgroup and the socket, also after
-    a start that failed half way."""
+    a start that failed half way.
+
+    With a `registry` directory the VM keeps a record there while its process lives
+    (`vmm.registry`), so a server that died can be followed by one that finds it again
+    (`adopt`). `on_exit(vm)` is called, at once, when the process ends without `kill`/`stop`
+    having been asked for (QEMU crashed or was killed from outside)."""
 
     def __init__(
         self,
@@ -100,6 +115,8 @@ class QemuVM:
         qemu_binary: str = "qemu-system-x86_64",
         incoming: bool = False,
         ram_shim: Path | None = None,
+        registry: Path | None = None,
+        on_exit: Callable[[QemuVM], None] | None = None,
     ) -> None:
         self.name = name
         self.workdir = workdir
@@ -122,12 +139,20 @@ class QemuVM:
             sock = _SOCK_FALLBACK_DIR / f"{name}.sock"
         self.qmp_socket = sock
         self.cgroup = Cgroup(name) if cgroup else None
+        self.registry = registry
+        self.on_exit = on_exit
         self._proc: asyncio.subprocess.Process | None = None
+        # An adopted QEMU (another server started it): its PID, and a pidfd that becomes
+        # readable when it ends.
+        self._adopted_pid: int | None = None
+        self._adopted_code: int | None = None
+        self._ended = asyncio.Event()
+        self._expected_exit = False
+        self._watcher: asyncio.Task[None] | None = None
         self._qmp: QMPClient | None = None
         self._top: dict[str, str] = {d.id: f"{d.id}-0" for d in drives}
         self._seals: dict[str, int] = {d.id: 0 for d in drives}
         self._paths: dict[str, Path] = {d.id: d.path for d in drives}
-        self._exit_code: int | None = None
         self._cleaned = False
         self.started_at: float | None = None
 
@@ -204,12 +229,151 @@ class QemuVM:
 
     @property
     def pid(self) -> int | None:
-        return None if self._proc is None else self._proc.pid
+        return self._adopted_pid if self._proc is None else self._proc.pid
 
     @property
     def exit_code(self) -> int | None:
-        """QEMU's exit status once it has ended (also when nobody awaited it)."""
-        return None if self._proc is None else self._proc.returncode
+        """QEMU's exit status once it has ended (also when nobody awaited it);
+        `EXIT_UNKNOWN` for an adopted QEMU."""
+        return self._adopted_code if self._proc is None else self._proc.returncode
+
+    @property
+    def adopted(self) -> bool:
+        return self._adopted_pid is not None
+
+    async def _wait(self) -> int:
+        if self._proc is not None:
+            return await self._proc.wait()
+        await self._ended.wait()
+        return EXIT_UNKNOWN
+
+    async def _watch(self) -> None:
+        code = await self._wait()
+        if self._expected_exit or self.on_exit is None:
+            return
+        log.warning("%s: QEMU (pid %s) ended unexpectedly with %s", self.name, self.pid, code)
+        try:
+            self.on_exit(self)
+        except Exception:
+            log.exception("%s: exit handler failed", self.name)
+
+    def _start_watch(self) -> None:
+        self._watcher = asyncio.create_task(self._watch(), name=f"qemu-watch-{self.name}")
+
+    def spec(self) -> dict[str, Any]:
+        """What this VM is built from, as JSON (the registry record's `spec`)."""
+        spec: dict[str, Any] = json.loads(
+            json.dumps(
+                {
+                    "machine": asdict(self.machine),
+                    "boot": asdict(self.boot),
+                    "drives": [asdict(d) for d in self.drives],
+                    "net": None if self.net is None else asdict(self.net),
+                    "netns": self.netns,
+                    "cgroup": self.cgroup is not None,
+                    "qemu_binary": self.qemu_binary,
+                    "incoming": self.incoming,
+                    "ram_shim": None if self.ram_shim is None else str(self.ram_shim),
+                },
+                default=str,
+            )
+        )
+        return spec
+
+    def _record(self) -> vm_registry.VMRecord:
+        pid = self.pid
+        return vm_registry.VMRecord(
+            name=self.name,
+            workdir=str(self.workdir),
+            qmp_socket=str(self.qmp_socket),
+            pid=pid,
+            starttime=None if pid is None else vm_registry.proc_starttime(pid),
+            spec=self.spec(),
+        )
+
+    def _write_record(self) -> None:
+        if self.registry is not None:
+            vm_registry.write(self.registry, self._record())
+
+    @classmethod
+    async def adopt(
+        cls,
+        record: vm_registry.VMRecord,
+        pid: int,
+        *,
+        accel: AccelChoice,
+        registry: Path | None,
+        on_exit: Callable[[QemuVM], None] | None = None,
+    ) -> QemuVM:
+        """Take over a QEMU another (dead) server started: reconnect QMP, learn the disk
+        chain from QEMU (seals may have moved it), watch the process through a pidfd."""
+        spec = record.spec
+        m = spec["machine"]
+        b = spec["boot"]
+        net = spec["net"]
+        vm = cls(
+            name=record.name,
+            workdir=Path(record.workdir),
+            machine=MachineSpec(
+                vcpus=m["vcpus"],
+                memory_mb=m["memory_mb"],
+                mem_file=None if m["mem_file"] is None else Path(m["mem_file"]),
+                mem_shared=m["mem_shared"],
+                balloon=m["balloon"],
+            ),
+            boot=BootSource(
+                Path(b["kernel"]), None if b["initrd"] is None else Path(b["initrd"]), b["cmdline"]
+            ),
+            drives=[
+                Drive(d["id"], Path(d["path"]), d["read_only"], d["fmt"]) for d in spec["drives"]
+            ],
+            accel=accel,
+            net=None if net is None else NetIface(net["tap"], net["mac"], net["detached"]),
+            netns=spec["netns"],
+            cgroup=spec["cgroup"],
+            qemu_binary=spec["qemu_binary"],
+            incoming=spec["incoming"],
+            ram_shim=None if spec["ram_shim"] is None else Path(spec["ram_shim"]),
+            registry=registry,
+            on_exit=on_exit,
+        )
+        vm.qmp_socket = Path(record.qmp_socket)
+        vm._adopted_pid = pid
+        try:
+            fd = os.pidfd_open(pid)
+        except ProcessLookupError as exc:
+            raise VMMError(f"{vm.name}: QEMU pid {pid} is gone") from exc
+        loop = asyncio.get_running_loop()
+
+        def ended() -> None:
+            loop.remove_reader(fd)
+            os.close(fd)
+            vm._adopted_code = EXIT_UNKNOWN
+            vm._ended.set()
+
+        loop.add_reader(fd, ended)
+        vm._start_watch()
+        try:
+            await vm._connect_qmp()
+            await vm._learn_block_nodes()
+        except BaseException:
+            await vm.kill()
+            raise
+        return vm
+
+    async def _learn_block_nodes(self) -> None:
+        reply = await self._execute("query-block")
+        assert isinstance(reply, list)
+        for entry in reply:
+            inserted = entry.get("inserted") if isinstance(entry, dict) else None
+            if not isinstance(inserted, dict):
+                continue
+            node = str(inserted.get("node-name", ""))
+            drive_id, _, n = node.rpartition("-")
+            if drive_id in self._top and n.isdigit():
+                self._top[drive_id] = node
+                self._seals[drive_id] = int(n)
+                self._paths[drive_id] = Path(str(inserted["file"]))
 
     def _check_inputs(self) -> None:
         files = [self.boot.kernel, *(d.path for d in self.drives)]
@@ -237,6 +401,9 @@ class QemuVM:
             self.qmp_socket.parent.mkdir(parents=True, exist_ok=True)
         self.qmp_socket.unlink(missing_ok=True)
         try:
+            # Written before the spawn: a server killed right after it still leaves a record
+            # by which the next one finds this QEMU (its QMP socket path).
+            self._write_record()
             if self.cgroup is not None:
                 self.cgroup.create(cgroup_limits(self.machine))
             with self.stderr_log.open("wb") as err:
@@ -245,24 +412,28 @@ class QemuVM:
                     stdin=asyncio.subprocess.DEVNULL,
                     stdout=err,
                     stderr=err,
+                    # Its own session: QEMU outlives a server killed by SIGKILL, and the next
+                    # server adopts it.
                     start_new_session=True,
                 )
             self.started_at = time.monotonic()
+            self._write_record()
+            self._start_watch()
             await self._connect_qmp()
         except BaseException:
             await self.kill()
             raise
 
     async def _connect_qmp(self) -> None:
-        assert self._proc is not None
         deadline = time.monotonic() + QMP_CONNECT_TIMEOUT_S
         while True:
-            if self._proc.returncode is not None:
+            if self.exit_code is not None:
                 raise VMStartError(f"{self.name}: qemu exited: {self._stderr_tail()}")
             if self.qmp_socket.exists():
                 qmp = QMPClient(self.name)
                 try:
-                    await qmp.connect(str(self.qmp_socket))
+                    async with asyncio.timeout(max(0.1, deadline - time.monotonic())):
+                        await qmp.connect(str(self.qmp_socket))
                 except Exception as exc:
                     if time.monotonic() > deadline:
                         raise VMStartError(f"{self.name}: QMP connect failed: {exc}") from exc
@@ -281,41 +452,51 @@ class QemuVM:
         return lines[-1] if lines else "no output"
 
     async def wait_exit(self) -> int:
-        if self._proc is None:
+        if self.pid is None:
             raise VMMError(f"{self.name} was never started")
-        code = await self._proc.wait()
-        self._exit_code = code
+        self._expected_exit = True
+        code = await self._wait()
         await self._cleanup()
         return code
 
     async def stop(self, grace_s: float = 5.0) -> None:
         """Power button first; then QEMU's own `quit`; SIGKILL as the last resort."""
-        if self._proc is None or self._proc.returncode is not None:
+        self._expected_exit = True
+        if self.pid is None or self.exit_code is not None:
             await self._cleanup()
             return
         with contextlib.suppress(Exception):
             await self._execute("system_powerdown")
             async with asyncio.timeout(grace_s):
-                await self._proc.wait()
-        if self._proc.returncode is None:
+                await self._wait()
+        if self.exit_code is None:
             with contextlib.suppress(Exception):
                 await self._execute("quit")
                 async with asyncio.timeout(2.0):
-                    await self._proc.wait()
+                    await self._wait()
         await self.kill()
 
     async def kill(self) -> None:
-        proc = self._proc
-        if proc is not None and proc.returncode is None:
+        self._expected_exit = True
+        pid = self.pid
+        if pid is not None and self.exit_code is None:
             with contextlib.suppress(ProcessLookupError):
-                os.kill(proc.pid, signal.SIGKILL)
-            await proc.wait()
+                os.kill(pid, signal.SIGKILL)
+            try:
+                async with asyncio.timeout(KILL_TIMEOUT_S):
+                    await self._wait()
+            except TimeoutError:
+                raise VMMError(
+                    f"{self.name}: QEMU pid {pid} did not end {KILL_TIMEOUT_S:.0f}s after SIGKILL"
+                ) from None
         await self._cleanup()
 
     async def _cleanup(self) -> None:
-        if self._cleaned or (self._proc is not None and self._proc.returncode is None):
+        if self._cleaned or (self.pid is not None and self.exit_code is None):
             return
         self._cleaned = True
+        if self.registry is not None:
+            await asyncio.to_thread(vm_registry.remove, self.registry, self.name, self.pid)
         if self._qmp is not None:
             with contextlib.suppress(Exception):
                 await self._qmp.disconnect()
@@ -330,7 +511,12 @@ class QemuVM:
         if self._qmp is None:
             raise VMMError(f"{self.name} is not running")
         try:
-            return await self._qmp.execute(cmd, args)
+            async with asyncio.timeout(QMP_COMMAND_TIMEOUT_S):
+                return await self._qmp.execute(cmd, args)
+        except TimeoutError:
+            raise VMMError(
+                f"{self.name}: QMP {cmd} did not answer in {QMP_COMMAND_TIMEOUT_S:.0f}s"
+            ) from None
         except Exception as exc:
             raise VMMError(f"{self.name}: QMP {cmd} failed: {exc}") from exc
 
@@ -341,9 +527,9 @@ class QemuVM:
         await self._execute("cont")
 
     async def status(self) -> VMStatus:
-        if self._proc is None:
+        if self.pid is None:
             return VMStatus.CREATED
-        if self._proc.returncode is not None or self._qmp is None:
+        if self.exit_code is not None or self._qmp is None:
             return VMStatus.STOPPED
         reply = await self._execute("query-status")
         assert isinstance(reply, dict)
@@ -415,6 +601,7 @@ class QemuVM:
         self.drives = [replace(d, path=moved(d.path)) for d in self.drives]
         if self.machine.mem_file is not None:
             self.machine = replace(self.machine, mem_file=moved(self.machine.mem_file))
+        self._write_record()
 
     async def _ignore_shared(self, on: bool = True) -> None:
         # On: RAM lives in the memory file, so migration writes device state only (~50 KB).

@@ -1,0 +1,286 @@
+"""Admission control: whether this node starts one more sandbox now, and in which order.
+
+Every start (`Node.create`, a create from a named snapshot, `resume`, `fork` of N children)
+runs inside ``async with node.admission.start(what, memory_mb, count=N)``:
+
+1. Capacity, checked at once against the running sandboxes plus every start already
+   admitted (waiting or starting): the sandbox count (`max_sandboxes`), network slots
+   (`settings.network.max_slots`), host memory and the data dir's free space. A start that
+   does not fit raises `NoCapacity` (resource, numbers, a retry hint) before the node has
+   allocated anything.
+2. A start slot: at most `max_starts` run at once; later ones wait in a FIFO of tickets (a
+   release hands its slot straight to the oldest waiter, so a late arrival never overtakes),
+   at most `start_queue` long, else `NoCapacity` for the queue. A cancelled waiter leaves
+   the queue (and passes on a slot it was just handed).
+
+The reservation and the start slot are released when the body ends, however it ends; by then
+a start that succeeded is one of the node's running sandboxes.
+
+Memory: a sandbox may use its `memory_mb` plus the VMM's own share (`OVERHEAD_MB`). What its
+QEMU already holds privately (RssAnon + RssShmem) is already out of MemAvailable, so the rest
+is what it may still grow into. A start fits if MemAvailable, minus that growth of every
+running and admitted sandbox, minus `min_free_memory_mb`, leaves its full size. Guest RAM
+still mapped from a template snapshot's file (shared page cache) counts as growth until the
+guest writes it, which is the conservative side.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import math
+import os
+import time
+from collections.abc import AsyncIterator, Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from agentenv.config import Settings
+from agentenv.orchestrator.node_errors import NoCapacity
+
+MIB = 1024 * 1024
+# What a QEMU holds besides guest RAM, for accounting: measured ~47 MiB RssAnon for a fresh
+# TCG clone (QEMU heap, device state, the guest pages it wrote), plus the TCG code cache
+# growing to `vmm.accel.TCG_TB_SIZE_MB` (64). The cgroup ceiling (`vmm.qemu`,
+# guest + 192 MiB) is the hard limit; this is the expected worst case, so 32 sandboxes of
+# 512 MB (20 GiB) fit a 24 GiB host.
+OVERHEAD_MB = 128
+# Retry hints (seconds): a sandbox must end before memory, slots or the count free up.
+RETRY_CAPACITY_S = 10
+RETRY_DISK_S = 60
+# Start duration assumed before one was measured (a restore under TCG is ~1 s).
+FIRST_START_S = 2.0
+
+
+class Running(Protocol):
+    """A running sandbox as admission sees it (`orchestrator.node.SandboxHandle` is one)."""
+
+    @property
+    def memory_mb(self) -> int: ...
+
+    @property
+    def pid(self) -> int | None: ...
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_sandboxes: int = 0  # 0: no count limit
+    max_starts: int = 2
+    queue: int = 128
+    max_slots: int = 0  # 0: no slot limit
+    min_free_memory_mb: int = 256
+    min_free_disk_mb: int = 1024
+    overhead_mb: int = OVERHEAD_MB
+
+    @classmethod
+    def from_settings(cls, s: Settings) -> Limits:
+        return cls(
+            max_sandboxes=s.max_sandboxes,
+            max_starts=s.max_starts,
+            queue=s.start_queue,
+            max_slots=s.network.max_slots,
+            min_free_memory_mb=s.min_free_memory_mb,
+            min_free_disk_mb=s.min_free_disk_mb,
+        )
+
+
+def mem_available() -> int:
+    """MemAvailable of /proc/meminfo, in bytes."""
+    with open("/proc/meminfo") as fh:
+        for line in fh:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise OSError("no MemAvailable in /proc/meminfo")
+
+
+def private_bytes(pid: int) -> int:
+    """What process `pid` holds that no other process shares (RssAnon + RssShmem), 0 if
+    it is gone."""
+    total = 0
+    try:
+        with open(f"/proc/{pid}/status") as fh:
+            for line in fh:
+                if line.startswith(("RssAnon:", "RssShmem:")):
+                    total += int(line.split()[1]) * 1024
+    except OSError:
+        return 0
+    return total
+
+
+def disk_free(path: Path) -> int:
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+@dataclass(eq=False)
+class _Reservation:
+    count: int
+    memory_mb: int
+
+
+class Admission:
+    def __init__(
+        self,
+        limits: Limits,
+        running: Callable[[], Iterable[Running]],
+        data_dir: Path,
+        *,
+        available: Callable[[], int] = mem_available,
+        held: Callable[[int], int] = private_bytes,
+        free_disk: Callable[[Path], int] = disk_free,
+    ) -> None:
+        self.limits = limits
+        self._running = running
+        self.data_dir = data_dir
+        self._available = available
+        self._held = held
+        self._free_disk = free_disk
+        self._reserved: list[_Reservation] = []
+        self._active = 0
+        self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+        self._start_s = FIRST_START_S
+
+    # -- what tests and metrics see ------------------------------------------------------------
+
+    @property
+    def starting(self) -> int:
+        """Starts holding a start slot."""
+        return self._active
+
+    @property
+    def waiting(self) -> int:
+        """Starts queued for a start slot."""
+        return sum(1 for f in self._waiters if not f.done())
+
+    @property
+    def reserved(self) -> int:
+        """Sandboxes admitted and not yet done starting (waiting or starting)."""
+        return sum(r.count for r in self._reserved)
+
+    # -- the gate ------------------------------------------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def start(self, what: str, memory_mb: int, count: int = 1) -> AsyncIterator[None]:
+        """Admit `count` sandboxes of `memory_mb` for the body (`NoCapacity` if they do not
+        fit or the queue is full), waiting in arrival order for a start slot."""
+        self._check(what, memory_mb, count)
+        must_wait = self._active >= self.limits.max_starts or self.waiting > 0
+        if must_wait and self.waiting >= self.limits.queue:
+            raise NoCapacity(
+                f"no capacity: start queue full: {self.waiting} starts waiting behind "
+                f"{self._active} running (AGENTENV_START_QUEUE={self.limits.queue}, "
+                f"AGENTENV_MAX_STARTS={self.limits.max_starts}); {what} was not queued",
+                resource="start queue",
+                retry_after_s=self._drain_s(),
+            )
+        res = _Reservation(count, memory_mb)
+        self._reserved.append(res)
+        try:
+            await self._enter(must_wait)
+            t0 = time.monotonic()
+            try:
+                yield
+            finally:
+                self._leave()
+            # Only successful starts say how long a start takes.
+            self._start_s = 0.8 * self._start_s + 0.2 * (time.monotonic() - t0)
+        finally:
+            self._reserved.remove(res)
+
+    async def _enter(self, must_wait: bool) -> None:
+        if not must_wait:
+            self._active += 1
+            return
+        ticket: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.append(ticket)
+        try:
+            await ticket
+        except BaseException:
+            if ticket.done() and not ticket.cancelled():
+                # Handed the slot as we were cancelled: pass it on.
+                self._leave()
+            else:
+                with contextlib.suppress(ValueError):
+                    self._waiters.remove(ticket)
+            raise
+
+    def _leave(self) -> None:
+        """Give this start slot to the oldest waiter, or free it."""
+        while self._waiters:
+            ticket = self._waiters.popleft()
+            if not ticket.done():
+                ticket.set_result(None)
+                return
+        self._active -= 1
+
+    def _drain_s(self) -> int:
+        """How long the queue as it is takes to start."""
+        ahead = self.waiting + self._active
+        return max(1, math.ceil(self._start_s * ahead / self.limits.max_starts))
+
+    # -- capacity ------------------------------------------------------------------------------
+
+    def _check(self, what: str, memory_mb: int, count: int) -> None:
+        lim = self.limits
+        running = list(self._running())
+        in_use = len(running) + self.reserved
+        if lim.max_sandboxes and in_use + count > lim.max_sandboxes:
+            raise NoCapacity(
+                f"no capacity: {in_use} of {lim.max_sandboxes} sandboxes in use (running or "
+                f"starting, AGENTENV_MAX_SANDBOXES); {what} needs {count} more",
+                resource="sandboxes",
+                retry_after_s=RETRY_CAPACITY_S,
+            )
+        if lim.max_slots and in_use + count > lim.max_slots:
+            raise NoCapacity(
+                f"no capacity: {in_use} of {lim.max_slots} network slots in use; {what} "
+                f"needs {count} more",
+                resource="network slots",
+                retry_after_s=RETRY_CAPACITY_S,
+            )
+        self._check_memory(what, memory_mb, count, running)
+        self._check_disk(what)
+
+    def _check_memory(self, what: str, memory_mb: int, count: int, running: list[Running]) -> None:
+        lim = self.limits
+        try:
+            available = self._available()
+        except OSError:
+            return
+        growth = 0
+        for sb in running:
+            may_use = (sb.memory_mb + lim.overhead_mb) * MIB
+            held = self._held(sb.pid) if sb.pid is not None else 0
+            growth += max(0, may_use - held)
+        growth += sum(r.count * (r.memory_mb + lim.overhead_mb) * MIB for r in self._reserved)
+        need = count * (memory_mb + lim.overhead_mb) * MIB
+        left = available - growth - lim.min_free_memory_mb * MIB
+        if need > left:
+            others = len(running) + self.reserved
+            raise NoCapacity(
+                f"no capacity: host memory: {what} needs {need // MIB} MiB ({count} x "
+                f"{memory_mb} MB + {lim.overhead_mb} MiB VMM overhead), "
+                f"{max(0, left) // MIB} MiB left: {available // MIB} MiB available, "
+                f"{growth // MIB} MiB of it for {others} running or starting sandboxes "
+                f"to grow into, {lim.min_free_memory_mb} MiB kept free "
+                "(AGENTENV_MIN_FREE_MEMORY_MB)",
+                resource="memory",
+                retry_after_s=RETRY_CAPACITY_S,
+            )
+
+    def _check_disk(self, what: str) -> None:
+        lim = self.limits
+        try:
+            free = self._free_disk(self.data_dir)
+        except OSError:
+            return
+        if free < lim.min_free_disk_mb * MIB:
+            raise NoCapacity(
+                f"no capacity: disk: {free // MIB} MiB free in the data dir {self.data_dir}, "
+                f"below the {lim.min_free_disk_mb} MiB minimum (AGENTENV_MIN_FREE_DISK_MB); "
+                f"{what} was refused",
+                resource="disk",
+                retry_after_s=RETRY_DISK_S,
+            )

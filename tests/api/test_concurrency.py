@@ -1,0 +1,159 @@
+"""Many creates at once against a real server, and what a node at capacity answers.
+
+- A server with ``AGENTENV_MAX_SANDBOXES=2`` refuses the third create with 503, a
+  ``Retry-After`` header and the usual JSON body, having made nothing for it; the official SDK
+  raises `ServiceBusyException` carrying the message; once one is killed a create succeeds.
+- 32 concurrent `Sandbox.create` through the SDK (threads) all succeed or get that 503, each
+  within a bound; killing them all leaves nothing behind. Creates beyond
+  ``AGENTENV_MAX_STARTS`` wait in the node's FIFO start queue; none may deadlock the server
+  (8 did, before template builds and the host network lock waited in asyncio).
+
+Both servers share one data dir (one after the other), so the template snapshot is built
+once.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from agentenv.api.devserver import ServerProcess, prepare_home
+
+from .conftest import REQUEST_TIMEOUT_S, qemu_processes, stop_and_check
+
+pytestmark = pytest.mark.vm
+
+BURST = 32
+# One create may wait for the whole burst ahead of it (two starts at a time on this host).
+CREATE_BOUND_S = 240.0
+
+
+@pytest.fixture(scope="module")
+def home(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return prepare_home(tmp_path_factory.mktemp("concurrency-home"))
+
+
+def _sdk_opts(srv: ServerProcess) -> dict[str, Any]:
+    return {
+        "api_url": srv.url,
+        "sandbox_url": srv.url,
+        "api_key": srv.api_key,
+        "domain": "sbx.test",
+        "request_timeout": REQUEST_TIMEOUT_S,
+    }
+
+
+def _sandbox_dirs(home: Path) -> list[str]:
+    root = home / "sandboxes"
+    return sorted(p.name for p in root.iterdir()) if root.is_dir() else []
+
+
+def test_max_sandboxes_answers_503_with_retry_after(home: Path) -> None:
+    from e2b import Sandbox
+    from e2b.exceptions import ServiceBusyException
+
+    srv = ServerProcess(
+        home,
+        domain="sbx.test",
+        env={"AGENTENV_MAX_SANDBOXES": "2", "AGENTENV_WARM_LOW": "0", "AGENTENV_WARM_HIGH": "0"},
+        ready_timeout_s=180,
+    ).start()
+    try:
+        with httpx.Client(
+            base_url=srv.url, headers={"X-API-Key": srv.api_key}, timeout=REQUEST_TIMEOUT_S
+        ) as api:
+            ids = []
+            for _ in range(2):
+                resp = api.post("/v2/sandboxes", json={"templateID": "base", "timeout": 300})
+                assert resp.status_code == 201, resp.text
+                ids.append(resp.json()["sandboxID"])
+
+            t0 = time.monotonic()
+            resp = api.post("/v2/sandboxes", json={"templateID": "base", "timeout": 300})
+            assert time.monotonic() - t0 < 5, "a refusal must not wait"
+            assert resp.status_code == 503, resp.text
+            assert resp.headers["content-type"].startswith("application/json")
+            assert int(resp.headers["retry-after"]) > 0
+            body = resp.json()
+            assert set(body) == {"code", "message"} and body["code"] == 503
+            assert "no capacity: 2 of 2 sandboxes in use" in body["message"], body
+            # Nothing was made for it: two VMs, two sandbox dirs, two running rows.
+            assert len(qemu_processes(home)) == 2
+            assert len(_sandbox_dirs(home)) == 2
+            listed = api.get("/v2/sandboxes").json()
+            assert sorted(s["sandboxID"] for s in listed) == sorted(ids)
+
+            # The SDK raises ServiceBusyException with the server's message (retries off:
+            # it would otherwise wait Retry-After and try again, three times).
+            with pytest.raises(ServiceBusyException) as info:
+                Sandbox.create(template="base", timeout=300, retries=0, **_sdk_opts(srv))
+            assert "503" in str(info.value)
+            assert "2 of 2 sandboxes in use" in str(info.value)
+
+            assert api.delete(f"/sandboxes/{ids.pop()}").status_code == 204
+            resp = api.post("/v2/sandboxes", json={"templateID": "base", "timeout": 300})
+            assert resp.status_code == 201, resp.text
+            ids.append(resp.json()["sandboxID"])
+            for sid in ids:
+                assert api.delete(f"/sandboxes/{sid}").status_code == 204
+    finally:
+        stop_and_check(srv)
+
+
+def test_concurrent_sdk_creates(home: Path) -> None:
+    from e2b import Sandbox
+    from e2b.exceptions import ServiceBusyException
+
+    srv = ServerProcess(home, domain="sbx.test", ready_timeout_s=180).start()
+    opts = _sdk_opts(srv)
+    try:
+        # The template snapshot first (a cold boot on a fresh data dir), so that the burst
+        # measures creates, not one build everybody waits for.
+        Sandbox.create(template="base", timeout=120, **opts).kill()
+
+        def create(_: int) -> tuple[float, Any]:
+            t0 = time.monotonic()
+            try:
+                sbx: Any = Sandbox.create(template="base", timeout=600, retries=0, **opts)
+            except ServiceBusyException as exc:
+                sbx = exc
+            return time.monotonic() - t0, sbx
+
+        t0 = time.monotonic()
+        with ThreadPoolExecutor(BURST) as pool:
+            results = list(pool.map(create, range(BURST)))
+        wall = time.monotonic() - t0
+        made = [s for _, s in results if not isinstance(s, ServiceBusyException)]
+        refused = [s for _, s in results if isinstance(s, ServiceBusyException)]
+        times = sorted(d for d, _ in results)
+        p50 = statistics.median(times)
+        p99 = times[min(len(times) - 1, round(0.99 * (len(times) - 1)))]
+        print(
+            f"\n{BURST} concurrent creates: {len(made)} made, {len(refused)} refused (503) "
+            f"in {wall:.1f}s; per create p50 {p50:.1f}s p99 {p99:.1f}s max {times[-1]:.1f}s"
+        )
+        for exc in refused:
+            assert "no capacity" in str(exc), exc
+        assert made, "no create succeeded"
+        assert times[-1] < CREATE_BOUND_S
+        assert len(_sandbox_dirs(home)) == len(made)
+
+        with ThreadPoolExecutor(8) as pool:
+            killed = list(pool.map(lambda s: s.kill(), made))
+        assert all(killed)
+        assert not _sandbox_dirs(home), "killed sandboxes left their dirs"
+        # What still runs is the warm pool (at most `warm_high` entries for the one shape);
+        # a sandbox taken from it keeps its QEMU's first name under `warm/`, so count all.
+        assert len(qemu_processes(home, warm=True)) <= 2, "killed sandboxes left VMs"
+        with httpx.Client(
+            base_url=srv.url, headers={"X-API-Key": srv.api_key}, timeout=REQUEST_TIMEOUT_S
+        ) as api:
+            assert api.get("/v2/sandboxes").json() == []
+    finally:
+        stop_and_check(srv)

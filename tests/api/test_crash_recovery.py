@@ -1,0 +1,330 @@
+"""A server killed with SIGKILL, and VMs killed under a live server, as a user would see it.
+
+The server runs as a child process with its data dir; the official SDK talks to it. After a
+SIGKILL the QEMUs of running sandboxes keep running (their own session); the restarted
+server must adopt them (same ids, tokens, files, processes), resume paused ones, finish or
+undo the operation the crash cut short, and leave no process, namespace, slot, cgroup or file
+of anything it did not keep. Crashes between two steps of an operation come from
+`agentenv.faults` (`AGENTENV_CRASH_AT`): a random SIGKILL rarely lands inside a step that
+takes milliseconds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from e2b import Sandbox
+
+from agentenv.api.devserver import ServerProcess, prepare_home
+from agentenv.faults import POINTS
+from agentenv.vmm import cgroup
+from agentenv.vmm.registry import load_all
+
+from .conftest import qemu_processes, stop_and_check
+
+pytestmark = pytest.mark.vm
+
+TIMEOUT_S = 600
+
+
+@pytest.fixture(scope="module")
+def home(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One data dir for the module, its template snapshot built (a capture, so a crash
+    point in captures must not meet the template build)."""
+    home = prepare_home(tmp_path_factory.mktemp("crash-home"))
+    with ServerProcess(home, ready_timeout_s=240) as srv, _api(srv) as api:
+        resp = api.post("/v2/sandboxes", json={"templateID": "base"})
+        assert resp.status_code == 201, resp.text
+        assert api.delete(f"/sandboxes/{resp.json()['sandboxID']}").status_code == 204
+    return home
+
+
+def _start(home: Path, port: int | None = None, **env: str) -> ServerProcess:
+    srv = ServerProcess(home, port=port, env=env, ready_timeout_s=240).start()
+    os.environ.update(srv.sdk_env())
+    return srv
+
+
+@pytest.fixture
+def restore_env() -> Iterator[None]:
+    saved = {k: os.environ.get(k) for k in ("E2B_API_URL", "E2B_SANDBOX_URL", "E2B_API_KEY")}
+    yield
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+def _api(srv: ServerProcess) -> httpx.Client:
+    return httpx.Client(base_url=srv.url, headers={"X-API-Key": srv.api_key}, timeout=300)
+
+
+def _runtime_id(sbx: Sandbox) -> str:
+    """The node's name for the sandbox: the guest's hostname."""
+    return sbx.commands.run("hostname").stdout.strip()
+
+
+def _record(home: Path, runtime_id: str) -> Any:
+    found = [r for r in load_all(home / "run" / "vms") if r.name == runtime_id]
+    assert found, f"no VM record for {runtime_id}"
+    return found[0]
+
+
+def _leftovers(home: Path) -> dict[str, list[str]]:
+    """What a stopped server must not leave in its data dir (after all sandboxes went)."""
+    out = {
+        "qemu": qemu_processes(home, warm=True, converters=True),
+        "vm records": [r.name for r in load_all(home / "run" / "vms")],
+        "slot markers": sorted(p.name for p in (home / "run" / "slots").glob("*")),
+        "sandbox dirs": sorted(p.name for p in (home / "sandboxes").glob("*")),
+        "build dirs": sorted(p.name for p in (home / "snapshots").glob(".build-tpl-*")),
+        "netns": [
+            n
+            for n in (os.listdir("/run/netns") if os.path.isdir("/run/netns") else [])
+            if n in {p.name for p in (home / "run" / "slots").glob("*")}
+        ],
+    }
+    return {k: v for k, v in out.items() if v}
+
+
+def _finish(srv: ServerProcess) -> None:
+    stop_and_check(srv)
+    assert not _leftovers(srv.home), _leftovers(srv.home)
+
+
+def _await_crash(srv: ServerProcess, timeout_s: float = 120) -> None:
+    """The server killed itself at its crash point."""
+    assert srv.proc is not None
+    srv.proc.wait(timeout=timeout_s)
+    assert srv.proc.returncode == -signal.SIGKILL, srv.log_tail()
+    srv.proc = None
+
+
+def test_sigkill_while_running_keeps_sandboxes(home: Path, restore_env: None) -> None:
+    srv = _start(home)
+    try:
+        running = Sandbox.create(timeout=TIMEOUT_S, metadata={"who": "running"})
+        running.files.write("/home/user/note.txt", "kept")
+        sleeper = running.commands.run("sleep 1000", background=True)
+        paused = Sandbox.create(timeout=TIMEOUT_S, metadata={"who": "paused"})
+        paused.files.write("/home/user/p.txt", "paused file")
+        paused.beta_pause()
+        with _api(srv) as api:
+            before = {s["sandboxID"]: s for s in api.get("/v2/sandboxes").json()}
+        rid = _runtime_id(running)
+        pid = _record(home, rid).pid
+        srv.crash()
+        # The VM outlives the server: that is what makes adoption possible.
+        os.kill(pid, 0)
+        srv = _start(home, srv.port)
+        with _api(srv) as api:
+            after = {s["sandboxID"]: s for s in api.get("/v2/sandboxes").json()}
+        for sid in (running.sandbox_id, paused.sandbox_id):
+            for key in ("metadata", "endAt", "envdAccessToken", "state"):
+                assert after[sid].get(key) == before[sid].get(key), (sid, key)
+        again = Sandbox.connect(running.sandbox_id)
+        assert again.files.read("/home/user/note.txt") == "kept"
+        procs = [p.pid for p in again.commands.list()]
+        assert sleeper.pid in procs
+        assert _record(home, rid).pid == pid, "the same QEMU runs on"
+        back = Sandbox.connect(paused.sandbox_id)
+        assert back.files.read("/home/user/p.txt") == "paused file"
+        again.kill()
+        back.kill()
+    finally:
+        _finish(srv)
+
+
+def test_vm_killed_is_noticed_and_freed(home: Path, restore_env: None) -> None:
+    srv = _start(home)
+    try:
+        sbx = Sandbox.create(timeout=TIMEOUT_S)
+        rid = _runtime_id(sbx)
+        rec = _record(home, rid)
+        killed_at = time.time()
+        os.kill(rec.pid, signal.SIGKILL)
+        with _api(srv) as api:
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline:
+                resp = api.get(f"/sandboxes/{sbx.sandbox_id}")
+                if resp.status_code == 404:
+                    break
+                time.sleep(0.05)
+            assert resp.status_code == 404, resp.text
+            assert "was lost" in resp.json()["message"], resp.text
+            logs = api.get(f"/sandboxes/{sbx.sandbox_id}/logs").json()["logs"]
+            lost = [line for line in logs if "lost: " in line["line"]]
+            assert lost, logs
+            noticed = datetime_ts(lost[-1]["timestamp"])
+            print(f"VM death noticed {noticed - killed_at:.3f}s after the kill")
+            assert noticed - killed_at < 1.0
+            proxied = httpx.get(
+                f"{srv.url}/health",
+                headers={"E2B-Sandbox-Id": sbx.sandbox_id, "E2B-Sandbox-Port": "49983"},
+            )
+            assert proxied.status_code == 502
+            assert proxied.json()["code"] == 502
+        assert not (home / "sandboxes" / rid).exists()
+        assert rid not in {r.name for r in load_all(home / "run" / "vms")}
+        assert not [p for p in cgroup.stale() if p.name == rid]
+        # The next create still works.
+        nxt = Sandbox.create(timeout=TIMEOUT_S)
+        assert nxt.commands.run("echo ok").stdout.strip() == "ok"
+        nxt.kill()
+    finally:
+        _finish(srv)
+
+
+def test_dead_warm_entry_is_replaced_not_handed_out(home: Path, restore_env: None) -> None:
+    srv = _start(home)
+    try:
+        Sandbox.create(timeout=TIMEOUT_S).kill()  # the shape joins the warm pool
+        warm_dir = str(home / "warm")
+
+        def warm_records() -> list[Any]:
+            return [r for r in load_all(home / "run" / "vms") if r.workdir.startswith(warm_dir)]
+
+        deadline = time.monotonic() + 120
+        while not warm_records() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        victims = warm_records()
+        assert victims, "the warm pool never filled"
+        for r in victims:
+            os.kill(r.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            names = {r.name for r in load_all(home / "run" / "vms")}
+            if not names & {r.name for r in victims}:
+                break
+            time.sleep(0.05)
+        assert not names & {r.name for r in victims}, "dead warm entries were not dropped"
+        sbx = Sandbox.create(timeout=TIMEOUT_S)
+        assert _runtime_id(sbx) not in {r.name for r in victims}
+        assert sbx.commands.run("echo ok").stdout.strip() == "ok"
+        sbx.kill()
+    finally:
+        _finish(srv)
+
+
+def datetime_ts(text: str) -> float:
+    from datetime import datetime
+
+    return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
+
+
+# Where each operation ends up after a crash at that point, as the restarted server finds it.
+CRASH_CASES = {
+    "pause:saved": "running",
+    "pause:recorded": "paused",
+    "resume:loaded": "paused",
+    "resume:running": "running",
+    "capture:sealed": "running",
+    "fork:captured": "running",
+    "fork:child": "running",
+}
+
+
+@pytest.mark.parametrize("point", sorted(CRASH_CASES))
+def test_sigkill_mid_operation_rolls_forward_or_back(
+    home: Path, restore_env: None, point: str
+) -> None:
+    assert point in POINTS
+    srv = _start(home, AGENTENV_CRASH_AT=point)
+    try:
+        sbx = Sandbox.create(timeout=TIMEOUT_S)
+        sbx.files.write("/home/user/f.txt", point)
+        op = point.split(":")[0]
+        if op == "resume":
+            sbx.beta_pause()
+        with _api(srv) as api:
+            path = {
+                "pause": f"/sandboxes/{sbx.sandbox_id}/pause",
+                "resume": f"/sandboxes/{sbx.sandbox_id}/resume",
+                "capture": f"/sandboxes/{sbx.sandbox_id}/snapshots",
+                "fork": f"/sandboxes/{sbx.sandbox_id}/fork",
+            }[op]
+            body: dict[str, Any] = {"count": 2} if op == "fork" else {}
+            with pytest.raises(httpx.TransportError):
+                api.post(path, json=body)
+        _await_crash(srv)
+        srv = _start(home, srv.port)
+        with _api(srv) as api:
+            resp = api.get(f"/sandboxes/{sbx.sandbox_id}")
+            assert resp.status_code == 200, (resp.text, srv.log_tail(30))
+            assert resp.json()["state"] == CRASH_CASES[point], resp.text
+            listed = api.get("/v2/sandboxes").json()
+            assert [s["sandboxID"] for s in listed] == [sbx.sandbox_id], "fork children remain"
+        again = Sandbox.connect(sbx.sandbox_id)
+        assert again.files.read("/home/user/f.txt") == point
+        again.files.write("/home/user/g.txt", "after")
+        assert again.commands.run("cat /home/user/g.txt").stdout == "after"
+        # The operation works now.
+        with _api(srv) as api:
+            if op == "fork":
+                resp = api.post(f"/sandboxes/{sbx.sandbox_id}/fork", json={"count": 1})
+                assert resp.status_code == 201, resp.text
+                for child in resp.json():
+                    assert api.delete(f"/sandboxes/{child['sandbox']['sandboxID']}").is_success
+            elif op == "capture":
+                resp = api.post(f"/sandboxes/{sbx.sandbox_id}/snapshots", json={})
+                assert resp.status_code == 201, resp.text
+            else:
+                again.beta_pause()
+                assert Sandbox.connect(sbx.sandbox_id).files.read("/home/user/g.txt") == "after"
+        again.kill()
+        assert not [
+            line
+            for line in srv.log_tail(400).splitlines()
+            if "Traceback" in line or " ERROR agentenv" in line
+        ]
+    finally:
+        _finish(srv)
+
+
+def test_sigkill_during_template_build(tmp_path: Path, restore_env: None) -> None:
+    fresh = prepare_home(tmp_path / "fresh")
+    srv = _start(fresh, AGENTENV_CRASH_AT="template:booted")
+    try:
+        with pytest.raises(Exception):  # noqa: B017 - the server dies under the request
+            Sandbox.create(timeout=TIMEOUT_S, request_timeout=300)
+        _await_crash(srv, 300)
+        # The build VM was left running: the next server must end it.
+        assert qemu_processes(fresh, warm=True, converters=True)
+        srv = _start(fresh, srv.port)
+        assert not list((fresh / "snapshots").glob(".build-tpl-*"))
+        assert not qemu_processes(fresh, warm=True, converters=True)
+        sbx = Sandbox.create(timeout=TIMEOUT_S, request_timeout=300)
+        assert sbx.commands.run("echo built").stdout.strip() == "built"
+        sbx.kill()
+    finally:
+        _finish(srv)
+
+
+def test_lost_sandbox_error_names_it(home: Path, restore_env: None) -> None:
+    """A running sandbox whose VM died while no server ran is reported lost, not missing."""
+    srv = _start(home)
+    try:
+        sbx = Sandbox.create(timeout=TIMEOUT_S)
+        pid = _record(home, _runtime_id(sbx)).pid
+        srv.crash()
+        os.kill(pid, signal.SIGKILL)
+        srv = _start(home, srv.port)
+        with _api(srv) as api:
+            resp = api.get(f"/sandboxes/{sbx.sandbox_id}")
+            assert resp.status_code == 404
+            assert f"sandbox {sbx.sandbox_id} was lost" in resp.json()["message"]
+            connect = api.post(f"/sandboxes/{sbx.sandbox_id}/connect", json={"timeout": 60})
+            assert connect.status_code == 404
+            assert "was lost" in connect.json()["message"]
+            assert json.dumps(api.get("/v2/sandboxes").json()).count(sbx.sandbox_id) == 0
+    finally:
+        _finish(srv)

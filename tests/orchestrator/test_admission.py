@@ -1,0 +1,340 @@
+"""`orchestrator.admission`: capacity refused at once (with the numbers), starts beyond the
+limit wait in arrival order in a bounded queue, and every exit releases what it held."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from agentenv.orchestrator.admission import MIB, Admission, Limits
+from agentenv.orchestrator.node_errors import NoCapacity
+
+GIB = 1024 * MIB
+
+
+@dataclass
+class Sb:
+    memory_mb: int = 512
+    pid: int | None = None
+
+
+def make(
+    *,
+    running: list[Sb] | None = None,
+    available: int = 64 * GIB,
+    held: int = 0,
+    free: int = 100 * GIB,
+    **limits: int,
+) -> Admission:
+    rows = running if running is not None else []
+    return Admission(
+        Limits(**limits),
+        lambda: rows,
+        Path("/data"),
+        available=lambda: available,
+        held=lambda _pid: held,
+        free_disk=lambda _path: free,
+    )
+
+
+async def settle() -> None:
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+async def test_fifo_in_arrival_order_and_no_overtaking() -> None:
+    adm = make(max_starts=1)
+    order: list[str] = []
+
+    async def run(name: str) -> None:
+        async with adm.start(name, 512):
+            order.append(name)
+
+    a = adm.start("A", 512)
+    await a.__aenter__()
+    order.append("A")
+    tasks = []
+    for name in "BCD":
+        tasks.append(asyncio.create_task(run(name)))
+        await settle()
+    assert (adm.starting, adm.waiting, adm.reserved) == (1, 3, 4)
+    # A's exit hands its slot to B, which has not run yet; E arriving now queues last.
+    await a.__aexit__(None, None, None)
+    async with adm.start("E", 512):
+        order.append("E")
+    await asyncio.gather(*tasks)
+    assert order == ["A", "B", "C", "D", "E"]
+    assert (adm.starting, adm.waiting, adm.reserved) == (0, 0, 0)
+
+
+async def test_starts_run_up_to_the_limit() -> None:
+    adm = make(max_starts=3)
+    release = asyncio.Event()
+    peak = 0
+
+    async def run() -> None:
+        nonlocal peak
+        async with adm.start("x", 512):
+            peak = max(peak, adm.starting)
+            await release.wait()
+
+    tasks = [asyncio.create_task(run()) for _ in range(7)]
+    await settle()
+    assert (adm.starting, adm.waiting, adm.reserved) == (3, 4, 7)
+    release.set()
+    await asyncio.gather(*tasks)
+    assert peak == 3 and adm.starting == 0
+
+
+async def test_queue_is_bounded() -> None:
+    adm = make(max_starts=1, queue=2)
+    release = asyncio.Event()
+
+    async def run() -> None:
+        async with adm.start("x", 512):
+            await release.wait()
+
+    tasks = [asyncio.create_task(run()) for _ in range(3)]
+    await settle()
+    with pytest.raises(NoCapacity) as info:
+        async with adm.start("a create of 'base'", 512):
+            pass
+    assert info.value.resource == "start queue"
+    assert info.value.retry_after_s >= 1
+    assert "start queue full: 2 starts waiting behind 1 running" in str(info.value)
+    assert "a create of 'base'" in str(info.value)
+    release.set()
+    await asyncio.gather(*tasks)
+    # Once drained the queue takes starts again.
+    async with adm.start("x", 512):
+        pass
+
+
+async def test_max_sandboxes_counts_running_and_admitted() -> None:
+    adm = make(running=[Sb()], max_sandboxes=3, max_starts=1)
+    release = asyncio.Event()
+
+    async def run() -> None:
+        async with adm.start("x", 512):
+            await release.wait()
+
+    # One runs, one starts (holds the slot), one waits: 3 of 3.
+    tasks = [asyncio.create_task(run()) for _ in range(2)]
+    await settle()
+    with pytest.raises(NoCapacity) as info:
+        async with adm.start("a create of 'base'", 512):
+            pass
+    assert info.value.resource == "sandboxes"
+    assert "no capacity: 3 of 3 sandboxes in use" in str(info.value)
+    assert info.value.retry_after_s > 0
+    release.set()
+    await asyncio.gather(*tasks)
+    # A fork of 3 needs 3 more: 1 running + 3 > 3.
+    with pytest.raises(NoCapacity, match=r"1 of 3 sandboxes in use .* needs 3 more"):
+        async with adm.start("a fork", 512, count=3):
+            pass
+    async with adm.start("a fork", 512, count=2):
+        assert adm.reserved == 2
+
+
+async def test_network_slots() -> None:
+    adm = make(running=[Sb(), Sb()], max_slots=2)
+    with pytest.raises(NoCapacity, match="2 of 2 network slots in use") as info:
+        async with adm.start("x", 512):
+            pass
+    assert info.value.resource == "network slots"
+
+
+async def test_memory_counts_what_sandboxes_may_still_grow_into() -> None:
+    # Two running 512 MB sandboxes holding 100 MiB each may grow by 2 x (512 + 128 - 100)
+    # = 1080 MiB; 10 GiB available - 1080 - 256 kept free = 8904 MiB for new ones of 640.
+    running = [Sb(pid=1), Sb(pid=2)]
+    adm = make(
+        running=running,
+        available=10 * GIB,
+        held=100 * MIB,
+        min_free_memory_mb=256,
+        overhead_mb=128,
+        max_starts=100,
+    )
+    async with adm.start("a fork", 512, count=13):
+        pass
+    with pytest.raises(NoCapacity) as info:
+        async with adm.start("a fork", 512, count=14):
+            pass
+    msg = str(info.value)
+    assert info.value.resource == "memory"
+    assert "needs 8960 MiB (14 x 512 MB + 128 MiB VMM overhead), 8904 MiB left" in msg
+    assert "10240 MiB available, 1080 MiB of it for 2 running or starting" in msg
+    # Admitted starts count in full while they wait or start.
+    release = asyncio.Event()
+
+    async def hold() -> None:
+        async with adm.start("x", 512, count=10):
+            await release.wait()
+
+    task = asyncio.create_task(hold())
+    await settle()
+    with pytest.raises(NoCapacity, match="host memory"):
+        async with adm.start("x", 512, count=4):
+            pass
+    release.set()
+    await task
+
+
+async def test_disk_minimum() -> None:
+    adm = make(free=500 * MIB, min_free_disk_mb=1024)
+    with pytest.raises(NoCapacity) as info:
+        async with adm.start("a create of 'base'", 512):
+            pass
+    assert info.value.resource == "disk"
+    assert "500 MiB free in the data dir /data, below the 1024 MiB minimum" in str(info.value)
+
+
+async def test_exceptions_release_everything() -> None:
+    adm = make(max_starts=1, max_sandboxes=1)
+    for _ in range(3):
+        with pytest.raises(RuntimeError):
+            async with adm.start("x", 512):
+                raise RuntimeError("boot failed")
+        assert (adm.starting, adm.waiting, adm.reserved) == (0, 0, 0)
+
+
+async def test_cancelled_waiter_leaves_the_queue() -> None:
+    adm = make(max_starts=1, queue=2)
+    release = asyncio.Event()
+    order: list[str] = []
+
+    async def run(name: str) -> None:
+        async with adm.start(name, 512):
+            order.append(name)
+            await release.wait()
+
+    a = asyncio.create_task(run("A"))
+    await settle()
+    b = asyncio.create_task(run("B"))
+    await settle()
+    c = asyncio.create_task(run("C"))
+    await settle()
+    assert adm.waiting == 2 and adm.reserved == 3
+    b.cancel()
+    await settle()
+    assert b.cancelled() and adm.waiting == 1 and adm.reserved == 2
+    # Its place is free again: the queue takes one more.
+    d = asyncio.create_task(run("D"))
+    await settle()
+    assert adm.waiting == 2
+    release.set()
+    await asyncio.gather(a, c, d)
+    assert order == ["A", "C", "D"]
+    assert (adm.starting, adm.waiting, adm.reserved) == (0, 0, 0)
+
+
+async def test_waiter_cancelled_as_it_is_handed_the_slot_passes_it_on() -> None:
+    adm = make(max_starts=1)
+    order: list[str] = []
+
+    async def run(name: str) -> None:
+        async with adm.start(name, 512):
+            order.append(name)
+
+    a = adm.start("A", 512)
+    await a.__aenter__()
+    b = asyncio.create_task(run("B"))
+    c = asyncio.create_task(run("C"))
+    await settle()
+    await a.__aexit__(None, None, None)  # hands the slot to B, which has not run since
+    b.cancel()
+    await asyncio.gather(c)
+    assert b.cancelled()
+    assert order == ["C"]
+    assert (adm.starting, adm.waiting, adm.reserved) == (0, 0, 0)
+
+
+async def test_cancelled_body_releases() -> None:
+    adm = make(max_starts=1)
+    started = asyncio.Event()
+
+    async def run() -> None:
+        async with adm.start("x", 512):
+            started.set()
+            await asyncio.sleep(60)
+
+    task = asyncio.create_task(run())
+    await started.wait()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert (adm.starting, adm.waiting, adm.reserved) == (0, 0, 0)
+    async with asyncio.timeout(1):
+        async with adm.start("x", 512):
+            pass
+
+
+async def test_retry_hint_follows_measured_starts() -> None:
+    adm = make(max_starts=1, queue=1)
+    release = asyncio.Event()
+
+    async def run() -> None:
+        async with adm.start("x", 512):
+            await release.wait()
+
+    tasks = [asyncio.create_task(run()) for _ in range(2)]
+    await settle()
+    with pytest.raises(NoCapacity) as info:
+        async with adm.start("x", 512):
+            pass
+    # Two ahead at the assumed 2 s per start, one at a time.
+    assert info.value.retry_after_s == 4
+    release.set()
+    await asyncio.gather(*tasks)
+
+
+class _RefusingNode:
+    """Just enough of `Node` for `NodeRuntime` to translate what its calls raise."""
+
+    def __init__(self, home: Path, exc: BaseException) -> None:
+        self.settings = type("S", (), {"home": home})()
+        self.exc = exc
+
+    async def create(self, *_: object) -> object:
+        raise self.exc
+
+    async def pause(self, *_: object) -> None:
+        raise self.exc
+
+
+async def test_runtime_maps_refusals_to_503_and_full_disks_to_507(tmp_path: Path) -> None:
+    import errno
+
+    from agentenv.orchestrator.errors import InsufficientStorage, Unavailable
+    from agentenv.orchestrator.node_errors import BootFailed
+    from agentenv.orchestrator.node_runtime import NodeRuntime
+
+    def runtime(exc: BaseException) -> NodeRuntime:
+        return NodeRuntime(None, _RefusingNode(tmp_path, exc))  # type: ignore[arg-type]
+
+    refusal = NoCapacity("no capacity: 2 of 2 sandboxes", resource="sandboxes", retry_after_s=7)
+    with pytest.raises(Unavailable) as busy:
+        await runtime(refusal).create("base", 1, 512, 0)
+    assert (busy.value.status, busy.value.retry_after) == (503, 7)
+    assert busy.value.message == "no capacity: 2 of 2 sandboxes"
+
+    enospc = OSError(errno.ENOSPC, "No space left on device")
+    with pytest.raises(InsufficientStorage) as full:
+        await runtime(enospc).pause("i1")
+    assert full.value.status == 507 and str(tmp_path) in full.value.message
+    # A tool's failure that says so (qemu-img, QEMU), wrapped by the node.
+    try:
+        raise RuntimeError("qemu-img: error while writing: No space left on device")
+    except RuntimeError as tool:
+        wrapped = BootFailed("sandbox i1: create failed")
+        wrapped.__cause__ = tool
+    with pytest.raises(InsufficientStorage):
+        await runtime(wrapped).create("base", 1, 512, 0)
+    # Anything else passes unchanged.
+    with pytest.raises(BootFailed):
+        await runtime(BootFailed("envd not healthy")).create("base", 1, 512, 0)
