@@ -7,6 +7,7 @@ readable, and one `nft -f -` call applies a whole table atomically.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ipaddress
 from pathlib import Path
 
@@ -18,6 +19,8 @@ IP_FORWARD = Path("/proc/sys/net/ipv4/ip_forward")
 # Present while agentenv is the reason the host forwards IPv4: the host then routes nothing
 # but slot traffic, and forwarding goes back off with the last slot.
 FORWARD_MARK = Path("/run/agentenv-ip-forward")
+# nft and a namespace's sysctl writes take milliseconds; this long means a stuck host.
+COMMAND_TIMEOUT_S = 30.0
 
 
 async def run_in_netns(netns: str | None, script: str, stdin: str = "") -> None:
@@ -31,9 +34,18 @@ async def run_in_netns(netns: str | None, script: str, stdin: str = "") -> None:
         stdout=asyncio.subprocess.DEVNULL,
         stderr=asyncio.subprocess.PIPE,
     )
-    _, err = await proc.communicate(stdin.encode())
+    where = f"netns {netns}" if netns else "host"
+    try:
+        async with asyncio.timeout(COMMAND_TIMEOUT_S):
+            _, err = await proc.communicate(stdin.encode())
+    except TimeoutError:
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+        await proc.wait()
+        raise NetworkError(
+            f"{where}: {script.split()[0]} did not finish in {COMMAND_TIMEOUT_S:.0f}s"
+        ) from None
     if proc.returncode != 0:
-        where = f"netns {netns}" if netns else "host"
         lines = err.decode(errors="replace").strip().splitlines()
         raise NetworkError(f"{where}: {lines[-1] if lines else 'command failed'}")
 
@@ -140,7 +152,8 @@ async def host_table_exists() -> bool:
         stdout=asyncio.subprocess.DEVNULL,
         stderr=asyncio.subprocess.DEVNULL,
     )
-    return await proc.wait() == 0
+    async with asyncio.timeout(COMMAND_TIMEOUT_S):
+        return await proc.wait() == 0
 
 
 async def remove_host_rules() -> None:

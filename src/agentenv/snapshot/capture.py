@@ -139,6 +139,11 @@ async def capture(
         if keep_running and not resumed and vm.exit_code is None:
             with contextlib.suppress(Exception):
                 await vm.resume()
+        if resumed and machine.memory is MemoryMode.OWN:
+            # Re-homed before the failure: its RAM is now a private mapping of the staged
+            # file (which goes, still mapped), so only a full RAM stream can save it.
+            machine.memory = MemoryMode.SNAPSHOT
+            machine.snapshot_id = None
         await asyncio.to_thread(repo.discard, staging)
         raise
     if rehomed:

@@ -115,7 +115,16 @@ async def pause(machine: Machine, repo: SnapshotStore, image: GuestImage) -> Pau
         paused_at=time.time(),
         device_set=DEVICE_SET,
     )
-    await asyncio.to_thread(_write_record, workdir, record)
+    try:
+        await asyncio.to_thread(_write_record, workdir, record)
+    except BaseException:
+        # E.g. a full disk: the guest runs on, as if the pause had not been asked for.
+        await asyncio.to_thread(target.unlink, True)
+        await asyncio.to_thread((workdir / (PAUSED + ".tmp")).unlink, True)
+        if vm.exit_code is None:
+            with contextlib.suppress(Exception):
+                await vm.resume()
+        raise
     crash_point("pause:recorded")
     await vm.kill()
     if kind == "stream":

@@ -46,6 +46,18 @@ SNAPSHOT_TIMEOUT_S = 60.0
 # QEMU throttles migration to ~128 MiB/s by default; a local file takes much more.
 MIGRATE_BANDWIDTH = 16 * 1024**3
 
+# A migration that failed with less than this free where it wrote ran out of space.
+FULL_BELOW_BYTES = 16 * 1024 * 1024
+
+
+def _free_bytes(path: Path) -> int | None:
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
 _STATUS = {
     "running": VMStatus.RUNNING,
     "paused": VMStatus.PAUSED,
@@ -641,7 +653,16 @@ class QemuVM:
         await self._execute("stop")
         uri = f"exec:cat > {shlex.quote(str(path))}"
         await self._execute("migrate", {"uri": uri})
-        await self._wait_migration(what)
+        try:
+            await self._wait_migration(what)
+        except VMMError as exc:
+            # QEMU only sees its pipe break; a full filesystem is why, and callers map it.
+            free = await asyncio.to_thread(_free_bytes, path.parent)
+            if free is not None and free < FULL_BELOW_BYTES:
+                raise VMMError(
+                    f"{exc}: No space left on device ({path.parent}, {free // 1024} KiB free)"
+                ) from exc
+            raise
 
     async def _migrate_in(self, path: Path, what: str, run: bool) -> None:
         if not self.incoming:
