@@ -28,8 +28,9 @@ def test_dns_override(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_auto_resume_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Off unless set, as E2B: only sandboxes created with autoResume enabled wake on traffic.
     monkeypatch.delenv("AGENTENV_AUTO_RESUME", raising=False)
-    assert Settings.from_env().auto_resume is True
+    assert Settings.from_env().auto_resume is False
     for raw, expected in (("0", False), ("false", False), ("1", True), ("TRUE", True)):
         monkeypatch.setenv("AGENTENV_AUTO_RESUME", raw)
         assert Settings.from_env().auto_resume is expected

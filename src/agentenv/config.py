@@ -129,8 +129,9 @@ class Settings:
     balloon_floor_mb: int = 128
     # Host memory use in percent above which the idlest sandboxes are inflated (0: off).
     memory_pressure_pct: float = 80.0
-    # Proxy traffic to a paused sandbox resumes it, unless its create request opted out.
-    auto_resume: bool = True
+    # Whether proxy traffic resumes a paused sandbox whose create request did not say
+    # (`autoResume`); off by default, as E2B: only `autoResume: {"enabled": true}` resumes.
+    auto_resume: bool = False
     # Admission (orchestrator.admission): running + starting sandboxes (0: no count limit,
     # memory, disk and slots still apply), starts at once, starts waiting (FIFO) beyond that,
     # host memory kept free after what running sandboxes may still grow into, and the free
@@ -201,7 +202,7 @@ class Settings:
             idle_reclaim_s=float(idle),
             balloon_floor_mb=floor,
             memory_pressure_pct=float(pressure),
-            auto_resume=_env_bool("AGENTENV_AUTO_RESUME", True),
+            auto_resume=_env_bool("AGENTENV_AUTO_RESUME", False),
             max_sandboxes=limits["AGENTENV_MAX_SANDBOXES"],
             max_starts=limits["AGENTENV_MAX_STARTS"],
             start_queue=limits["AGENTENV_START_QUEUE"],

@@ -118,7 +118,7 @@ def test_lifecycle_shapes_and_status_codes(api: httpx.Client, server: ServerProc
     info = api.get(f"/sandboxes/{sid}").json()
     assert info["state"] == "running"
     assert info["metadata"] == {"suite": "x y"}
-    assert info["lifecycle"] == {"autoResume": True, "onTimeout": "kill"}
+    assert info["lifecycle"] == {"autoResume": False, "onTimeout": "kill"}
     end = datetime.fromisoformat(info["endAt"].replace("Z", "+00:00")).timestamp()
     assert before + 115 < end < time.time() + 125
 
@@ -258,7 +258,8 @@ def test_list_filters_and_pagination(api: httpx.Client) -> None:
             token = resp.headers.get("x-next-token")
             if not token:
                 break
-        assert seen == ids
+        # Newest first (E2B's default order).
+        assert seen == list(reversed(ids))
         # Every pair must match: the shared key alone would select both.
         both = api.get("/v2/sandboxes", params={"metadata": f"{meta}&n=1"}).json()
         assert [s["sandboxID"] for s in both] == [ids[1]]

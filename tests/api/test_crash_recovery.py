@@ -136,6 +136,8 @@ def test_sigkill_while_running_keeps_sandboxes(home: Path, restore_env: None) ->
         procs = [p.pid for p in again.commands.list()]
         assert sleeper.pid in procs
         assert _record(home, rid).pid == pid, "the same QEMU runs on"
+        # The command started before the crash is still the guest's: reconnect and end it.
+        assert again.commands.kill(sleeper.pid)
         back = Sandbox.connect(paused.sandbox_id)
         assert back.files.read("/home/user/p.txt") == "paused file"
         again.kill()
@@ -211,6 +213,31 @@ def test_dead_warm_entry_is_replaced_not_handed_out(home: Path, restore_env: Non
         assert _runtime_id(sbx) not in {r.name for r in victims}
         assert sbx.commands.run("echo ok").stdout.strip() == "ok"
         sbx.kill()
+    finally:
+        _finish(srv)
+
+
+def test_killed_converter_keeps_the_paused_sandbox(home: Path, restore_env: None) -> None:
+    """The helper QEMU that converts a paused RAM stream dies: the stream is kept and the
+    sandbox resumes from it."""
+    srv = _start(home)
+    try:
+        sbx = Sandbox.create(timeout=TIMEOUT_S)
+        sbx.files.write("/home/user/c.txt", "converted or not")
+        rid = _runtime_id(sbx)
+        sbx.beta_pause()
+        killed = None
+        deadline = time.monotonic() + 60
+        while killed is None and time.monotonic() < deadline:
+            for r in load_all(home / "run" / "vms"):
+                if r.name == f"{rid}-cv" and r.pid is not None:
+                    os.kill(r.pid, signal.SIGKILL)
+                    killed = r.pid
+            time.sleep(0.01)
+        assert killed is not None, "no converter ran"
+        back = Sandbox.connect(sbx.sandbox_id)
+        assert back.files.read("/home/user/c.txt") == "converted or not"
+        back.kill()
     finally:
         _finish(srv)
 

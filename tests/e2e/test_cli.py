@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import stat
 import subprocess
@@ -80,7 +81,8 @@ def test_auth_keys_and_errors(
     created = aenv(env, "keys", "create", "ci")
     assert created.returncode == 0, created.stderr
     secret = created.stdout.strip()
-    assert secret.startswith("aenv_")
+    # E2B's format, which the JS SDK (2.27+) checks before sending anything.
+    assert re.fullmatch(r"e2b_[0-9a-f]{40}", secret), secret
     keys = json.loads(aenv(env, "keys", "ls").stdout)
     ci = next(k for k in keys if k["name"] == "ci")
     assert secret not in json.dumps(keys)

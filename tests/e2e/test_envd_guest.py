@@ -274,4 +274,31 @@ async def test_e2b_sdk_against_guest_envd(
         assert sbx.commands.kill(handle.pid)
         assert sbx.is_running()
 
+        # The base template has `python` (python-is-python3), as E2B's does.
+        assert sbx.commands.run("python --version", timeout=120).stdout.startswith("Python 3.")
+        # A background server does not hold its command open until the timeout.
+        t0 = time.monotonic()
+        started = sbx.commands.run(
+            "python -m http.server 8000 --bind 127.0.0.1 & echo $! > /tmp/srv.pid; echo started",
+            timeout=120,
+        )
+        assert started.stdout == "started\n" and time.monotonic() - t0 < 60
+        probe = (
+            "for i in $(seq 300); do curl -sf http://127.0.0.1:8000/ >/dev/null && echo up && "
+            "exit 0; sleep 0.2; done; exit 1"
+        )
+        assert sbx.commands.run(probe, timeout=120).stdout == "up\n"
+        sbx.commands.run("kill $(cat /tmp/srv.pid)", timeout=120)
+        # procfs says 0 bytes; the content comes whole, and the next call works.
+        boot_id = sbx.files.read("/proc/sys/kernel/random/boot_id")
+        assert len(boot_id.strip()) == 36
+        cat = sbx.commands.run("cat /proc/sys/kernel/random/boot_id", timeout=120)
+        assert cat.stdout == boot_id
+        # Missing parents are made for the user; relative cwd starts at home; removing
+        # nothing is not an error.
+        sbx.files.write("/home/user/a/b/c.txt", "nested")
+        assert sbx.files.get_info("/home/user/a/b").owner == "user"
+        assert sbx.commands.run("pwd", cwd="a/b", timeout=120).stdout == "/home/user/a/b\n"
+        sbx.files.remove("/home/user/never-there")
+
     await asyncio.to_thread(scenario)

@@ -24,6 +24,7 @@ from agentenv.orchestrator.errors import (
     Conflict,
     CreateFailed,
     NotSupported,
+    SandboxLost,
     SandboxNotFound,
     TemplateNotFound,
 )
@@ -295,7 +296,7 @@ async def test_expiry_kills_or_pauses(mgr: SandboxManager) -> None:
 
 
 @pytest.mark.vm
-async def test_restart_marks_rows_of_vanished_sandboxes_gone(
+async def test_restart_marks_rows_of_vanished_sandboxes_lost(
     settings: Settings, base_template: object, tmp_path: Path
 ) -> None:
     db = tmp_path / "db.sqlite"
@@ -310,7 +311,9 @@ async def test_restart_marks_rows_of_vanished_sandboxes_gone(
     await m2.start()
     try:
         assert m2.store.get(rec.id).state is SandboxState.GONE  # type: ignore[union-attr]
-        assert any("marked gone" in ln.message for ln in m2.store.logs(rec.id))
+        assert any(ln.message.startswith("lost: ") for ln in m2.store.logs(rec.id))
+        with pytest.raises(SandboxLost, match=f"sandbox {rec.id} was lost"):
+            m2.get(rec.id)
     finally:
         await m2.close()
         await m._http.aclose()

@@ -1,4 +1,5 @@
-"""Proxy traffic to a paused sandbox: resumed by default, a clear error when opted out."""
+"""Proxy traffic to a paused sandbox: resumed when its create asked (`autoResume`, as E2B),
+a clear error otherwise; `AGENTENV_AUTO_RESUME=1` also resumes those that did not say."""
 
 from __future__ import annotations
 
@@ -23,6 +24,8 @@ pytestmark = pytest.mark.vm
 PORT = 8080
 # A resume restores a memory snapshot under emulation: seconds, bounded well above that.
 RESUME_TIMEOUT_S = 180.0
+# What E2B's SDK sends for `autoResume: {"enabled": true}` (it needs on_timeout "pause").
+AUTO_RESUME = {"on_timeout": "pause", "auto_resume": True}
 
 
 def _serve_secret(sbx: Sandbox) -> str:
@@ -46,9 +49,13 @@ def _api(server: ServerProcess) -> httpx.Client:
     )
 
 
-def test_request_to_paused_sandbox_resumes_it_by_default(proxy_server: ServerProcess) -> None:
-    # No lifecycle at all: the server's default (AGENTENV_AUTO_RESUME, on) applies.
-    sbx = Sandbox.create(template="base", timeout=300, **sdk_opts(proxy_server))  # type: ignore[arg-type]
+def test_request_to_paused_sandbox_resumes_it_when_it_asked(proxy_server: ServerProcess) -> None:
+    sbx = Sandbox.create(
+        template="base",
+        timeout=300,
+        lifecycle=AUTO_RESUME,  # type: ignore[arg-type]
+        **sdk_opts(proxy_server),  # type: ignore[arg-type]
+    )
     sid = sbx.sandbox_id
     hdrs = {"e2b-sandbox-id": sid, "e2b-sandbox-port": str(PORT)}
     try:
@@ -108,7 +115,12 @@ async def _echo(g: Guest, message: str) -> str:
 
 
 def test_websocket_to_paused_sandbox_resumes_it(proxy_server: ServerProcess) -> None:
-    sbx = Sandbox.create(template="base", timeout=300, **sdk_opts(proxy_server))  # type: ignore[arg-type]
+    sbx = Sandbox.create(
+        template="base",
+        timeout=300,
+        lifecycle=AUTO_RESUME,  # type: ignore[arg-type]
+        **sdk_opts(proxy_server),  # type: ignore[arg-type]
+    )
     sid = sbx.sandbox_id
     try:
         g = start_app(proxy_server, sbx)
@@ -125,53 +137,36 @@ def test_websocket_to_paused_sandbox_resumes_it(proxy_server: ServerProcess) -> 
         sbx.kill()
 
 
-@pytest.fixture(scope="module")
-def switch_off_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    home = prepare_home(tmp_path_factory.mktemp("no-resume-home"))
-    srv = ServerProcess(home, ready_timeout_s=180, env={"AGENTENV_AUTO_RESUME": "0"}).start()
+def test_by_default_a_paused_sandbox_stays_paused(proxy_server: ServerProcess) -> None:
+    # No lifecycle: E2B resumes on traffic only when autoResume was enabled, so neither the
+    # SDK's own liveness check (envd /health through the proxy) nor a user port wakes it.
+    sbx = Sandbox.create(template="base", timeout=300, **sdk_opts(proxy_server))  # type: ignore[arg-type]
+    sid = sbx.sandbox_id
     try:
-        yield srv
-    finally:
-        srv.stop(timeout_s=120)
-        sandboxes = home / "sandboxes"
-        assert not (sandboxes.is_dir() and any(sandboxes.iterdir())), "sandboxes left behind"
-
-
-def test_switch_off_resumes_only_sandboxes_that_asked(switch_off_server: ServerProcess) -> None:
-    opts = sdk_opts(switch_off_server)
-    with _api(switch_off_server) as api:
-        asked = Sandbox.create(
-            template="base",
-            timeout=300,
-            lifecycle={"on_timeout": "pause", "auto_resume": True},
-            **opts,  # type: ignore[arg-type]
-        )
-        try:
-            lifecycle = api.get(f"/sandboxes/{asked.sandbox_id}").json()["lifecycle"]
-            assert lifecycle["autoResume"] is True
-        finally:
-            asked.kill()
-        sbx = Sandbox.create(template="base", timeout=300, **opts)  # type: ignore[arg-type]
-        sid = sbx.sandbox_id
-        try:
+        with _api(proxy_server) as api:
             assert api.get(f"/sandboxes/{sid}").json()["lifecycle"]["autoResume"] is False
+            assert sbx.is_running()
             _pause(api, sid)
+            assert not sbx.is_running()
             resp = api.get("/", headers={"e2b-sandbox-id": sid, "e2b-sandbox-port": str(PORT)})
             assert resp.status_code == 502 and "paused" in resp.json()["message"]
             assert api.get(f"/sandboxes/{sid}").json()["state"] == "paused"
-        finally:
-            sbx.kill()
+            # An explicit connect still resumes it.
+            assert Sandbox.connect(sid, **sdk_opts(proxy_server)).is_running()  # type: ignore[arg-type]
+            assert api.get(f"/sandboxes/{sid}").json()["state"] == "running"
+    finally:
+        sbx.kill()
 
 
-def test_switch_off_refuses_a_websocket_to_a_paused_sandbox(
-    switch_off_server: ServerProcess,
+def test_by_default_a_websocket_to_a_paused_sandbox_is_refused(
+    proxy_server: ServerProcess,
 ) -> None:
-    sbx = Sandbox.create(template="base", timeout=300, **sdk_opts(switch_off_server))  # type: ignore[arg-type]
+    sbx = Sandbox.create(template="base", timeout=300, **sdk_opts(proxy_server))  # type: ignore[arg-type]
     sid = sbx.sandbox_id
     try:
-        g = start_app(switch_off_server, sbx)
+        g = start_app(proxy_server, sbx)
         assert asyncio.run(_echo(g, "before")) == "before"
-        with _api(switch_off_server) as api:
+        with _api(proxy_server) as api:
             _pause(api, sid)
             with pytest.raises(InvalidStatus) as info:
                 asyncio.run(_echo(g, "after"))
@@ -184,3 +179,41 @@ def test_switch_off_refuses_a_websocket_to_a_paused_sandbox(
             assert api.get(f"/sandboxes/{sid}").json()["state"] == "paused"
     finally:
         sbx.kill()
+
+
+@pytest.fixture(scope="module")
+def switch_on_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    home = prepare_home(tmp_path_factory.mktemp("resume-all-home"))
+    srv = ServerProcess(home, ready_timeout_s=180, env={"AGENTENV_AUTO_RESUME": "1"}).start()
+    try:
+        yield srv
+    finally:
+        srv.stop(timeout_s=120)
+        sandboxes = home / "sandboxes"
+        assert not (sandboxes.is_dir() and any(sandboxes.iterdir())), "sandboxes left behind"
+
+
+def test_switch_on_resumes_sandboxes_that_did_not_say(switch_on_server: ServerProcess) -> None:
+    opts = sdk_opts(switch_on_server)
+    with _api(switch_on_server) as api:
+        refused = Sandbox.create(
+            template="base",
+            timeout=300,
+            lifecycle={"on_timeout": "pause", "auto_resume": False},
+            **opts,  # type: ignore[arg-type]
+        )
+        try:
+            lifecycle = api.get(f"/sandboxes/{refused.sandbox_id}").json()["lifecycle"]
+            assert lifecycle["autoResume"] is False
+        finally:
+            refused.kill()
+        sbx = Sandbox.create(template="base", timeout=300, **opts)  # type: ignore[arg-type]
+        sid = sbx.sandbox_id
+        try:
+            assert api.get(f"/sandboxes/{sid}").json()["lifecycle"]["autoResume"] is True
+            _pause(api, sid)
+            # The SDK's liveness check is traffic like any other: it wakes the sandbox.
+            assert sbx.is_running()
+            assert api.get(f"/sandboxes/{sid}").json()["state"] == "running"
+        finally:
+            sbx.kill()

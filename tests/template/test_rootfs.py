@@ -40,4 +40,8 @@ def test_base_is_registered_and_then_a_cache_hit(settings: Settings, tmp_path: P
         ["debugfs", "-R", "ls -p /", str(raw)], capture_output=True, text=True, check=True
     ).stdout
     assert "/.agentenv/" in listing
+    python = subprocess.run(
+        ["debugfs", "-R", "stat /usr/bin/python", str(raw)], capture_output=True, text=True
+    ).stdout
+    assert "python3" in python, python  # python-is-python3: a symlink to python3
     assert _debugfs_cat(raw, "/etc/resolv.conf") == ""  # left to the guest init

@@ -146,8 +146,13 @@ def build_control_app(ctx: ControlContext) -> FastAPI:
         if body.mcp is not None:
             raise ApiError(400, "mcp sandboxes are not supported by this server")
         if body.autoPauseMemory is False:
-            raise ApiError(400, "filesystem-only auto-pause is not supported by this server")
+            raise ApiError(
+                400,
+                "autoPauseMemory: false (a filesystem-only auto-pause) is not supported by this "
+                "server",
+            )
         network = body.network.model_dump(exclude_none=True) if body.network else {}
+        _refuse_unenforced(body, network)
         spec = CreateSpec(
             template=body.templateID,
             timeout=body.timeout or DEFAULT_TIMEOUT_S,
@@ -219,40 +224,50 @@ def build_control_app(ctx: ControlContext) -> FastAPI:
         _: Auth,
         limit: Annotated[int, Query(ge=1, le=MAX_PAGE)] = MAX_PAGE,
         nextToken: str | None = None,
-        order: str = "asc",
+        order: str = "desc",
         startedAfter: str | None = None,
         template: str | None = None,
     ) -> JSONResponse:
+        """E2B's keyset pages: by start time (microseconds), newest first unless
+        ``order=asc``; ties by id (ascending when newest first, the exact reverse for asc);
+        ``nextToken`` names the last row of the previous page and its order."""
         states = _parse_states(request.query_params.getlist("state"))
         meta = _parse_metadata(request.query_params.get("metadata"), encoded_twice=True)
         if order not in ("asc", "desc"):
-            raise ApiError(400, "order must be 'asc' or 'desc'")
-        after = _parse_time(startedAfter) if startedAfter else None
-        cursor = _decode_token(nextToken) if nextToken else None
+            raise ApiError(400, f"order must be 'asc' or 'desc', not {order!r}")
         desc = order == "desc"
-        recs = mgr.store.select(
-            after_seq=cursor if cursor and not desc else 0,
-            before_seq=cursor if cursor and desc else None,
-            descending=desc,
-        )
-        page: list[SandboxRecord] = []
-        more = False
-        for rec in recs:
-            state = views.listed_state(rec)
-            if state is None or state not in states:
-                continue
-            if any(rec.metadata.get(k) != v for k, v in meta.items()):
-                continue
-            if after is not None and rec.started_at <= after:
-                continue
-            if template is not None and template not in (rec.template, rec.alias):
-                continue
-            if len(page) == limit:
-                more = True
-                break
-            page.append(rec)
-        headers = {"x-next-token": _encode_token(page[-1].seq)} if more else {}
-        body = [views.host_memory(views.listed(r), mgr.host_memory(r)) for r in page]
+        after = _parse_time(startedAfter) if startedAfter else None
+        cursor = _decode_token(nextToken, desc) if nextToken else None
+        rows = [
+            (views.micros(r.started_at), r)
+            for r in mgr.store.select(views.LISTED_STATES)
+            if views.listed_state(r) in states
+            and all(r.metadata.get(k) == v for k, v in meta.items())
+            and (template is None or template in (r.template, r.alias))
+        ]
+        # At or after `startedAfter`, both on the microsecond grid the client was shown.
+        rows = [(us, r) for us, r in rows if after is None or us >= after]
+        rows.sort(key=lambda row: (-row[0], row[1].id))
+        if not desc:
+            rows.reverse()
+        headers: dict[str, str] = {}
+        if "running" in states:
+            running = sum(1 for _, r in rows if views.listed_state(r) == "running")
+            headers["x-total-running"] = str(running)
+        if cursor is not None:
+            cur_us, cur_id = cursor
+
+            def past_cursor(us: int, sandbox_id: str) -> bool:
+                if desc:
+                    return us < cur_us or (us == cur_us and sandbox_id > cur_id)
+                return us > cur_us or (us == cur_us and sandbox_id < cur_id)
+
+            rows = [(us, r) for us, r in rows if past_cursor(us, r.id)]
+        page = rows[:limit]
+        if len(rows) > limit:
+            last_us, last = page[-1]
+            headers["x-next-token"] = _encode_token(last_us, last.id, desc)
+        body = [views.host_memory(views.listed(r), mgr.host_memory(r)) for _, r in page]
         return JSONResponse(body, headers=headers)
 
     @app.get("/sandboxes", tags=["sandboxes"])
@@ -263,6 +278,8 @@ def build_control_app(ctx: ControlContext) -> FastAPI:
             for r in mgr.store.select([SandboxState.RUNNING, SandboxState.PAUSING])
             if all(r.metadata.get(k) == v for k, v in meta.items())
         ]
+        # Newest first, as E2B's v1 list.
+        recs.sort(key=lambda r: (-views.micros(r.started_at), r.id))
         return JSONResponse([views.host_memory(views.listed(r), mgr.host_memory(r)) for r in recs])
 
     # -- one sandbox -----------------------------------------------------------------------
@@ -292,17 +309,28 @@ def build_control_app(ctx: ControlContext) -> FastAPI:
 
     @app.post("/sandboxes/{sandbox_id}/pause", status_code=204, tags=["sandboxes"])
     async def pause(sandbox_id: str, _: Auth, body: PauseBody | None = None) -> Response:
-        await mgr.pause(sandbox_id)
+        body = body or PauseBody()
+        if body.memory is False:
+            raise ApiError(
+                400,
+                "memory: false (a filesystem-only pause) is not supported by this server; "
+                "a pause without it keeps memory and filesystem",
+            )
+        await mgr.pause(sandbox_id, require_healthy_guest=body.requireHealthyGuest is True)
         return Response(status_code=204)
 
     @app.post("/sandboxes/{sandbox_id}/resume", status_code=201, tags=["sandboxes"])
     async def resume(sandbox_id: str, _: Auth, body: ResumeBody | None = None) -> JSONResponse:
-        rec = await mgr.resume(sandbox_id, body.timeout if body else None)
+        body = body or ResumeBody()
+        rec = await mgr.resume(
+            sandbox_id, body.timeout, auto_pause=body.autoPause, memory=body.memory
+        )
         return JSONResponse(views.sandbox(rec, ctx.domain), status_code=201)
 
     async def connect(sandbox_id: str, body: ConnectBody | None) -> JSONResponse:
+        body = body or ConnectBody()
         try:
-            rec, resumed = await mgr.connect(sandbox_id, body.timeout if body else None)
+            rec, resumed = await mgr.connect(sandbox_id, body.timeout, memory=body.memory)
         except Conflict as exc:
             raise ApiError(409, exc.message) from exc
         return JSONResponse(views.sandbox(rec, ctx.domain), status_code=201 if resumed else 200)
@@ -312,7 +340,9 @@ def build_control_app(ctx: ControlContext) -> FastAPI:
         sandbox_id: str, _: Auth, body: SnapshotBody | None = None
     ) -> JSONResponse:
         if body is not None and body.memory is False:
-            raise ApiError(400, "filesystem-only snapshots are not supported by this server")
+            raise ApiError(
+                400, "memory: false (a filesystem-only snapshot) is not supported by this server"
+            )
         info = await mgr.snapshot(sandbox_id, body.name if body else None)
         return JSONResponse({"snapshotID": info.snapshot_id, "names": info.names}, 201)
 
@@ -334,10 +364,10 @@ def build_control_app(ctx: ControlContext) -> FastAPI:
             if (runtime_id is None or s.source == runtime_id)
             and (name is None or name in s.names or name == s.snapshot_id)
         ]
-        start = _decode_token(nextToken) if nextToken else 0
+        start = _decode_offset(nextToken) if nextToken else 0
         page = rows[start : start + limit]
         more = start + limit < len(rows)
-        headers = {"x-next-token": _encode_token(start + limit)} if more else {}
+        headers = {"x-next-token": _encode_offset(start + limit)} if more else {}
         body = [{"snapshotID": s.snapshot_id, "names": s.names} for s in page]
         return JSONResponse(body, headers=headers)
 
@@ -356,12 +386,26 @@ def build_control_app(ctx: ControlContext) -> FastAPI:
         return await connect(sandbox_id, body)
 
     @app.get("/sandboxes/{sandbox_id}/metrics", tags=["sandboxes"])
-    async def sandbox_metrics(sandbox_id: str, _: Auth) -> JSONResponse:
+    async def sandbox_metrics(
+        sandbox_id: str,
+        _: Auth,
+        start: Annotated[int | None, Query(ge=0)] = None,
+        end: Annotated[int | None, Query(ge=0)] = None,
+    ) -> JSONResponse:
+        """The samples in [start, end] (Unix seconds, both optional, as E2B). No history is
+        kept here: the one sample is the guest's current one, returned when it falls in the
+        range."""
+        if start is not None and end is not None and start > end:
+            raise ApiError(400, f"Invalid time range for metrics: start {start} is after end {end}")
         rec = mgr.get(sandbox_id)
         raw = await mgr.guest_metrics(rec)
         if not raw:
             return JSONResponse([])
-        return JSONResponse([views.host_memory(_metric_sample(rec, raw), mgr.host_memory(rec))])
+        sample = _metric_sample(rec, raw)
+        at = int(sample["timestampUnix"])
+        if (start is not None and at < start) or (end is not None and at > end):
+            return JSONResponse([])
+        return JSONResponse([views.host_memory(sample, mgr.host_memory(rec))])
 
     @app.get("/sandboxes/{sandbox_id}/logs", tags=["sandboxes"])
     async def logs_v1(
@@ -390,6 +434,15 @@ def build_control_app(ctx: ControlContext) -> FastAPI:
     @app.get("/templates", tags=["templates"])
     async def list_templates(_: Auth) -> JSONResponse:
         return JSONResponse([views.template(t, mgr.envd_version) for t in ctx.templates.list()])
+
+    @app.get("/templates/aliases/{alias:path}", tags=["templates"])
+    async def template_alias(alias: str, _: Auth) -> JSONResponse:
+        """E2B's alias check (`Template.exists`): 200 `TemplateAliasResponse` or 404."""
+        try:
+            t = ctx.templates.get(alias)
+        except TemplateUnavailable as exc:
+            raise ApiError(404, f"template '{alias}' not found") from exc
+        return JSONResponse({"templateID": t.name, "public": False})
 
     @app.get("/templates/{template_id}", tags=["templates"])
     async def get_template(template_id: str, _: Auth) -> JSONResponse:
@@ -425,6 +478,32 @@ def build_control_app(ctx: ControlContext) -> FastAPI:
         app.add_api_route(path, _not_implemented, methods=methods, include_in_schema=False)
 
     return app
+
+
+# Egress policy this server does not enforce yet: refused by name, never stored and ignored.
+_UNENFORCED_NETWORK = (
+    "allowOut",
+    "denyOut",
+    "dnsServers",
+    "maskRequestHost",
+    "httpsPorts",
+    "egressProxy",
+    "rules",
+)
+
+
+def _refuse_unenforced(body: NewSandbox, network: dict[str, object]) -> None:
+    if not body.allow_internet_access:
+        raise ApiError(
+            400,
+            "allow_internet_access: false is not enforced by this server yet; create the "
+            "sandbox without it",
+        )
+    named = [f"network.{k}" for k in _UNENFORCED_NETWORK if k in network]
+    if named:
+        raise ApiError(400, f"{', '.join(named)}: not enforced by this server yet")
+    if body.iam is not None:
+        raise ApiError(400, "iam: workload identity is not supported by this server")
 
 
 async def _not_implemented(request: Request) -> JSONResponse:
@@ -490,23 +569,49 @@ def _parse_metadata(raw: str | None, *, encoded_twice: bool) -> dict[str, str]:
     return dict(pairs)
 
 
-def _parse_time(raw: str) -> float:
+def _parse_time(raw: str) -> int:
+    """``startedAfter`` in microseconds since the epoch (finer digits are dropped, as E2B's
+    truncation; no offset means UTC)."""
     try:
-        return datetime.fromisoformat(raw.replace("Z", "+00:00")).timestamp()
+        return views.micros_of(datetime.fromisoformat(raw.replace("Z", "+00:00")))
     except ValueError as exc:
         raise BadRequest(f"startedAfter {raw!r} is not an ISO-8601 time") from exc
 
 
-def _encode_token(seq: int) -> str:
-    return base64.urlsafe_b64encode(f"seq:{seq}".encode()).decode().rstrip("=")
+def _encode_token(us: int, sandbox_id: str, desc: bool) -> str:
+    # E2B's cursor: base64url("{RFC 3339 time}__{id}"), plus "__asc" for ascending pages.
+    raw = f"{views.iso_micros(us)}__{sandbox_id}" + ("" if desc else "__asc")
+    return base64.urlsafe_b64encode(raw.encode()).decode()
 
 
-def _decode_token(token: str) -> int:
+def _decode_token(token: str, desc: bool) -> tuple[int, str]:
+    """The (start time, id) a page continues after; the token must be for this order."""
     try:
         raw = base64.urlsafe_b64decode(token + "=" * (-len(token) % 4)).decode()
-        kind, _, seq = raw.partition(":")
+        parts = raw.split("__")
+        if len(parts) not in (2, 3) or (len(parts) == 3 and parts[2] != "asc") or not parts[1]:
+            raise ValueError(raw)
+        us = views.micros_of(datetime.fromisoformat(parts[0].replace("Z", "+00:00")))
+    except ValueError as exc:
+        raise BadRequest("nextToken is not a token this server issued") from exc
+    if (len(parts) == 2) != desc:
+        raise BadRequest(
+            f"nextToken was issued for order={'desc' if len(parts) == 2 else 'asc'}, "
+            f"not order={'desc' if desc else 'asc'}"
+        )
+    return us, parts[1]
+
+
+def _encode_offset(offset: int) -> str:
+    return base64.urlsafe_b64encode(f"seq:{offset}".encode()).decode().rstrip("=")
+
+
+def _decode_offset(token: str) -> int:
+    try:
+        raw = base64.urlsafe_b64decode(token + "=" * (-len(token) % 4)).decode()
+        kind, _, offset = raw.partition(":")
         if kind != "seq":
             raise ValueError(raw)
-        return int(seq)
+        return int(offset)
     except ValueError as exc:
         raise BadRequest("nextToken is not a token this server issued") from exc

@@ -1,4 +1,10 @@
-"""API keys: random secrets shown once, stored only as SHA-256 hashes."""
+"""API keys: random secrets shown once, stored only as SHA-256 hashes.
+
+Keys are issued in E2B's format, ``e2b_`` + 40 lowercase hex digits (20 random bytes, as
+e2b-dev/infra ``packages/shared/pkg/keys``): the JS SDK from 2.27 refuses, before sending
+anything, any key that does not match ``^e2b_[0-9a-f]+$``. Keys issued earlier (``aenv_…``)
+keep working: a key is looked up by the hash of the whole string, whatever its prefix.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +15,7 @@ from pathlib import Path
 
 from agentenv.orchestrator.store import ApiKey, Store
 
-KEY_PREFIX = "aenv_"
+KEY_PREFIX = "e2b_"
 
 
 class UnknownKey(ValueError):

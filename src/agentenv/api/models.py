@@ -91,6 +91,7 @@ class NewSandbox(_Strict):
 
 class ConnectBody(_Strict):
     timeout: Timeout | None = None
+    # `false` asks a paused sandbox to cold-boot from disk; refused (a running one ignores it).
     memory: StrictBool | None = None
 
 
@@ -103,7 +104,9 @@ class RefreshBody(_Strict):
 
 
 class PauseBody(_Strict):
+    # Only memory snapshots exist here; `false` (filesystem only) is refused.
     memory: StrictBool | None = None
+    # True: refuse (503) while the guest's envd does not answer; the sandbox keeps running.
     requireHealthyGuest: StrictBool | None = None
 
 
@@ -120,4 +123,7 @@ class ForkBody(_Strict):
 
 class ResumeBody(_Strict):
     timeout: Timeout | None = None
+    # Replaces the sandbox's auto-pause setting once it runs again (E2B: deprecated).
     autoPause: StrictBool | None = None
+    # `false` (cold-boot from disk, memory dropped) is refused, as on connect.
+    memory: StrictBool | None = None

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from agentenv.orchestrator.memory import HostMemory
@@ -20,8 +20,31 @@ _LISTED_STATE = {
 }
 
 
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+_MICROSECOND = timedelta(microseconds=1)
+# Listable states (the rest are not shown).
+LISTED_STATES = frozenset(_LISTED_STATE)
+
+
 def iso(ts: float) -> str:
     return datetime.fromtimestamp(ts, UTC).isoformat().replace("+00:00", "Z")
+
+
+def micros(ts: float) -> int:
+    """``ts`` on the microsecond grid ``iso`` shows it on (the same rounding), so a time a
+    client read back compares equal to the one it names."""
+    return (datetime.fromtimestamp(ts, UTC) - _EPOCH) // _MICROSECOND
+
+
+def micros_of(dt: datetime) -> int:
+    """An aware datetime (naive: UTC) in whole microseconds since the epoch."""
+    if dt.tzinfo is None:
+        dt = dt.replace(tzinfo=UTC)
+    return (dt - _EPOCH) // _MICROSECOND
+
+
+def iso_micros(us: int) -> str:
+    return (_EPOCH + timedelta(microseconds=us)).isoformat().replace("+00:00", "Z")
 
 
 def listed_state(rec: SandboxRecord) -> str | None:

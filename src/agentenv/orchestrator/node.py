@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import builtins
 import contextlib
+import fcntl
 import json
 import logging
 import os
@@ -181,12 +182,15 @@ class Node:
             owner=settings.slots_dir,
         )
         self._sandboxes: dict[str, SandboxHandle] = {}
-        # Sandboxes whose VM ended on its own (or could not be re-adopted at start): why.
+        # Sandboxes found dead or not adoptable at start: why (the control plane takes each
+        # once, `NodeRuntime.lost_reason`).
         self.lost: dict[str, str] = {}
         # Told (sandbox id, why) the moment a running sandbox's VM ends on its own; without
         # a handler the node deletes the sandbox itself.
         self.on_lost: Callable[[str, str], None] | None = None
         self._tasks: set[asyncio.Task[None]] = set()
+        # Held while this node runs: the node that gets it owns what a dead one left.
+        self._owner_fd: int | None = None
         # Every start (create, resume, fork) is admitted first: capacity, then a FIFO turn.
         self.admission = Admission(
             Limits.from_settings(settings),
@@ -253,7 +257,12 @@ class Node:
             self._vm_exited,
         )
         self.settings.sandboxes_dir.mkdir(parents=True, exist_ok=True)
-        await self._recover()
+        self._owner_fd = await asyncio.to_thread(_claim_data_dir, self.settings.run_dir)
+        if self._owner_fd is not None:
+            await self._recover()
+        else:
+            # Another live node holds this data dir: what runs there is its own.
+            log.info("another node runs on %s: no crash recovery", self.settings.home)
         if self.warm.enabled:
             self._warm_root = await asyncio.to_thread(_warm_root, self.settings.warm_dir)
         await self.pool.start()
@@ -396,7 +405,6 @@ class Node:
         sb = self._sandboxes.get(vm.name)
         if sb is not None and sb.vm is vm and not sb.paused:
             why = f"its VM ended unexpectedly (exit status {vm.exit_code}): {_tail(vm.serial_log)}"
-            self.lost[sb.id] = why
             if self.on_lost is not None:
                 self.on_lost(sb.id, why)
             else:
@@ -450,6 +458,9 @@ class Node:
             await asyncio.to_thread(shutil.rmtree, self._warm_root, True)
             self._warm_root = None
         await self.pool.close()
+        if self._owner_fd is not None:
+            os.close(self._owner_fd)
+            self._owner_fd = None
 
     async def __aenter__(self) -> Node:
         await self.start()
@@ -1012,7 +1023,6 @@ class Node:
         except BaseException as exc:
             await self.pool.release(slot)
             if isinstance(exc, snaps.ResumedButLost):
-                self.lost[sandbox_id] = str(exc)
                 await self.delete(sandbox_id)
             raise
         if sb is None:
@@ -1127,6 +1137,20 @@ class Node:
             self._sandboxes[child.name] = h
             handles.append(h)
         return handles
+
+
+def _claim_data_dir(run_dir: Path) -> int | None:
+    """An exclusive lock on `<home>/run/node.lock`, held for the node's life; None if a
+    live node (this process's or another's) holds it. The kernel drops it when its holder
+    dies, so after a crash the next node gets it and recovers."""
+    run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    fd = os.open(run_dir / "node.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
 
 
 def _warm_root(warm_dir: Path) -> Path:

@@ -127,7 +127,7 @@ class NodeRuntime:
         return self.node.sandbox_ids()
 
     def lost_reason(self, runtime_id: str) -> str | None:
-        return self.node.lost.get(runtime_id)
+        return self.node.lost.pop(runtime_id, None)
 
     def watch_lost(self, handler: Callable[[str, str], None]) -> None:
         self.node.on_lost = handler

@@ -54,6 +54,8 @@ log = logging.getLogger("agentenv.sandboxes")
 LOST = "lost: "
 
 DEFAULT_TIMEOUT_S = 300
+# How long a pause with `requireHealthyGuest` waits for envd's `/health` before refusing.
+ENVD_HEALTH_TIMEOUT_S = 5.0
 MAX_TIMEOUT_S = 24 * 3600
 _ID_ALPHABET = string.ascii_lowercase + string.digits
 # How often the reaper looks for expired sandboxes when nothing is due sooner.
@@ -61,6 +63,16 @@ _REAPER_TICK_S = 1.0
 # How often paused sandboxes are checked against the retention limit (at most; a shorter
 # retention is checked as often as it is long).
 _RETENTION_CHECK_S = 30.0
+# envd `/init` calls to a fork's children in flight at once.
+_FORK_INIT_CONCURRENCY = 8
+
+
+def _refuse_cold_resume(memory: bool | None) -> None:
+    if memory is False:
+        raise BadRequest(
+            "memory: false (resuming with a cold boot from disk) is not supported by this "
+            "server; a plain resume restores memory"
+        )
 
 
 def new_sandbox_id() -> str:
@@ -103,7 +115,7 @@ class SandboxManager:
         max_memory_mb: int = 16384,
         paused_retention_s: float = 0.0,
         retention_check_s: float | None = None,
-        auto_resume: bool = True,
+        auto_resume: bool = False,
     ) -> None:
         self.store = store
         self.runtime = runtime
@@ -298,6 +310,18 @@ class SandboxManager:
             return None
         return body if isinstance(body, dict) else None
 
+    async def _envd_unhealthy(self, rec: SandboxRecord) -> str | None:
+        """Why the sandbox's envd does not answer `/health` now, or None when it does."""
+        if not rec.envd_url:
+            return "no address"
+        try:
+            resp = await self._http.get(f"{rec.envd_url}/health", timeout=ENVD_HEALTH_TIMEOUT_S)
+        except httpx.HTTPError as exc:
+            return f"{type(exc).__name__} after at most {ENVD_HEALTH_TIMEOUT_S:g} s"
+        if resp.status_code >= 300:
+            return f"/health answered {resp.status_code}"
+        return None
+
     def note_activity(self, rec: SandboxRecord) -> None:
         """The proxy passed traffic to this sandbox (it is not idle)."""
         self.runtime.note_activity(rec.runtime_id or rec.id)
@@ -481,9 +505,9 @@ class SandboxManager:
             except Unsupported as exc:
                 raise NotSupported(str(exc)) from exc
             self.store.log(sandbox_id, f"forked {len(placements)} sandbox(es)")
-        children: list[SandboxRecord] = []
         seconds = lifetime_s if lifetime_s is not None else DEFAULT_TIMEOUT_S
-        for i, placement in enumerate(placements):
+        recs: list[SandboxRecord] = []
+        for _ in placements:
             now = time.time()
             rec = SandboxRecord(
                 id=new_sandbox_id(),
@@ -508,14 +532,25 @@ class SandboxManager:
             )
             self.store.insert(rec)
             self.store.log(rec.id, f"forked from {sandbox_id}")
-            try:
+            recs.append(rec)
+        # The children's envd get their tokens concurrently (one round trip each, ~0.3 s
+        # under TCG); all children or none.
+        gate = asyncio.Semaphore(_FORK_INIT_CONCURRENCY)
+
+        async def init(rec: SandboxRecord, placement: Placement) -> None:
+            async with gate:
                 await self._init_envd(rec, placement)
-            except BaseException as exc:
-                await self._teardown_failed_create(rec, placement, exc)
-                for rest in placements[i + 1 :]:
-                    with contextlib.suppress(Exception):
-                        await self.runtime.delete(rest.runtime_id)
-                raise
+
+        results = await asyncio.gather(
+            *(init(r, p) for r, p in zip(recs, placements, strict=True)), return_exceptions=True
+        )
+        failed = next((r for r in results if isinstance(r, BaseException)), None)
+        if failed is not None:
+            for rec, placement in zip(recs, placements, strict=True):
+                await self._teardown_failed_create(rec, placement, failed)
+            raise failed
+        children: list[SandboxRecord] = []
+        for rec, placement in zip(recs, placements, strict=True):
             self.store.transition(
                 rec.id,
                 SandboxState.CREATING,
@@ -577,8 +612,13 @@ class SandboxManager:
                 raise Conflict(f"sandbox {sandbox_id} is {rec.state.value}")
             self.store.update(sandbox_id, end_at=max(rec.end_at, time.time() + duration))
 
-    async def connect(self, sandbox_id: str, seconds: int | None) -> tuple[SandboxRecord, bool]:
-        """Make sure the sandbox runs; returns it and whether it had to be resumed."""
+    async def connect(
+        self, sandbox_id: str, seconds: int | None, *, memory: bool | None = None
+    ) -> tuple[SandboxRecord, bool]:
+        """Make sure the sandbox runs; returns it and whether it had to be resumed.
+
+        ``memory=False`` (resume by a cold boot from disk) is refused for a paused sandbox
+        and means nothing for a running one (E2B's connect)."""
         async with self._locked(sandbox_id):
             rec = self.get(sandbox_id)
             if rec.state is SandboxState.RUNNING:
@@ -588,16 +628,28 @@ class SandboxManager:
                     self.store.update(sandbox_id, end_at=end_at)
                 return self.get(sandbox_id), False
             if rec.state is SandboxState.PAUSED:
+                _refuse_cold_resume(memory)
                 await self._resume_locked(rec, seconds)
                 return self.get(sandbox_id), True
             raise Conflict(f"sandbox {sandbox_id} is {rec.state.value}")
 
-    async def resume(self, sandbox_id: str, seconds: int | None) -> SandboxRecord:
+    async def resume(
+        self,
+        sandbox_id: str,
+        seconds: int | None,
+        *,
+        auto_pause: bool | None = None,
+        memory: bool | None = None,
+    ) -> SandboxRecord:
+        """Resume a paused sandbox; ``auto_pause`` replaces its auto-pause setting."""
         async with self._locked(sandbox_id):
             rec = self.get(sandbox_id)
             if rec.state is not SandboxState.PAUSED:
                 raise Conflict(f"sandbox {sandbox_id} is {rec.state.value}, not paused")
+            _refuse_cold_resume(memory)
             await self._resume_locked(rec, seconds)
+            if auto_pause is not None:
+                self.store.update(sandbox_id, auto_pause=auto_pause)
         return self.get(sandbox_id)
 
     async def _resume_locked(self, rec: SandboxRecord, seconds: int | None) -> None:
@@ -636,11 +688,20 @@ class SandboxManager:
         self.store.log(rec.id, "resumed")
         self._wake.set()
 
-    async def pause(self, sandbox_id: str) -> None:
+    async def pause(self, sandbox_id: str, *, require_healthy_guest: bool = False) -> None:
+        """Pause a running sandbox. ``require_healthy_guest``: refuse (503, it keeps running)
+        while its envd does not answer, instead of saving a guest that may be stuck."""
         async with self._locked(sandbox_id):
             rec = self.get(sandbox_id)
             if rec.state is SandboxState.PAUSED:
                 raise Conflict(f"sandbox {sandbox_id} is already paused")
+            if require_healthy_guest and rec.state is SandboxState.RUNNING:
+                why = await self._envd_unhealthy(rec)
+                if why is not None:
+                    raise Unavailable(
+                        f"sandbox {sandbox_id} was not paused: its guest agent (envd) does not "
+                        f"answer ({why}); it keeps running"
+                    )
             if not self.store.transition(sandbox_id, SandboxState.RUNNING, SandboxState.PAUSING):
                 raise Conflict(f"sandbox {sandbox_id} is {rec.state.value}")
             try:

@@ -29,6 +29,8 @@ BASE_PACKAGES = [
     "bash",
     "coreutils",
     "python3",
+    # `python` is python3, as in E2B's base image (a symlink in /usr/bin).
+    "python-is-python3",
     "curl",
     "git",
     "procps",

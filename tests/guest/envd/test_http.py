@@ -439,3 +439,100 @@ async def test_client_helper(envd: EnvdProc) -> None:
         assert not await dead.health()
         with pytest.raises(TimeoutError):
             await dead.wait_healthy(0.3)
+
+
+async def test_zero_size_proc_files_come_whole_on_a_healthy_connection(envd: EnvdProc) -> None:
+    """procfs/sysfs report size 0 but have content: exact Content-Length, connection reusable."""
+    limits = httpx.Limits(max_connections=1, max_keepalive_connections=1)
+    async with httpx.AsyncClient(base_url=envd.url, timeout=30, limits=limits) as one:
+        for path in ("/proc/sys/kernel/random/boot_id", "/proc/self/status", "/proc/meminfo"):
+            response = await one.get("/files", params={"path": path, "username": "root"})
+            assert response.status_code == 200, response.text
+            assert response.content, path
+            assert int(response.headers["content-length"]) == len(response.content)
+        boot_id = await one.get("/files", params={"path": "/proc/sys/kernel/random/boot_id"})
+        assert boot_id.text == Path("/proc/sys/kernel/random/boot_id").read_text()
+        empty = await one.get("/files", params={"path": "/dev/null"})
+        assert (empty.status_code, empty.content) == (200, b"")
+        assert empty.headers["content-length"] == "0"
+        directory = await one.get("/files", params={"path": "/proc/self/task"})
+        assert directory.status_code == 400
+        assert (await one.get("/health")).status_code == 204
+
+
+async def test_unsized_file_longer_than_the_read_ahead_is_chunked(
+    http: httpx.AsyncClient, scratch: Path
+) -> None:
+    fifo = scratch / "fifo"
+    os.mkfifo(fifo)
+    os.chown(fifo, pwd.getpwnam("user").pw_uid, -1)
+    payload = os.urandom(3 * 1024 * 1024 + 17)
+
+    def feed() -> None:
+        with fifo.open("wb") as writer:
+            writer.write(payload)
+
+    # The writer waits in open() for a reader, already counted as a writer, so envd's read
+    # blocks for data rather than seeing EOF.
+    writer = asyncio.create_task(asyncio.to_thread(feed))
+    await asyncio.sleep(0.3)
+    response = await http.get("/files", params={"path": str(fifo)})
+    await writer
+    if response.content == b"":
+        # envd opened the FIFO before the writer: an empty pipe without writers is EOF.
+        pytest.skip("the FIFO had no writer yet when envd read it")
+    assert response.status_code == 200
+    assert "content-length" not in response.headers
+    assert response.headers.get("transfer-encoding") == "chunked"
+    assert response.content == payload
+
+
+async def test_uploads_create_missing_parents_for_the_user(
+    http: httpx.AsyncClient, scratch: Path
+) -> None:
+    uid = pwd.getpwnam("user").pw_uid
+    locked = scratch / "locked"
+    locked.mkdir()
+    os.chown(locked, 0, 0)
+    # Multipart without `path` (each filename is the destination), and raw octet-stream.
+    multipart = await http.post(
+        "/files",
+        files=[
+            ("file", (str(locked / "m" / "n" / "1.txt"), b"one", "text/plain")),
+            ("file", (str(locked / "m" / "2.txt"), b"two", "text/plain")),
+        ],
+    )
+    assert multipart.status_code == 200, multipart.text
+    raw = await http.post(
+        "/files",
+        params={"path": str(locked / "r" / "s" / "3.bin")},
+        content=b"three",
+        headers={"content-type": "application/octet-stream"},
+    )
+    assert raw.status_code == 200, raw.text
+    for path in ("m", "m/n", "m/n/1.txt", "m/2.txt", "r", "r/s", "r/s/3.bin"):
+        assert (locked / path).stat().st_uid == uid, path
+    assert (locked / "m" / "n" / "1.txt").read_bytes() == b"one"
+    denied = await http.post(
+        "/files",
+        params={"path": str(locked / "4.txt")},
+        content=b"no",
+        headers={"content-type": "application/octet-stream"},
+    )
+    assert denied.status_code == 403
+    assert denied.json()["message"] == f"permission denied: user cannot write in {locked}"
+    through_a_file = await http.post(
+        "/files",
+        params={"path": str(locked / "m" / "2.txt" / "5.txt")},
+        content=b"no",
+        headers={"content-type": "application/octet-stream"},
+    )
+    assert through_a_file.status_code == 400
+    bad_metadata = await http.post(
+        "/files",
+        params={"path": str(scratch / "meta.txt")},
+        content=b"x",
+        headers={"content-type": "application/octet-stream", "x-metadata-k": b"caf\xc3\xa9"},
+    )
+    assert bad_metadata.status_code == 400
+    assert "non-printable-ASCII" in bad_metadata.json()["message"]

@@ -7,6 +7,10 @@ every envd call at our process, so these are the SDK's own requests, byte for by
 from __future__ import annotations
 
 import contextlib
+import os
+import pwd
+import shutil
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -14,7 +18,7 @@ from pathlib import Path
 
 import pytest
 from e2b import AsyncSandbox, FilesystemEventType, Sandbox
-from e2b.exceptions import TimeoutException
+from e2b.exceptions import InvalidArgumentException, SandboxException, TimeoutException
 from e2b.sandbox.commands.command_handle import CommandExitException, PtySize
 from e2b.sandbox.filesystem.filesystem import FileType
 
@@ -211,3 +215,120 @@ def test_twenty_concurrent_background_commands(sbx: Sandbox) -> None:
     assert {h.pid for h in handles} <= listed
     outputs = [h.wait().stdout for h in handles]
     assert outputs == [f"n{i}\n" for i in range(20)]
+
+
+def test_command_leaving_a_background_server_returns(sbx: Sandbox, scratch: Path) -> None:
+    """`server &` ends when the shell exits, not at its timeout; the server runs on."""
+    from .conftest import free_port
+
+    port = free_port()
+    pid_file = scratch / "server.pid"
+    started = time.monotonic()
+    try:
+        result = sbx.commands.run(
+            f"python3 -m http.server {port} --bind 127.0.0.1 & echo $! > {pid_file}; echo started",
+            timeout=30,
+        )
+        took = time.monotonic() - started
+        assert (result.stdout, result.exit_code) == ("started\n", 0)
+        assert took < 10, f"the command took {took:.1f}s: it waited for the server's pipes"
+        probe = (
+            f"for i in $(seq 100); do curl -sf http://127.0.0.1:{port}/ >/dev/null && "
+            "echo up && exit 0; sleep 0.1; done; exit 1"
+        )
+        # Twice: the server logs each request to the stdout/stderr it inherited.
+        assert sbx.commands.run(probe, timeout=30).stdout == "up\n"
+        assert sbx.commands.run(probe, timeout=30).stdout == "up\n"
+    finally:
+        with contextlib.suppress(FileNotFoundError, ValueError, ProcessLookupError):
+            os.kill(int(pid_file.read_text()), signal.SIGTERM)
+
+
+def test_read_procfs_file_then_keep_going(sbx: Sandbox) -> None:
+    """procfs says 0 bytes; the content must come whole and the connection stay usable."""
+    boot_id = Path("/proc/sys/kernel/random/boot_id").read_text()
+    assert sbx.files.read("/proc/sys/kernel/random/boot_id") == boot_id
+    assert sbx.files.read("/proc/sys/kernel/random/boot_id") == boot_id
+    assert sbx.commands.run("echo next").stdout == "next\n"
+    assert "MemTotal" in sbx.files.read("/proc/meminfo")
+    assert sbx.files.read("/dev/null") == ""
+
+
+def test_remove_missing_path_is_not_an_error(sbx: Sandbox, scratch: Path) -> None:
+    # Upstream's Remove is os.RemoveAll, which succeeds when there is nothing to remove.
+    sbx.files.remove(f"{scratch}/never-existed")
+    sbx.files.remove(f"{scratch}/no/such/dir")
+    sbx.files.write(f"{scratch}/f.txt", "x")
+    sbx.files.remove(f"{scratch}/f.txt")
+    sbx.files.remove(f"{scratch}/f.txt")
+    assert not sbx.files.exists(f"{scratch}/f.txt")
+
+
+def test_relative_cwd_starts_at_home(sbx: Sandbox, scratch: Path, user_home: Path) -> None:
+    relative = os.path.relpath(scratch, user_home)
+    assert sbx.commands.run("pwd", cwd=relative).stdout == f"{scratch}\n"
+    assert sbx.commands.run("pwd", cwd="~").stdout == f"{user_home}\n"
+    assert sbx.commands.run("pwd", cwd=f"~/{relative}").stdout == f"{scratch}\n"
+    assert sbx.commands.run("pwd", cwd="/tmp/../tmp").stdout == "/tmp\n"
+    assert sbx.commands.run("pwd", cwd=f"{relative}/..").stdout == f"{user_home}\n"
+    with pytest.raises(InvalidArgumentException) as err:
+        sbx.commands.run("pwd", cwd="no-such-dir-here")
+    assert f"cwd '{user_home}/no-such-dir-here' does not exist" in str(err.value)
+
+
+def test_overwrite_replaces_metadata(sbx: Sandbox, scratch: Path) -> None:
+    path = f"{scratch}/meta.txt"
+    info = sbx.files.write(path, "1", metadata={"a": "1", "b": "2"})
+    assert info.metadata == {"a": "1", "b": "2"}
+    assert sbx.files.get_info(path).metadata == {"a": "1", "b": "2"}
+    info = sbx.files.write(path, "2", metadata={"a": "3"})
+    assert info.metadata == {"a": "3"}
+    assert sbx.files.get_info(path).metadata == {"a": "3"}
+    info = sbx.files.write(path, "3")
+    assert not info.metadata
+    assert not sbx.files.get_info(path).metadata
+    assert sbx.files.read(path) == "3"
+
+
+def test_write_creates_missing_parents_for_the_user(
+    sbx: Sandbox, scratch: Path, user_home: Path
+) -> None:
+    uid = pwd.getpwnam("user").pw_uid
+    # Straight under the home directory, as in `files.write("/home/user/a/b/c.txt")`.
+    top = user_home / f"envd-parents-{os.getpid()}-{time.monotonic_ns()}"
+    try:
+        info = sbx.files.write(f"{top}/a/b/c.txt", "deep")
+        assert info.path == f"{top}/a/b/c.txt"
+        assert (top / "a" / "b" / "c.txt").read_text() == "deep"
+        for path in (top, top / "a", top / "a" / "b", top / "a" / "b" / "c.txt"):
+            assert path.stat().st_uid == uid, path
+    finally:
+        shutil.rmtree(top, ignore_errors=True)
+    # Several files in one multipart upload (no `path`: each part's filename is its path).
+    sbx.files.write_files(
+        [
+            {"path": f"{scratch}/x/1.txt", "data": "one"},
+            {"path": f"{scratch}/y/z/2.txt", "data": "two"},
+        ]
+    )
+    assert (scratch / "y" / "z" / "2.txt").read_text() == "two"
+    assert (scratch / "y" / "z").stat().st_uid == uid
+    # The missing parents may start below a directory the user cannot write (as `/` is):
+    # upstream's EnsureDirs makes them anyway, and gives them to the user.
+    locked = scratch / "locked"
+    locked.mkdir(mode=0o755)
+    os.chown(locked, 0, 0)
+    sbx.files.write(f"{locked}/new/file.txt", "ok")
+    assert (locked / "new").stat().st_uid == uid
+    # But a file straight into a directory the user cannot write is refused, clearly.
+    with pytest.raises(SandboxException) as err:
+        sbx.files.write(f"{locked}/file.txt", "no")
+    assert "permission denied: user cannot write in" in str(err.value)
+    assert not (locked / "file.txt").exists()
+    with pytest.raises(SandboxException) as err:
+        sbx.files.write("/etc/envd-test-should-not-exist.txt", "no")
+    assert "permission denied" in str(err.value)
+    assert not Path("/etc/envd-test-should-not-exist.txt").exists()
+    # A path through a file is a bad request, not a crash.
+    with pytest.raises(InvalidArgumentException):
+        sbx.files.write(f"{scratch}/x/1.txt/under-a-file.txt", "no")

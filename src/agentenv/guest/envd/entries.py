@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import stat
 
 from protobuf.wkt.google.protobuf.timestamp_pb import Timestamp
 
-from .errors import NotFound
+from .errors import InvalidArgument, NotFound
 from .gen.filesystem import filesystem_pb as pb
 from .users import group_name, user_name
 
@@ -31,9 +32,51 @@ def read_metadata(path: str) -> dict[str, str]:
     return found
 
 
-def write_metadata(path: str, metadata: dict[str, str]) -> None:
+# Upstream's limits (packages/shared/pkg/filesystem/xattr.go): the VFS caps an xattr name at
+# 255 bytes, ext4 keeps all of an inode's xattrs in one 4 KiB block.
+MAX_METADATA_KEY = 255 - len(XATTR_PREFIX)
+MAX_METADATA_TOTAL = 4096
+
+
+def validate_metadata(metadata: dict[str, str]) -> None:
+    """Refuse what upstream's ValidateMetadata refuses (printable US-ASCII, sizes)."""
+    total = 0
     for key, value in metadata.items():
-        os.setxattr(path, XATTR_PREFIX + key, value.encode())
+        if not key:
+            raise InvalidArgument("invalid metadata: metadata key must not be empty")
+        if len(key) > MAX_METADATA_KEY:
+            raise InvalidArgument(
+                f"invalid metadata: metadata key {key!r} exceeds {MAX_METADATA_KEY} bytes"
+            )
+        for label, text in (("key", key), (f"value for key {key!r}", value)):
+            for offset, char in enumerate(text):
+                if not " " <= char <= "~":
+                    raise InvalidArgument(
+                        f"invalid metadata: metadata {label} contains non-printable-ASCII "
+                        f"byte 0x{ord(char):02x} at offset {offset}"
+                    )
+        total += len(XATTR_PREFIX) + len(key) + len(value)
+    if total > MAX_METADATA_TOTAL:
+        raise InvalidArgument(
+            f"invalid metadata: total metadata size {total} exceeds {MAX_METADATA_TOTAL} bytes"
+        )
+
+
+def replace_metadata(fd: int, metadata: dict[str, str]) -> None:
+    """The open file's metadata becomes exactly `metadata`, as upstream's WriteMetadata does.
+
+    Keys an earlier upload set and this one does not are removed: O_TRUNC keeps xattrs, and an
+    overwritten file must not keep the metadata of the file it replaced.
+    """
+    for name in os.listxattr(fd):
+        if name.startswith(XATTR_PREFIX) and name[len(XATTR_PREFIX) :] not in metadata:
+            try:
+                os.removexattr(fd, name)
+            except OSError as exc:
+                if exc.errno != errno.ENODATA:  # removed meanwhile
+                    raise
+    for key, value in metadata.items():
+        os.setxattr(fd, XATTR_PREFIX + key, value.encode())
 
 
 def _permissions(mode: int) -> str:

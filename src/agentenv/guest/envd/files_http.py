@@ -19,10 +19,10 @@ from typing import Any
 
 from python_multipart.multipart import MultipartParser, parse_options_header
 from starlette.requests import Request
-from starlette.responses import FileResponse, JSONResponse, Response
+from starlette.responses import FileResponse, JSONResponse, Response, StreamingResponse
 
 from . import paths
-from .entries import write_metadata
+from .entries import read_metadata, replace_metadata, validate_metadata
 from .errors import EnvdFault, InvalidArgument, ResourceExhausted
 from .users import User
 
@@ -30,6 +30,10 @@ log = logging.getLogger("agentenv.envd")
 
 FLUSH_BYTES = 1024 * 1024
 METADATA_HEADER = "x-metadata-"
+DOWNLOAD_CHUNK = 64 * 1024
+# Files without a usable size (procfs/sysfs say 0, devices, FIFOs) are read this far ahead:
+# to their end, they go out with an exact Content-Length; longer ones are sent chunked.
+DOWNLOAD_PREFETCH = 1024 * 1024
 
 
 def error_response(exc: EnvdFault) -> JSONResponse:
@@ -44,15 +48,89 @@ async def download(request: Request, user: User) -> Response:
     st = paths.check(path, user, paths.R)
     if stat.S_ISDIR(st.st_mode):
         raise InvalidArgument(f"path is a directory: {path}")
-    return FileResponse(path, media_type="application/octet-stream", stat_result=st)
+    if request.headers.get("range") and stat.S_ISREG(st.st_mode) and st.st_size > 0:
+        return FileResponse(path, media_type="application/octet-stream", stat_result=st)
+    fd = await asyncio.to_thread(_open_for_reading, path)
+    try:
+        st = os.fstat(fd)
+        if stat.S_ISREG(st.st_mode) and st.st_size > 0:
+            return OpenFileResponse(fd, length=st.st_size)
+        # procfs/sysfs files say 0 bytes and have content; devices and pipes have no size.
+        head = await asyncio.to_thread(_read_up_to, fd, DOWNLOAD_PREFETCH)
+        if len(head) < DOWNLOAD_PREFETCH:
+            os.close(fd)
+            return Response(head, media_type="application/octet-stream")
+        return OpenFileResponse(fd, length=None, head=head)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+        raise
+
+
+def _open_for_reading(path: str) -> int:
+    # O_NONBLOCK: a FIFO without a writer must not hang the open; reads block again below.
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+    os.set_blocking(fd, True)
+    return fd
+
+
+def _read_up_to(fd: int, limit: int) -> bytes:
+    """Up to `limit` bytes, fewer only at end of file."""
+    out = bytearray()
+    while len(out) < limit:
+        chunk = os.read(fd, min(DOWNLOAD_CHUNK, limit - len(out)))
+        if not chunk:
+            break
+        out += chunk
+    return bytes(out)
+
+
+class OpenFileResponse(StreamingResponse):
+    """An open file as the body, closed when the response is over however it ends.
+
+    With `length`, exactly that many bytes under that Content-Length, whatever the file does
+    meanwhile: Starlette's FileResponse reads to EOF and sends more than it declared when the
+    file grows, and h11 then aborts the connection mid-body. Without, the rest of the file after
+    `head`, chunked.
+    """
+
+    def __init__(self, fd: int, *, length: int | None, head: bytes = b"") -> None:
+        self.fd = fd
+        self.length = length
+        self.head = head
+        headers = {"content-length": str(length)} if length is not None else None
+        super().__init__(self._chunks(), headers=headers, media_type="application/octet-stream")
+
+    async def _chunks(self) -> AsyncIterator[bytes]:
+        if self.head:
+            yield self.head
+        remaining = None if self.length is None else self.length - len(self.head)
+        while remaining is None or remaining > 0:
+            want = DOWNLOAD_CHUNK if remaining is None else min(DOWNLOAD_CHUNK, remaining)
+            chunk = await asyncio.to_thread(os.read, self.fd, want)
+            if not chunk:
+                if remaining:
+                    log.warning("file shrank while it was being sent (%d bytes short)", remaining)
+                return
+            if remaining is not None:
+                remaining -= len(chunk)
+            yield chunk
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with contextlib.suppress(OSError):
+                os.close(self.fd)
 
 
 class FileSink:
     """One destination file, written from the event loop through a thread in 1 MiB batches."""
 
-    def __init__(self, path: str, user: User) -> None:
+    def __init__(self, path: str, user: User, metadata: dict[str, str]) -> None:
         self.path = path
         self.user = user
+        self.metadata = metadata
         self.fd: int | None = None
         self.created = False
         self._buf = bytearray()
@@ -85,8 +163,22 @@ class FileSink:
     async def close(self) -> None:
         await self.flush()
         if self.fd is not None:
+            await asyncio.to_thread(self._set_metadata, self.fd)
             os.close(self.fd)
             self.fd = None
+
+    def _set_metadata(self, fd: int) -> None:
+        # Always, even with none given: an overwrite replaces the file's metadata whole.
+        try:
+            replace_metadata(fd, self.metadata)
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise ResourceExhausted("not enough space for file metadata") from None
+            if exc.errno != errno.EOPNOTSUPP:
+                raise
+            # procfs, sysfs, tmpfs on older kernels: the content is written, the metadata not.
+            if self.metadata:
+                log.warning("%s: the filesystem keeps no xattrs; metadata not stored", self.path)
 
     def abort(self) -> None:
         self._buf.clear()
@@ -119,14 +211,12 @@ def _metadata(request: Request) -> dict[str, str]:
     }
 
 
-def _written(path: str, metadata: dict[str, str]) -> dict[str, Any]:
+def _written(path: str) -> dict[str, Any]:
     info: dict[str, Any] = {"name": os.path.basename(path), "type": "file", "path": path}
-    if metadata:
-        try:
-            write_metadata(path, metadata)
-        except OSError as exc:
-            log.warning("cannot store metadata on %s: %s", path, exc)
-        info["metadata"] = metadata
+    # What the file now carries, read back as upstream does: not claimed if it was not stored.
+    stored = read_metadata(path)
+    if stored:
+        info["metadata"] = stored
     return info
 
 
@@ -160,6 +250,7 @@ async def upload(request: Request, user: User) -> Response:
     mime, options = parse_options_header(content_type)
     raw_path = request.query_params.get("path")
     metadata = _metadata(request)
+    validate_metadata(metadata)
     if mime == b"multipart/form-data":
         boundary = options.get(b"boundary")
         if not boundary:
@@ -168,7 +259,7 @@ async def upload(request: Request, user: User) -> Response:
     else:
         if not raw_path:
             raise InvalidArgument("query parameter 'path' is required for a raw upload")
-        sink = FileSink(paths.resolve(raw_path, user), user)
+        sink = FileSink(paths.resolve(raw_path, user), user, metadata)
         await sink.open()
         try:
             async for chunk in _body(request):
@@ -177,7 +268,7 @@ async def upload(request: Request, user: User) -> Response:
         except BaseException:
             sink.abort()
             raise
-        written = [_written(sink.path, metadata)]
+        written = [_written(sink.path)]
     if not written:
         raise InvalidArgument("the upload contained no file")
     return JSONResponse(written)
@@ -250,13 +341,13 @@ async def _upload_multipart(
                         raise InvalidArgument(
                             "multipart part has no filename and no 'path' was given"
                         )
-                    sink = FileSink(paths.resolve(target, user), user)
+                    sink = FileSink(paths.resolve(target, user), user, metadata)
                     await sink.open()
                 elif op == "data" and sink is not None:
                     await sink.write(arg)
                 elif op == "close" and sink is not None:
                     await sink.close()
-                    written.append(_written(sink.path, metadata))
+                    written.append(_written(sink.path))
                     sink = None
         parser.finalize()
     except BaseException:

@@ -257,10 +257,15 @@ def _move(source: str, destination: str, user: User) -> pb.EntryInfo:
 
 
 def _remove(path: str, user: User) -> None:
+    """Upstream envd's Remove is `os.RemoveAll`: a path that is not there is already removed."""
+    paths.check_traverse(path, user)
     if not os.path.lexists(path):
-        raise NotFound(f"path not found: {path}")
+        return
     paths.check_write(os.path.dirname(path) or "/", user)
-    if os.path.isdir(path) and not os.path.islink(path):
-        shutil.rmtree(path)
-    else:
-        os.unlink(path)
+    try:
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path)
+        else:
+            os.unlink(path)
+    except FileNotFoundError:
+        return  # removed meanwhile

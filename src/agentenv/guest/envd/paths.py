@@ -16,16 +16,30 @@ R, W, X = 4, 2, 1
 
 
 def resolve(path: str, user: User) -> str:
-    """Absolute, normalised path; `~` and relative paths start at the user's home."""
+    """Absolute, normalised path; `~` and relative paths start at the user's home.
+
+    As upstream envd's `permissions.ExpandAndResolve`: `~user` forms are refused, and a relative
+    path is joined to the home directory (not to the default workdir).
+    """
     if not path:
         raise InvalidArgument("path is empty")
     if "\x00" in path:
         raise InvalidArgument("path contains a NUL byte")
-    if path == "~" or path.startswith("~/"):
+    if path.startswith("~"):
+        if len(path) > 1 and path[1] != "/":
+            raise InvalidArgument(
+                f"failed to expand path {path!r} for user {user.name!r}: "
+                "cannot expand user-specific home dir"
+            )
         path = user.home + path[1:]
     if not os.path.isabs(path):
         path = os.path.join(user.home, path)
     return os.path.normpath(path)
+
+
+def resolve_cwd(cwd: str | None, user: User) -> str:
+    """A process's working directory: empty means the home directory, else as `resolve`."""
+    return resolve(cwd, user) if cwd else os.path.normpath(user.home)
 
 
 def permits(st: os.stat_result, user: User, want: int) -> bool:
@@ -73,21 +87,34 @@ def check(path: str, user: User, want: int) -> os.stat_result:
     return st
 
 
-def check_create(path: str, user: User) -> None:
-    """The user may create `path`: write and search on its nearest existing ancestor."""
-    if user.is_root:
-        return
-    current = os.path.dirname(path)
+def nearest_existing(path: str) -> tuple[str, os.stat_result]:
+    """The deepest existing ancestor of `path` (or `path` itself), and its stat."""
+    current = path
     while True:
         try:
-            st = os.stat(current)
-            break
-        except FileNotFoundError:
+            return current, os.stat(current)
+        except (FileNotFoundError, NotADirectoryError):
+            if current == "/":
+                raise
             current = os.path.dirname(current)
-    check_traverse(current + "/x", user)
+
+
+def check_create(path: str, user: User) -> None:
+    """The user may create `path`.
+
+    Missing parent directories are no obstacle: like upstream envd (`permissions.EnsureDirs`)
+    envd creates them and gives them to the user (`makedirs_as`), as long as the nearest
+    existing ancestor is a directory the user can reach. An existing parent must be writable
+    by the user, so the API cannot drop files into directories the user could not write.
+    """
+    parent = os.path.dirname(path)
+    current, st = nearest_existing(parent)
     if not stat.S_ISDIR(st.st_mode):
-        raise InvalidArgument(f"{current} is not a directory")
-    if not permits(st, user, W | X):
+        raise InvalidArgument(f"path is a file: {current} (cannot create {path} under it)")
+    if user.is_root:
+        return
+    check_traverse(current + "/x", user)  # every directory down to `current`, itself included
+    if current == parent and not permits(st, user, W | X):
         raise PermissionDenied(f"permission denied: {user.name} cannot write in {current}")
 
 
@@ -104,18 +131,21 @@ def check_write(path: str, user: User) -> None:
 
 
 def makedirs_as(path: str, user: User) -> None:
-    """mkdir -p, giving every directory it creates to the user."""
+    """mkdir -p, giving every directory it creates to the user (upstream's EnsureDirs)."""
     missing: list[str] = []
     current = path
     while not os.path.lexists(current):
         missing.append(current)
         current = os.path.dirname(current)
-    if os.path.lexists(current) and not os.path.isdir(current):
-        raise InvalidArgument(f"{current} is not a directory")
+    if not os.path.isdir(current):
+        raise InvalidArgument(f"path is a file: {current}")
     for directory in reversed(missing):
         try:
             os.mkdir(directory, 0o755)
         except FileExistsError:
+            # Made meanwhile by someone else, who keeps it.
+            if not os.path.isdir(directory):
+                raise InvalidArgument(f"path is a file: {directory}") from None
             continue
         if os.geteuid() == 0:
             os.chown(directory, user.uid, user.gid)

@@ -11,6 +11,7 @@ from connectrpc.code import Code
 from connectrpc.errors import ConnectError
 from protobuf import Oneof
 
+from . import paths
 from .errors import InvalidArgument
 from .gen.process import process_pb as pb
 from .gen.process.process_connect import Process
@@ -123,7 +124,9 @@ class ProcessService(Process):
         env = user.login_env()
         env.update(self.state.env_vars)
         env.update(config.envs)
-        cwd = config.cwd or self.state.default_workdir or user.home
+        # As upstream's ExpandAndResolve: the request's cwd, else the default workdir, else
+        # the home directory; `~` and relative paths start at the user's home.
+        cwd = paths.resolve_cwd(config.cwd or self.state.default_workdir, user)
         spec = ProcessSpec(
             cmd=config.cmd,
             args=tuple(config.args),

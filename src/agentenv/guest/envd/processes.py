@@ -4,6 +4,14 @@ A process lives independently of the streams that watch it: Start and Connect on
 its output, so a client that disconnects leaves it running. Each subscriber has a bounded queue
 and the readers wait for every subscriber, so a slow client slows the process down (its pipe
 fills) instead of growing envd's memory. With no subscriber the output is dropped.
+
+A command ends when its process exits, not when its output pipes reach EOF: `cmd &` leaves a
+child holding them open. After the exit, what the process left in its pipes is always delivered,
+then output keeps flowing until it pauses (`EXIT_DRAIN_QUIET`) or `EXIT_DRAIN_MAX` has passed,
+then the end event goes out. The pipes stay open and are read (and dropped) until the last
+holder closes them, so a background server that logs to them keeps working. (Upstream envd's
+handler.Wait waits for the pipes' EOF before it reaps, so there `server &` without
+`background=True` lasts until the command's timeout.)
 """
 
 from __future__ import annotations
@@ -34,8 +42,12 @@ PIPE_CHUNK = 256 * 1024
 PTY_CHUNK = 16 * 1024
 QUEUE_DEPTH = 16
 # After the process exits, output still in flight is drained; if nothing arrives for this long
-# the pipes are held by a daemonised grandchild and the stream ends without waiting for it.
+# the pipes are held by a background child and the stream ends without waiting for it.
 EXIT_DRAIN_QUIET = 0.3
+# A background child that keeps writing cannot hold the end back longer than this (once what
+# the process itself left in the pipes has been delivered).
+EXIT_DRAIN_MAX = 2.0
+_DRAIN_POLL = 0.05
 
 Stream = Literal["stdout", "stderr", "pty"]
 
@@ -128,8 +140,13 @@ def describe_status(returncode: int) -> EndInfo:
     return EndInfo(-1, False, text, text)
 
 
-def _is_dir(path: str) -> bool:
-    return os.path.isdir(path)
+def _cwd_problem(cwd: str) -> str | None:
+    # Upstream's words (handler.New) when it is missing; InvalidArgument either way.
+    if not os.path.exists(cwd):
+        return f"cwd '{cwd}' does not exist"
+    if not os.path.isdir(cwd):
+        return f"cwd '{cwd}' is not a directory"
+    return None
 
 
 def _set_winsize(fd: int, cols: int, rows: int) -> None:
@@ -142,23 +159,75 @@ def _take_controlling_tty() -> None:
     fcntl.ioctl(0, termios.TIOCSCTTY, 0)
 
 
+def _unread_bytes(fd: int) -> int:
+    """Bytes waiting to be read on a pipe or terminal (FIONREAD)."""
+    try:
+        raw = fcntl.ioctl(fd, termios.FIONREAD, b"\0\0\0\0")
+    except OSError:
+        return 0
+    return int(struct.unpack("i", raw)[0])
+
+
+class _ExitProtocol(asyncio.subprocess.SubprocessStreamProtocol):
+    """Tells when the process has exited, whoever still holds its pipes.
+
+    Python 3.11's `Process.wait()` returns only once every pipe asyncio made for the child is
+    closed too; envd must not depend on that.
+    """
+
+    def __init__(self, limit: int, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__(limit=limit, loop=loop)
+        self.exited: asyncio.Future[None] = loop.create_future()
+
+    def process_exited(self) -> None:
+        super().process_exited()
+        if not self.exited.done():
+            self.exited.set_result(None)
+
+
+async def _spawn(
+    program: str, *args: str, **kwargs: object
+) -> tuple[asyncio.subprocess.Process, _ExitProtocol]:
+    loop = asyncio.get_running_loop()
+    transport, protocol = await loop.subprocess_exec(
+        lambda: _ExitProtocol(limit=PIPE_CHUNK, loop=loop),
+        program,
+        *args,
+        **kwargs,  # type: ignore[arg-type]
+    )
+    return asyncio.subprocess.Process(transport, protocol, loop), protocol
+
+
+@dataclass
+class _Reader:
+    stream: Stream
+    fd: int
+    task: asyncio.Task[None] | None = None
+    read: int = 0
+
+
 class ManagedProcess:
     def __init__(
         self,
         spec: ProcessSpec,
         proc: asyncio.subprocess.Process,
-        master_fd: int | None,
+        exited: asyncio.Future[None],
+        outputs: Mapping[Stream, int],
         started: float,
     ) -> None:
+        """`outputs`: the read ends this process writes to (its pipes, or its PTY master)."""
         self.spec = spec
         self.proc = proc
         self.pid = proc.pid
-        self.master_fd = master_fd
+        self.master_fd = outputs.get("pty")
         self.started = started
         self.hub = OutputHub()
         self.done = asyncio.Event()
         self.deadline_hit = False
-        self._readers: list[asyncio.Task[None]] = []
+        self._exited = exited
+        self._readers = [_Reader(stream, fd) for stream, fd in outputs.items()]
+        # Pipe readers still draining after the end (a background child holds the pipes).
+        self.lingering: list[asyncio.Task[None]] = []
         self._last_output = time.monotonic()
         self._publishing = 0
         self._deadline: asyncio.TimerHandle | None = None
@@ -171,12 +240,8 @@ class ManagedProcess:
 
     def start_io(self, on_exit: Callable[[ManagedProcess], None], timeout_s: float | None) -> None:
         loop = asyncio.get_running_loop()
-        if self.master_fd is not None:
-            self._readers.append(asyncio.create_task(self._read_pty(self.master_fd)))
-        else:
-            assert self.proc.stdout is not None and self.proc.stderr is not None
-            self._readers.append(asyncio.create_task(self._read_pipe(self.proc.stdout, "stdout")))
-            self._readers.append(asyncio.create_task(self._read_pipe(self.proc.stderr, "stderr")))
+        for reader in self._readers:
+            reader.task = asyncio.create_task(self._pump(reader))
         if timeout_s is not None and timeout_s > 0:
             self._deadline = loop.call_later(timeout_s, self._on_deadline)
         self._supervisor = asyncio.create_task(self._supervise(on_exit))
@@ -195,15 +260,18 @@ class ManagedProcess:
             self._publishing -= 1
             self._last_output = time.monotonic()
 
-    async def _read_pipe(self, reader: asyncio.StreamReader, stream: Stream) -> None:
-        while True:
-            data = await reader.read(PIPE_CHUNK)
-            if not data:
-                return
-            await self._publish(stream, data)
+    async def _pump(self, reader: _Reader) -> None:
+        try:
+            await self._read_fd(reader)
+        finally:
+            # A pipe's read end belongs to its reader; the PTY master is closed with the process.
+            if reader.stream != "pty":
+                os.close(reader.fd)
 
-    async def _read_pty(self, fd: int) -> None:
+    async def _read_fd(self, reader: _Reader) -> None:
         loop = asyncio.get_running_loop()
+        fd = reader.fd
+        chunk = PTY_CHUNK if reader.stream == "pty" else PIPE_CHUNK
         readable = asyncio.Event()
         loop.add_reader(fd, readable.set)
         try:
@@ -211,7 +279,7 @@ class ManagedProcess:
                 await readable.wait()
                 readable.clear()
                 try:
-                    data = os.read(fd, PTY_CHUNK)
+                    data = os.read(fd, chunk)
                 except BlockingIOError:
                     continue
                 except OSError as exc:
@@ -221,32 +289,64 @@ class ManagedProcess:
                     raise
                 if not data:
                     return
+                reader.read += len(data)
                 # Stop watching while a slow subscriber holds us up, so the loop doesn't spin.
                 loop.remove_reader(fd)
                 try:
-                    await self._publish("pty", data)
+                    await self._publish(reader.stream, data)
                 finally:
                     loop.add_reader(fd, readable.set)
                 readable.set()
         finally:
             loop.remove_reader(fd)
 
+    def _pending_readers(self) -> list[_Reader]:
+        return [r for r in self._readers if r.task is not None and not r.task.done()]
+
+    async def _drain_after_exit(self) -> None:
+        """Delivers what the exited process left behind, then what follows without a pause.
+
+        Returns at once when the pipes reach EOF (no other holder); else once they have been
+        quiet for EXIT_DRAIN_QUIET since the exit or the last output, or after EXIT_DRAIN_MAX.
+        """
+        exited_at = time.monotonic()
+        # A reader that is not done still owns its fd, so FIONREAD asks the right file.
+        owed = {id(r): r.read + _unread_bytes(r.fd) for r in self._pending_readers()}
+        while pending := self._pending_readers():
+            now = time.monotonic()
+            delivered = all(r.read >= owed.get(id(r), 0) for r in pending)
+            if delivered and self._publishing == 0:
+                quiet = now - max(self._last_output, exited_at) >= EXIT_DRAIN_QUIET
+                if quiet or now - exited_at >= EXIT_DRAIN_MAX:
+                    return
+            tasks = [r.task for r in pending if r.task is not None]
+            await asyncio.wait(tasks, timeout=_DRAIN_POLL)
+
     async def _supervise(self, on_exit: Callable[[ManagedProcess], None]) -> None:
-        returncode = await self.proc.wait()
+        await self._exited
+        returncode = self.proc.returncode
+        assert returncode is not None
         if self._deadline is not None:
             self._deadline.cancel()
-        pending = [t for t in self._readers if not t.done()]
-        while pending:
-            _, still = await asyncio.wait(pending, timeout=EXIT_DRAIN_QUIET / 3)
-            pending = list(still)
-            quiet = time.monotonic() - self._last_output
-            if pending and self._publishing == 0 and quiet > EXIT_DRAIN_QUIET:
-                for task in pending:
-                    task.cancel()
-                await asyncio.gather(*pending, return_exceptions=True)
-                break
-        for task in self._readers:
-            if task.done() and not task.cancelled() and (exc := task.exception()) is not None:
+        await self._drain_after_exit()
+        for reader in self._pending_readers():
+            assert reader.task is not None
+            if reader.stream == "pty":
+                # The session is over: closing the terminal hangs up whatever still holds it.
+                reader.task.cancel()
+                await asyncio.gather(reader.task, return_exceptions=True)
+            else:
+                # Output from here on has no subscriber and is dropped; the holder can still
+                # write, so a background server that logs to its stdout keeps working.
+                self.lingering.append(reader.task)
+        for reader in self._readers:
+            task = reader.task
+            if (
+                task is not None
+                and task.done()
+                and not task.cancelled()
+                and (exc := task.exception()) is not None
+            ):
                 log.warning("pid %d: output reader failed: %s", self.pid, exc)
         self._close_fds()
         self.hub.finish(describe_status(returncode))
@@ -262,10 +362,6 @@ class ManagedProcess:
         self._master_writer_fd = None
         if self.proc.stdin is not None:
             self.proc.stdin.close()
-        for pipe in (self.proc.stdout, self.proc.stderr):
-            transport = getattr(pipe, "_transport", None)
-            if transport is not None:
-                transport.close()
 
     def signal(self, signum: int) -> None:
         """Signals the whole process group: the shell the SDK wraps commands in and its children."""
@@ -337,6 +433,8 @@ class ProcessTable:
 
     def __init__(self) -> None:
         self.by_pid: dict[int, ManagedProcess] = {}
+        # Output readers of ended commands whose pipes a background child still holds.
+        self.lingering: set[asyncio.Task[None]] = set()
 
     def find(self, pid: int | None = None, tag: str | None = None) -> ManagedProcess:
         if pid is not None:
@@ -361,8 +459,8 @@ class ProcessTable:
     ) -> tuple[ManagedProcess, Subscription]:
         if not spec.cmd:
             raise InvalidArgument("process.cmd is empty")
-        if not _is_dir(cwd):
-            raise InvalidArgument(f"cwd {cwd!r} does not exist or is not a directory")
+        if (problem := _cwd_problem(cwd)) is not None:
+            raise InvalidArgument(problem)
         if spec.tag is not None and any(p.spec.tag == spec.tag for p in self.by_pid.values()):
             raise InvalidArgument(f"a process with tag {spec.tag!r} is already running")
         creds: dict[str, object] = {}
@@ -370,14 +468,15 @@ class ProcessTable:
             creds = {"user": user.uid, "group": user.gid, "extra_groups": list(user.groups)}
         elif os.geteuid() != user.uid:
             raise PermissionDenied(f"envd is not root and cannot run processes as {user.name}")
-        master_fd: int | None = None
+        outputs: dict[Stream, int] = {}
         try:
             if spec.pty_size is not None:
                 master_fd, slave_fd = os.openpty()
+                outputs["pty"] = master_fd
                 try:
                     cols, rows = spec.pty_size
                     _set_winsize(slave_fd, cols or 80, rows or 24)
-                    proc = await asyncio.create_subprocess_exec(
+                    proc, protocol = await _spawn(
                         spec.cmd,
                         *spec.args,
                         stdin=slave_fd,
@@ -387,31 +486,43 @@ class ProcessTable:
                         env=dict(env),
                         start_new_session=True,
                         preexec_fn=_take_controlling_tty,
-                        **creds,  # type: ignore[arg-type]
+                        **creds,
                     )
                 finally:
                     os.close(slave_fd)
-                os.set_blocking(master_fd, False)
             else:
-                proc = await asyncio.create_subprocess_exec(
-                    spec.cmd,
-                    *spec.args,
-                    stdin=asyncio.subprocess.PIPE if spec.stdin else asyncio.subprocess.DEVNULL,
-                    stdout=asyncio.subprocess.PIPE,
-                    stderr=asyncio.subprocess.PIPE,
-                    cwd=cwd,
-                    env=dict(env),
-                    start_new_session=True,
-                    limit=PIPE_CHUNK * 2,
-                    **creds,  # type: ignore[arg-type]
-                )
-        except (FileNotFoundError, PermissionError, NotADirectoryError, OSError) as exc:
-            if master_fd is not None:
-                os.close(master_fd)
-            raise InvalidArgument(
-                f"error starting process {spec.cmd!r}: {exc.strerror or exc}"
-            ) from None
-        managed = ManagedProcess(spec, proc, master_fd, time.time())
+                # Our own pipes rather than asyncio's: envd decides when the output is over.
+                write_ends: list[int] = []
+                try:
+                    for stream in ("stdout", "stderr"):
+                        read_end, write_end = os.pipe2(os.O_CLOEXEC)
+                        outputs[stream] = read_end
+                        write_ends.append(write_end)
+                    proc, protocol = await _spawn(
+                        spec.cmd,
+                        *spec.args,
+                        stdin=asyncio.subprocess.PIPE if spec.stdin else asyncio.subprocess.DEVNULL,
+                        stdout=write_ends[0],
+                        stderr=write_ends[1],
+                        cwd=cwd,
+                        env=dict(env),
+                        start_new_session=True,
+                        **creds,
+                    )
+                finally:
+                    for write_end in write_ends:
+                        os.close(write_end)
+        except BaseException as exc:
+            for fd in outputs.values():
+                os.close(fd)
+            if isinstance(exc, OSError):
+                raise InvalidArgument(
+                    f"error starting process {spec.cmd!r}: {exc.strerror or exc}"
+                ) from None
+            raise
+        for fd in outputs.values():
+            os.set_blocking(fd, False)
+        managed = ManagedProcess(spec, proc, protocol.exited, outputs, time.time())
         self.by_pid[managed.pid] = managed
         first = managed.hub.subscribe()
         managed.start_io(self._forget, timeout_s)
@@ -424,6 +535,14 @@ class ProcessTable:
     def _forget(self, managed: ManagedProcess) -> None:
         if self.by_pid.get(managed.pid) is managed:
             del self.by_pid[managed.pid]
+        for task in managed.lingering:
+            self.lingering.add(task)
+            task.add_done_callback(self._lingering_done)
+
+    def _lingering_done(self, task: asyncio.Task[None]) -> None:
+        self.lingering.discard(task)
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            log.warning("output reader of an ended process failed: %s", exc)
 
     async def shutdown(self) -> None:
         for managed in list(self.by_pid.values()):
@@ -432,3 +551,6 @@ class ProcessTable:
         for managed in list(self.by_pid.values()):
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(managed.done.wait(), 5)
+        for task in list(self.lingering):
+            task.cancel()
+        await asyncio.gather(*self.lingering, return_exceptions=True)
