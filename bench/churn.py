@@ -32,6 +32,7 @@ from typing import Any
 from e2b import Sandbox, ServiceBusyException
 
 from agentenv.api.devserver import ServerProcess, prepare_home
+from agentenv.vmm import registry
 
 PAUSE_EVERY = 10
 FORK_EVERY = 25
@@ -93,15 +94,7 @@ def home_qemus(home: Path) -> tuple[int, int]:
     warm pool entries)."""
     warm_dir = str(home / "warm") + "/"
     other = warm = 0
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except OSError:
-            continue
-        if "qemu-system" not in cmd or str(home) not in cmd:
-            continue
+    for cmd in registry.qemu_processes(str(home)).values():
         if warm_dir in cmd:
             warm += 1
         else:

@@ -43,6 +43,7 @@ from e2b import Sandbox, ServiceBusyException
 from e2b import retry as e2b_retry
 
 from agentenv.api.devserver import ServerProcess, prepare_home
+from agentenv.vmm import registry
 
 LEVELS = (1, 4, 16, 64)
 EXECS = 3
@@ -101,15 +102,8 @@ def sandbox_qemus(home: Path) -> dict[int, bool]:
     """QEMUs of this data dir: pid → whether it runs a sandbox (not a warm entry/converter)."""
     out: dict[int, bool] = {}
     warm = str(home / "warm") + "/"
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except OSError:
-            continue
-        if "qemu-system" in cmd and str(home) in cmd:
-            out[int(entry.name)] = warm not in cmd and "/convert/" not in cmd
+    for pid, cmd in registry.qemu_processes(str(home)).items():
+        out[pid] = warm not in cmd and "/convert/" not in cmd
     return out
 
 

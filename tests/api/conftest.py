@@ -15,6 +15,7 @@ import httpx
 import pytest
 
 from agentenv.api.devserver import ServerProcess, prepare_home
+from agentenv.vmm import registry
 
 # Generous: a create boots a VM under software emulation while other tests share the CPUs.
 REQUEST_TIMEOUT_S = 300.0
@@ -27,17 +28,9 @@ def qemu_processes(home: Path, *, warm: bool = False, converters: bool = False) 
     in them) only with ``converters``."""
     found = []
     warm_dir = str(home / "warm") + "/"
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except OSError:
-            continue
-        if "qemu-system" not in cmd or str(home) not in cmd:
-            continue
+    for pid, cmd in registry.qemu_processes(str(home)).items():
         if (warm or warm_dir not in cmd) and (converters or "/convert/" not in cmd):
-            found.append(f"{entry.name} {cmd[:100]}")
+            found.append(f"{pid} {cmd[:100]}")
     return found
 
 

@@ -101,6 +101,18 @@ def _cmdline(pid: int) -> str:
         return ""
 
 
+def qemu_processes(mentioning: str) -> dict[int, str]:
+    """Live QEMU processes whose command line contains `mentioning` (e.g. a data dir):
+    pid → command line. For checks from outside (tests, benches, diagnostics)."""
+    out: dict[int, str] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            cmd = _cmdline(int(entry))
+            if "qemu-system" in cmd and mentioning in cmd:
+                out[int(entry)] = cmd
+    return out
+
+
 def live_pid(record: VMRecord) -> int | None:
     """The PID of the QEMU this record describes if it still runs, else None."""
     marker = f"unix:{record.qmp_socket},"
