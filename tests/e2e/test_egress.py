@@ -154,3 +154,74 @@ async def test_guest_reaches_beyond_the_node_but_not_the_node(node: Node, tmp_pa
     await node.close()
     # With the last slot gone, host forwarding is back to what it was.
     assert nft.IP_FORWARD.read_text().strip() == forwarding_before
+
+
+CONNECT_TIMED = (
+    "python3 -c 'import socket,time\n"
+    "t=time.monotonic()\n"
+    "try:\n"
+    '    socket.create_connection(("{ip}", {port}), timeout=10); print("open", end=" ")\n'
+    "except OSError as e:\n"
+    '    print(type(e).__name__, end=" ")\n'
+    "print(round(time.monotonic()-t, 3))'"
+)
+
+
+async def _connect(sb: SandboxHandle) -> tuple[str, float]:
+    """How the guest's connect to the test's internet ends, and how long it took (timed in
+    the guest, so the envd round trip under TCG does not count)."""
+    code, out = await sh(sb, CONNECT_TIMED.format(ip=INET_IP, port=PORT))
+    assert code == 0, out
+    outcome, seconds = out.split()
+    return outcome, float(seconds)
+
+
+async def test_without_internet_connections_out_are_refused_fast_and_stay_refused(
+    node: Node, tmp_path: Path
+) -> None:
+    with internet(tmp_path):
+        open_ = await node.create("base", memory_mb=384)
+        closed = await node.create("base", memory_mb=384, internet=False)
+        kids: list[SandboxHandle] = []
+        try:
+            assert (await _connect(open_))[0] == "open"
+            outcome, took = await _connect(closed)
+            assert outcome == "ConnectionRefusedError" and took < 1.0, (outcome, took)
+            code, _ = await sh(closed, f"curl -sS -m 5 http://{INET_IP}:{PORT}/hello.txt")
+            assert code != 0
+            # The way in (the node, the proxy) still works.
+            async with httpx.AsyncClient(trust_env=False) as http:
+                assert (await http.get(f"{closed.envd_url}/health")).status_code < 300
+            # Kept across pause/resume (another slot may be used) and given to fork children.
+            await node.pause(closed.id)
+            closed = await node.resume(closed.id)
+            assert (await _connect(closed))[0] == "ConnectionRefusedError"
+            kids = await node.fork(closed.id, 1)
+            assert (await _connect(kids[0]))[0] == "ConnectionRefusedError"
+            # A slot goes back to the pool open: the next sandbox on it has the internet.
+            await node.delete(closed.id)
+            again = await node.create("base", memory_mb=384)
+            kids.append(again)
+            assert (await _connect(again))[0] == "open"
+        finally:
+            for sb in [open_, closed, *kids]:
+                with contextlib.suppress(Exception):
+                    await node.delete(sb.id)
+
+
+def test_sdk_allow_internet_access_false_is_enforced(tmp_path: Path) -> None:
+    """Through the official SDK and the API, as a user asks for it."""
+    from e2b import Sandbox
+
+    from agentenv.api.devserver import ServerProcess, prepare_home
+
+    home = prepare_home(tmp_path / "home")
+    with internet(tmp_path), ServerProcess(home, ready_timeout_s=240) as srv:
+        opts: dict[str, Any] = {"api_key": srv.api_key, "api_url": srv.url, "sandbox_url": srv.url}
+        closed = Sandbox.create(allow_internet_access=False, **opts)
+        try:
+            out = closed.commands.run(CONNECT_TIMED.format(ip=INET_IP, port=PORT)).stdout
+            assert out.split()[0] == "ConnectionRefusedError", out
+            assert Sandbox.get_info(closed.sandbox_id, **opts).allow_internet_access is False
+        finally:
+            closed.kill()

@@ -493,12 +493,6 @@ _UNENFORCED_NETWORK = (
 
 
 def _refuse_unenforced(body: NewSandbox, network: dict[str, object]) -> None:
-    if not body.allow_internet_access:
-        raise ApiError(
-            400,
-            "allow_internet_access: false is not enforced by this server yet; create the "
-            "sandbox without it",
-        )
     named = [f"network.{k}" for k in _UNENFORCED_NETWORK if k in network]
     if named:
         raise ApiError(400, f"{', '.join(named)}: not enforced by this server yet")

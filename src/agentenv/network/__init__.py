@@ -8,6 +8,7 @@ from agentenv.network.slot import (
     create_slot,
     destroy_slot,
     recover_slots,
+    set_egress,
     slot_for,
 )
 
@@ -20,5 +21,6 @@ __all__ = [
     "create_slot",
     "destroy_slot",
     "recover_slots",
+    "set_egress",
     "slot_for",
 ]

@@ -93,6 +93,30 @@ table inet {TABLE} {{
 """
 
 
+EGRESS_TABLE = "agentenv_egress"
+
+
+def egress_ruleset(*, tap: str, internet: bool) -> str:
+    """A slot's egress policy, in a table of its own next to the slot's rules (so it can be
+    set and reset alone). Without internet every new connection the guest opens is refused
+    at once (TCP reset, ICMP admin-prohibited otherwise), not dropped into a silent hang;
+    replies to connections made into the guest (the proxy) are established and pass."""
+    reset = f"table inet {EGRESS_TABLE}\ndelete table inet {EGRESS_TABLE}\n"
+    if internet:
+        return reset
+    return (
+        reset
+        + f"""table inet {EGRESS_TABLE} {{
+  chain forward {{
+    type filter hook forward priority filter - 10; policy accept;
+    iifname "{tap}" ct state new meta l4proto tcp reject with tcp reset
+    iifname "{tap}" ct state new reject with icmpx type admin-prohibited
+  }}
+}}
+"""
+    )
+
+
 def host_ruleset(*, slots_only: bool = False) -> str:
     """Host-side rules shared by all slots: slots may not open connections to the host itself
     or to each other; replies to the host's own connections pass; nothing routed through the

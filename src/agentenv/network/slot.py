@@ -223,9 +223,18 @@ async def conntrack_entries(slot: Slot) -> int:
         return len([e async for e in await ct.dump_entries()])
 
 
+async def set_egress(slot: Slot, *, internet: bool) -> None:
+    """Whether the guest on `slot` may open connections beyond it; takes effect at once,
+    also for a guest that runs."""
+    await nft.run_in_netns(
+        slot.netns, "nft -f -", nft.egress_ruleset(tap=slot.tap, internet=internet)
+    )
+
+
 async def reset_slot(slot: Slot) -> None:
-    """Forget the previous guest's connections before a slot is reused: a stale entry would
-    send a new guest's replies through the old NAT mapping."""
+    """Forget the previous guest's connections and egress policy before a slot is reused: a
+    stale entry would send a new guest's replies through the old NAT mapping."""
+    await set_egress(slot, internet=True)
     try:
         async with AsyncConntrack(netns=slot.netns) as ct:
             await ct.flush()

@@ -37,7 +37,7 @@ import httpx
 from agentenv import snapshot as snaps
 from agentenv.config import ENVD_PORT, Settings
 from agentenv.guest.envd.client import EnvdClient, EnvdError
-from agentenv.network import Slot, SlotPool, recover_slots, slot_for
+from agentenv.network import Slot, SlotPool, recover_slots, set_egress, slot_for
 from agentenv.network.slot import NETNS_PREFIX
 from agentenv.orchestrator.admission import Admission, Limits
 from agentenv.orchestrator.conversions import PausedConversions
@@ -132,6 +132,8 @@ class SandboxHandle:
     # Set when the sandbox can be captured (snapshots on); `vm` is always `machine.vm`.
     machine: Machine | None = field(default=None, repr=False)
     paused: bool = False
+    # Whether the guest may open connections beyond its slot (`network.set_egress`).
+    internet: bool = True
     # "restore" (from the template snapshot or a named snapshot), "warm" (the same, from a
     # pre-spawned QEMU of the warm pool), "boot" (cold), "fork", or "adopted" (left running
     # by a server that died, taken over by this one).
@@ -378,6 +380,8 @@ class Node:
             await vm.kill()
             raise
         handle.origin = "adopted"
+        # The slot's egress rules live in its namespace and outlived the server.
+        handle.internet = bool(meta.get("internet", True))
         self.pool.adopt(slot)
         self._sandboxes[rec.name] = handle
         # A running sandbox has no use for saved state: what is there is from a pause cut
@@ -549,18 +553,22 @@ class Node:
         cpu: int = 1,
         memory_mb: int = 512,
         disk_size_mb: int | None = None,
+        *,
+        internet: bool = True,
     ) -> SandboxHandle:
+        """`internet=False`: the guest's own connections beyond its slot are refused from
+        before it first runs (and on every resume and in its fork children)."""
         if self._boot is None or self._accel is None:
             raise SandboxError("node is not started")
         named = await asyncio.to_thread(self._named_snapshot, template)
         if named is not None:
-            return await self._create_from_snapshot(named, template)
+            return await self._create_from_snapshot(named, template, internet)
         top, top_path, disk_mb, base_mb = await asyncio.to_thread(
             self._validate, template, cpu, memory_mb, disk_size_mb
         )
         async with self.admission.start(f"a create of {template!r}", memory_mb):
             return await self._create(
-                template, cpu, memory_mb, disk_size_mb, top, top_path, disk_mb, base_mb
+                template, cpu, memory_mb, disk_size_mb, top, top_path, disk_mb, base_mb, internet
             )
 
     async def _create(
@@ -573,6 +581,7 @@ class Node:
         top_path: Path,
         disk_mb: int,
         base_mb: int,
+        internet: bool,
     ) -> SandboxHandle:
         """`create` once the input is valid and the start admitted."""
         if self._boot is None or self._accel is None:
@@ -608,13 +617,17 @@ class Node:
             if warm is None:
                 slot = await self.pool.acquire()
                 undo.append(lambda: self.pool.release(slot))
+            if not internet:
+                # Before the guest runs (a warm entry's QEMU waits for its state).
+                await set_egress(slot, internet=False)
 
             upper = workdir / ROOTFS
-            await self._write_meta(workdir, template, cpu, memory_mb, disk_mb, top)
+            await self._write_meta(workdir, template, cpu, memory_mb, disk_mb, top, internet)
             if snap is not None:
                 handle = await self._restore(
                     snap.id, sandbox_id, template, workdir, slot, top, prepared=warm
                 )
+                handle.internet = internet
                 undo.append(lambda: self._release(handle))
                 if disk_mb > base_mb:
                     await self._grow_disk(handle, disk_mb)
@@ -663,6 +676,7 @@ class Node:
                 upper=upper,
                 top_layer=top,
                 vm=vm,
+                internet=internet,
             )
             if self.snapshots:
                 handle.machine = Machine(
@@ -788,7 +802,14 @@ class Node:
             return None
 
     async def _write_meta(
-        self, workdir: Path, template: str, cpu: int, memory_mb: int, disk_mb: int, top: str
+        self,
+        workdir: Path,
+        template: str,
+        cpu: int,
+        memory_mb: int,
+        disk_mb: int,
+        top: str,
+        internet: bool,
     ) -> None:
         meta = {
             "template": template,
@@ -796,6 +817,7 @@ class Node:
             "memory_mb": memory_mb,
             "disk_size_mb": disk_mb,
             "top_layer": top,
+            "internet": internet,
         }
         await asyncio.to_thread((workdir / META).write_text, json.dumps(meta))
 
@@ -939,11 +961,13 @@ class Node:
         if handle.machine is not None:
             await snaps.release(handle.machine, self.repo, self.layers)
 
-    async def _create_from_snapshot(self, snap: Snapshot, ref: str) -> SandboxHandle:
+    async def _create_from_snapshot(
+        self, snap: Snapshot, ref: str, internet: bool
+    ) -> SandboxHandle:
         async with self.admission.start(f"a create from snapshot {ref!r}", snap.memory_mb):
-            return await self._from_snapshot(snap, ref)
+            return await self._from_snapshot(snap, ref, internet)
 
-    async def _from_snapshot(self, snap: Snapshot, ref: str) -> SandboxHandle:
+    async def _from_snapshot(self, snap: Snapshot, ref: str, internet: bool) -> SandboxHandle:
         sandbox_id = new_sandbox_id()
         workdir = self.settings.sandboxes_dir / sandbox_id
         t0 = time.monotonic()
@@ -951,8 +975,13 @@ class Node:
         slot: Slot | None = None
         try:
             slot = await self.pool.acquire()
-            await self._write_meta(workdir, ref, snap.vcpus, snap.memory_mb, 0, snap.top_layer)
+            if not internet:
+                await set_egress(slot, internet=False)
+            await self._write_meta(
+                workdir, ref, snap.vcpus, snap.memory_mb, 0, snap.top_layer, internet
+            )
             handle = await self._restore(snap.id, sandbox_id, ref, workdir, slot, snap.top_layer)
+            handle.internet = internet
         except BaseException:
             if slot is not None:
                 await self.pool.release(slot)
@@ -1017,8 +1046,12 @@ class Node:
         workdir = self.settings.sandboxes_dir / sandbox_id
         t0 = time.monotonic()
         await self.conversions.settle(sandbox_id)
+        meta = json.loads(await asyncio.to_thread((workdir / META).read_text))
+        internet = bool(meta.get("internet", True))
         slot = await self.pool.acquire()
         try:
+            if not internet:
+                await set_egress(slot, internet=False)
             machine = await snaps.resume(workdir, self.image, slot)
         except BaseException as exc:
             await self.pool.release(slot)
@@ -1026,8 +1059,8 @@ class Node:
                 await self.delete(sandbox_id)
             raise
         if sb is None:
-            meta = json.loads(await asyncio.to_thread((workdir / META).read_text))
             sb = self._handle(machine, meta["template"], meta["top_layer"])
+            sb.internet = internet
             self._sandboxes[sandbox_id] = sb
         sb.machine, sb.vm, sb.slot, sb.upper, sb.paused = (
             machine,
@@ -1093,6 +1126,9 @@ class Node:
                         await asyncio.to_thread(shutil.rmtree, workdir, True)
                         raise
                     targets.append(ForkTarget(child_id, workdir, slot))
+                    if not sb.internet:
+                        # The children inherit the source's policy before they run.
+                        await set_egress(slot, internet=False)
                     fut.set_result(targets[-1])
             except BaseException as exc:
                 err = exc if isinstance(exc, Exception) else SandboxError("fork: setup cancelled")
@@ -1131,9 +1167,12 @@ class Node:
         handles = []
         for child in res.children:
             top = res.capture.snapshot.top_layer
-            await self._write_meta(child.workdir, sb.template, sb.cpu, sb.memory_mb, 0, top)
+            await self._write_meta(
+                child.workdir, sb.template, sb.cpu, sb.memory_mb, 0, top, sb.internet
+            )
             h = self._handle(child, sb.template, top)
             h.origin = "fork"
+            h.internet = sb.internet
             self._sandboxes[child.name] = h
             handles.append(h)
         return handles

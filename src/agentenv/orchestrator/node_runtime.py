@@ -83,10 +83,14 @@ class NodeRuntime:
     async def close(self) -> None:
         await self.node.close()
 
-    async def create(self, template: str, cpu: int, memory_mb: int, disk_size_mb: int) -> Placement:
+    async def create(
+        self, template: str, cpu: int, memory_mb: int, disk_size_mb: int, *, internet: bool = True
+    ) -> Placement:
         try:
             with _capacity(self.node.settings.home):
-                handle = await self.node.create(template, cpu, memory_mb, disk_size_mb)
+                handle = await self.node.create(
+                    template, cpu, memory_mb, disk_size_mb, internet=internet
+                )
         except UnknownTemplate as exc:
             raise TemplateUnavailable(str(exc)) from exc
         except InvalidResources as exc:

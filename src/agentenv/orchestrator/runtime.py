@@ -65,8 +65,11 @@ class Runtime(Protocol):
     async def close(self) -> None: ...
 
     async def create(
-        self, template: str, cpu: int, memory_mb: int, disk_size_mb: int
-    ) -> Placement: ...
+        self, template: str, cpu: int, memory_mb: int, disk_size_mb: int, *, internet: bool = True
+    ) -> Placement:
+        """A running sandbox; `internet=False` refuses its guest's connections beyond it from
+        the start (kept across pause/resume and given to fork children)."""
+        ...
 
     async def delete(self, runtime_id: str) -> None: ...
 

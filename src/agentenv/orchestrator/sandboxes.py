@@ -396,7 +396,9 @@ class SandboxManager:
             )
             placement: Placement | None = None
             try:
-                placement = await self.runtime.create(rec.template, cpu, memory, disk)
+                placement = await self.runtime.create(
+                    rec.template, cpu, memory, disk, internet=rec.allow_internet
+                )
                 await self._init_envd(rec, placement)
                 # The sandbox's life (and its timeout) starts when it is usable, not when the
                 # request arrived: a slow boot must not eat into the caller's timeout.
