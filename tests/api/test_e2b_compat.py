@@ -116,8 +116,8 @@ def test_unenforced_network_policy_is_refused_naming_the_field(
     """Egress policy beyond internet on/off is not enforced yet: asking for it is a 400 that
     names it, not a sandbox that silently has the internet."""
     opts = sdk_opts(server)
-    with pytest.raises(SandboxException, match=re.escape("network.denyOut")):
-        Sandbox.create(template="base", network={"deny_out": ["203.0.113.0/24"]}, **opts)  # type: ignore[arg-type]
+    with pytest.raises(SandboxException, match=re.escape("network.allowOut")):
+        Sandbox.create(template="base", network={"allow_out": ["example.com"]}, **opts)  # type: ignore[arg-type]
     for field, value in (("allowOut", ["example.com"]), ("dnsServers", ["127.0.0.1"])):
         body = {"templateID": "base", "network": {field: value}}
         assert f"network.{field}" in _error(api.post("/v2/sandboxes", json=body), 400)

@@ -49,6 +49,12 @@ def _exec(sandbox_id: str) -> tuple[int, str]:
         return 410, ""
     except SandboxException as exc:
         return 500, f"{type(exc).__name__}: {exc}"
+    except Exception as exc:
+        # Another caller paused or killed it while the command ran: the proxy ended the
+        # stream, and the SDK says so.
+        if "without an end event" in str(exc):
+            return 410, ""
+        raise
     return (200, "") if out.stdout.strip() == "alive" else (500, out.stdout)
 
 

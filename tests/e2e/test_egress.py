@@ -19,7 +19,7 @@ import pytest
 
 from agentenv.config import Settings
 from agentenv.guest.envd.client import EnvdClient
-from agentenv.network import nft
+from agentenv.network import Egress, nft, parse_targets
 from agentenv.orchestrator.node import Node, SandboxHandle
 
 pytestmark = pytest.mark.vm
@@ -28,6 +28,8 @@ NETNS = "aet-inet"
 HOST_END, INET_END = "aet-i0", "aet-i1"
 # TEST-NET-2: documentation space, routed nowhere; both ends live on this machine.
 HOST_IP, INET_IP = "198.51.100.1", "198.51.100.2"
+# A second host of the test's internet (on the namespace's loopback, routed via INET_IP).
+OTHER_IP, OTHER_NET = "198.51.100.130", "198.51.100.128/25"
 PORT = 8080
 
 
@@ -92,15 +94,21 @@ def internet(tmp_path: Path) -> Iterator[Internet]:
             "via",
             HOST_IP,
         )
+        _ip(*ns, "addr", "add", f"{OTHER_IP}/32", "dev", "lo")
+        _ip("route", "add", OTHER_NET, "via", INET_IP)
         procs.append(_serve(["ip", "netns", "exec", NETNS], INET_IP, tmp_path))
         procs.append(_serve([], HOST_IP, tmp_path))
+        procs.append(_serve(["ip", "netns", "exec", NETNS], OTHER_IP, tmp_path))
         _wait_listening(NETNS, f"http://{INET_IP}:{PORT}/hello.txt")
+        _wait_listening(NETNS, f"http://{OTHER_IP}:{PORT}/hello.txt")
         _wait_listening(None, f"http://{HOST_IP}:{PORT}/hello.txt")
         yield Internet(node_server=procs[1], inet_server=procs[0])
     finally:
         for proc in procs:
             proc.kill()
             proc.wait()
+        with contextlib.suppress(subprocess.CalledProcessError):
+            _ip("route", "del", OTHER_NET)
         with contextlib.suppress(subprocess.CalledProcessError):
             _ip("link", "del", HOST_END)
         _ip("netns", "del", NETNS)
@@ -167,10 +175,10 @@ CONNECT_TIMED = (
 )
 
 
-async def _connect(sb: SandboxHandle) -> tuple[str, float]:
-    """How the guest's connect to the test's internet ends, and how long it took (timed in
-    the guest, so the envd round trip under TCG does not count)."""
-    code, out = await sh(sb, CONNECT_TIMED.format(ip=INET_IP, port=PORT))
+async def _connect(sb: SandboxHandle, ip: str = INET_IP) -> tuple[str, float]:
+    """How the guest's connect to a host of the test's internet ends, and how long it took
+    (timed in the guest, so the envd round trip under TCG does not count)."""
+    code, out = await sh(sb, CONNECT_TIMED.format(ip=ip, port=PORT))
     assert code == 0, out
     outcome, seconds = out.split()
     return outcome, float(seconds)
@@ -181,7 +189,7 @@ async def test_without_internet_connections_out_are_refused_fast_and_stay_refuse
 ) -> None:
     with internet(tmp_path):
         open_ = await node.create("base", memory_mb=384)
-        closed = await node.create("base", memory_mb=384, internet=False)
+        closed = await node.create("base", memory_mb=384, egress=Egress(internet=False))
         kids: list[SandboxHandle] = []
         try:
             assert (await _connect(open_))[0] == "open"
@@ -225,3 +233,72 @@ def test_sdk_allow_internet_access_false_is_enforced(tmp_path: Path) -> None:
             assert Sandbox.get_info(closed.sandbox_id, **opts).allow_internet_access is False
         finally:
             closed.kill()
+
+
+async def test_allow_and_deny_by_cidr_block_exactly_and_change_live(
+    node: Node, tmp_path: Path
+) -> None:
+    with internet(tmp_path):
+        deny = Egress(deny_out=parse_targets("denyOut", [f"{INET_IP}/32"]))
+        sb = await node.create("base", memory_mb=384, egress=deny)
+        try:
+            outcome, took = await _connect(sb, INET_IP)
+            assert outcome == "ConnectionRefusedError" and took < 1.0, (outcome, took)
+            assert (await _connect(sb, OTHER_IP))[0] == "open"
+            # Internet off but one destination allowed: only that one.
+            only = Egress(internet=False, allow_out=parse_targets("allowOut", [OTHER_IP]))
+            await node.update_egress(sb.id, only)
+            assert (await _connect(sb, OTHER_IP))[0] == "open"
+            assert (await _connect(sb, INET_IP))[0] == "ConnectionRefusedError"
+            # Cleared: everything again.
+            await node.update_egress(sb.id, Egress())
+            assert (await _connect(sb, INET_IP))[0] == "open"
+            # A paused sandbox's change holds from its resume.
+            await node.pause(sb.id)
+            await node.update_egress(sb.id, deny)
+            sb = await node.resume(sb.id)
+            assert (await _connect(sb, INET_IP))[0] == "ConnectionRefusedError"
+            assert (await _connect(sb, OTHER_IP))[0] == "open"
+        finally:
+            await node.delete(sb.id)
+
+
+def test_network_policy_through_the_api_and_put_network(tmp_path: Path) -> None:
+    from e2b import Sandbox
+
+    from agentenv.api.devserver import ServerProcess, prepare_home
+
+    home = prepare_home(tmp_path / "home")
+    with internet(tmp_path), ServerProcess(home, ready_timeout_s=240) as srv:
+        opts: dict[str, Any] = {"api_key": srv.api_key, "api_url": srv.url, "sandbox_url": srv.url}
+        sbx = Sandbox.create(network={"deny_out": [f"{INET_IP}/32"]}, **opts)
+        try:
+
+            def connect(ip: str) -> str:
+                out = sbx.commands.run(CONNECT_TIMED.format(ip=ip, port=PORT)).stdout
+                return out.split()[0]
+
+            assert connect(INET_IP) == "ConnectionRefusedError"
+            assert connect(OTHER_IP) == "open"
+            with httpx.Client(
+                base_url=srv.url, headers={"X-API-Key": srv.api_key}, timeout=120
+            ) as api:
+                put = api.put(
+                    f"/sandboxes/{sbx.sandbox_id}/network",
+                    json={"allowInternetAccess": False, "allowOut": [INET_IP]},
+                )
+                assert put.status_code == 204, put.text
+                assert connect(INET_IP) == "open"
+                assert connect(OTHER_IP) == "ConnectionRefusedError"
+                info = api.get(f"/sandboxes/{sbx.sandbox_id}").json()
+                assert info["allowInternetAccess"] is False
+                assert info["network"].get("allowOut") == [INET_IP]
+                bad = api.put(f"/sandboxes/{sbx.sandbox_id}/network", json={"denyOut": ["x.com"]})
+                assert bad.status_code == 400 and "denyOut" in bad.json()["message"]
+                bad = api.put(f"/sandboxes/{sbx.sandbox_id}/network", json={"dnsServers": []})
+                assert bad.status_code == 400 and "dnsServers" in bad.json()["message"]
+                # Omitted fields are cleared (E2B): an empty body opens everything.
+                assert api.put(f"/sandboxes/{sbx.sandbox_id}/network", json={}).status_code == 204
+                assert connect(OTHER_IP) == "open"
+        finally:
+            sbx.kill()

@@ -300,7 +300,7 @@ class _RefusingNode:
         self.settings = type("S", (), {"home": home})()
         self.exc = exc
 
-    async def create(self, *_: object) -> object:
+    async def create(self, *_: object, **__: object) -> object:
         raise self.exc
 
     async def pause(self, *_: object) -> None:

@@ -19,6 +19,7 @@ import pytest
 
 from agentenv.config import Settings
 from agentenv.guest.envd.client import EnvdClient
+from agentenv.network import OPEN, Egress
 from agentenv.orchestrator.errors import (
     BadRequest,
     Conflict,
@@ -43,8 +44,10 @@ class ClaimedEnvdRuntime(NodeRuntime):
 
     last_pid: int | None = None
 
-    async def create(self, template: str, cpu: int, memory_mb: int, disk_size_mb: int) -> Placement:
-        placed = await super().create(template, cpu, memory_mb, disk_size_mb)
+    async def create(
+        self, template: str, cpu: int, memory_mb: int, disk_size_mb: int, *, egress: Egress = OPEN
+    ) -> Placement:
+        placed = await super().create(template, cpu, memory_mb, disk_size_mb, egress=egress)
         self.last_pid = self.node.get(placed.runtime_id).pid
         async with httpx.AsyncClient(trust_env=False, timeout=30) as http:
             claim = await http.post(

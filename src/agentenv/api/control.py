@@ -29,6 +29,7 @@ from agentenv.api.keys import KeyRing
 from agentenv.api.models import (
     ConnectBody,
     ForkBody,
+    NetworkUpdate,
     NewSandbox,
     PauseBody,
     RefreshBody,
@@ -36,6 +37,7 @@ from agentenv.api.models import (
     SnapshotBody,
     TimeoutBody,
 )
+from agentenv.network.egress import BadTarget, parse_targets
 from agentenv.orchestrator.errors import BadRequest, Conflict, OrchestratorError, SandboxNotFound
 from agentenv.orchestrator.runtime import TemplateSource, TemplateUnavailable
 from agentenv.orchestrator.sandboxes import DEFAULT_TIMEOUT_S, CreateSpec, SandboxManager
@@ -470,8 +472,20 @@ def build_control_app(ctx: ControlContext) -> FastAPI:
         return Response(status_code=204)
 
     # Routes the SDK knows that this server does not implement answer clearly, not 404.
+    @app.put("/sandboxes/{sandbox_id}/network", status_code=204, tags=["sandboxes"])
+    async def update_network(sandbox_id: str, _: Auth, body: NetworkUpdate) -> Response:
+        # E2B replaces the whole egress config: what the body leaves out is cleared.
+        named = [k for k in ("dnsServers", "egressProxy", "rules") if getattr(body, k) is not None]
+        if named:
+            raise ApiError(400, f"{', '.join(named)}: not enforced by this server yet")
+        _check_targets("", body.allowOut, body.denyOut)
+        allow_internet = True if body.allowInternetAccess is None else body.allowInternetAccess
+        await mgr.update_network(
+            sandbox_id, allow_internet, list(body.allowOut or []), list(body.denyOut or [])
+        )
+        return Response(status_code=204)
+
     unsupported = {
-        "/sandboxes/{sandbox_id}/network": ["PUT"],
         "/sandboxes/metrics": ["GET"],
     }
     for path, methods in unsupported.items():
@@ -482,8 +496,6 @@ def build_control_app(ctx: ControlContext) -> FastAPI:
 
 # Egress policy this server does not enforce yet: refused by name, never stored and ignored.
 _UNENFORCED_NETWORK = (
-    "allowOut",
-    "denyOut",
     "dnsServers",
     "maskRequestHost",
     "httpsPorts",
@@ -498,6 +510,17 @@ def _refuse_unenforced(body: NewSandbox, network: dict[str, object]) -> None:
         raise ApiError(400, f"{', '.join(named)}: not enforced by this server yet")
     if body.iam is not None:
         raise ApiError(400, "iam: workload identity is not supported by this server")
+    if body.network is not None:
+        _check_targets("network.", body.network.allowOut, body.network.denyOut)
+
+
+def _check_targets(prefix: str, allow: list[str] | None, deny: list[str] | None) -> None:
+    """allowOut/denyOut entries are enforced as IPv4 CIDRs or addresses; others are a 400."""
+    try:
+        parse_targets(f"{prefix}allowOut", allow or [])
+        parse_targets(f"{prefix}denyOut", deny or [])
+    except BadTarget as exc:
+        raise ApiError(400, str(exc)) from exc
 
 
 async def _not_implemented(request: Request) -> JSONResponse:

@@ -89,6 +89,18 @@ class NewSandbox(_Strict):
         return _check_map(v, "envVars", MAX_ENV_ENTRIES, MAX_ENV_KEY, MAX_ENV_VALUE)
 
 
+class NetworkUpdate(_Strict):
+    """`PUT /sandboxes/{id}/network`: the sandbox's whole egress config (E2B's
+    SandboxNetworkUpdateConfig; omitted fields are cleared)."""
+
+    allowInternetAccess: StrictBool | None = None
+    allowOut: list[str] | None = None
+    denyOut: list[str] | None = None
+    dnsServers: list[str] | None = None
+    egressProxy: dict[str, Any] | None = None
+    rules: dict[str, Any] | None = None
+
+
 class ConnectBody(_Strict):
     timeout: Timeout | None = None
     # `false` asks a paused sandbox to cold-boot from disk; refused (a running one ignores it).

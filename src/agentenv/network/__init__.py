@@ -1,5 +1,6 @@
 """Network slots: per-sandbox namespace, tap, veth and nftables, and a pool of them."""
 
+from agentenv.network.egress import OPEN, BadTarget, Egress, parse_targets
 from agentenv.network.errors import NetworkError, NoFreeSlot
 from agentenv.network.pool import SlotPool
 from agentenv.network.slot import (
@@ -13,6 +14,9 @@ from agentenv.network.slot import (
 )
 
 __all__ = [
+    "OPEN",
+    "BadTarget",
+    "Egress",
     "NetworkError",
     "NoFreeSlot",
     "Slot",
@@ -20,6 +24,7 @@ __all__ = [
     "cleanup_stale",
     "create_slot",
     "destroy_slot",
+    "parse_targets",
     "recover_slots",
     "set_egress",
     "slot_for",

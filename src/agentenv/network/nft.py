@@ -11,6 +11,7 @@ import contextlib
 import ipaddress
 from pathlib import Path
 
+from agentenv.network.egress import Egress
 from agentenv.network.errors import NetworkError
 
 TABLE = "agentenv"
@@ -96,25 +97,24 @@ table inet {TABLE} {{
 EGRESS_TABLE = "agentenv_egress"
 
 
-def egress_ruleset(*, tap: str, internet: bool) -> str:
-    """A slot's egress policy, in a table of its own next to the slot's rules (so it can be
-    set and reset alone). Without internet every new connection the guest opens is refused
-    at once (TCP reset, ICMP admin-prohibited otherwise), not dropped into a silent hang;
-    replies to connections made into the guest (the proxy) are established and pass."""
+def egress_ruleset(*, tap: str, egress: Egress) -> str:
+    """A slot's egress policy (`network.egress`), in a table of its own next to the slot's
+    rules, so it can be replaced alone and at once. New connections the guest opens to an
+    allowed destination pass this table (the slot's own rules still apply after it); to a
+    denied one they are refused at once (TCP reset, ICMP admin-prohibited otherwise), not
+    dropped into a silent hang. Replies to connections into the guest (the proxy) are
+    established and pass. One rule per entry: prefixes may overlap."""
     reset = f"table inet {EGRESS_TABLE}\ndelete table inet {EGRESS_TABLE}\n"
-    if internet:
+    if egress.open:
         return reset
-    return (
-        reset
-        + f"""table inet {EGRESS_TABLE} {{
-  chain forward {{
-    type filter hook forward priority filter - 10; policy accept;
-    iifname "{tap}" ct state new meta l4proto tcp reject with tcp reset
-    iifname "{tap}" ct state new reject with icmpx type admin-prohibited
-  }}
-}}
-"""
-    )
+    new = f'iifname "{tap}" ct state new'
+    rules = [f"    {new} ip daddr {net} accept" for net in egress.allow_out]
+    for net in egress.denied:
+        rules.append(f"    {new} ip daddr {net} meta l4proto tcp reject with tcp reset")
+        rules.append(f"    {new} ip daddr {net} reject with icmpx type admin-prohibited")
+    body = "\n".join(rules)
+    chain = "    type filter hook forward priority filter - 10; policy accept;"
+    return reset + f"table inet {EGRESS_TABLE} {{\n  chain forward {{\n{chain}\n{body}\n  }}\n}}\n"
 
 
 def host_ruleset(*, slots_only: bool = False) -> str:

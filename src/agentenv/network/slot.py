@@ -22,6 +22,7 @@ from pyroute2.netlink.exceptions import NetlinkError
 from agentenv.config import NetworkPlan
 from agentenv.filelock import file_lock
 from agentenv.network import nft
+from agentenv.network.egress import OPEN, Egress
 from agentenv.network.errors import NetworkError, NoFreeSlot
 
 NETNS_PREFIX = "ae-s"
@@ -223,18 +224,17 @@ async def conntrack_entries(slot: Slot) -> int:
         return len([e async for e in await ct.dump_entries()])
 
 
-async def set_egress(slot: Slot, *, internet: bool) -> None:
-    """Whether the guest on `slot` may open connections beyond it; takes effect at once,
-    also for a guest that runs."""
-    await nft.run_in_netns(
-        slot.netns, "nft -f -", nft.egress_ruleset(tap=slot.tap, internet=internet)
-    )
+async def set_egress(slot: Slot, egress: Egress) -> None:
+    """Where the guest on `slot` may open connections (`network.egress`); replaces what was
+    there, at once, also for a guest that runs (connections it already has stay)."""
+    ruleset = nft.egress_ruleset(tap=slot.tap, egress=egress)
+    await nft.run_in_netns(slot.netns, "nft -f -", ruleset)
 
 
 async def reset_slot(slot: Slot) -> None:
     """Forget the previous guest's connections and egress policy before a slot is reused: a
     stale entry would send a new guest's replies through the old NAT mapping."""
-    await set_egress(slot, internet=True)
+    await set_egress(slot, OPEN)
     try:
         async with AsyncConntrack(netns=slot.netns) as ct:
             await ct.flush()

@@ -37,7 +37,7 @@ import httpx
 from agentenv import snapshot as snaps
 from agentenv.config import ENVD_PORT, Settings
 from agentenv.guest.envd.client import EnvdClient, EnvdError
-from agentenv.network import Slot, SlotPool, recover_slots, set_egress, slot_for
+from agentenv.network import OPEN, Egress, Slot, SlotPool, recover_slots, set_egress, slot_for
 from agentenv.network.slot import NETNS_PREFIX
 from agentenv.orchestrator.admission import Admission, Limits
 from agentenv.orchestrator.conversions import PausedConversions
@@ -132,8 +132,8 @@ class SandboxHandle:
     # Set when the sandbox can be captured (snapshots on); `vm` is always `machine.vm`.
     machine: Machine | None = field(default=None, repr=False)
     paused: bool = False
-    # Whether the guest may open connections beyond its slot (`network.set_egress`).
-    internet: bool = True
+    # Where the guest may open connections (`network.egress`, set on its slot).
+    egress: Egress = OPEN
     # "restore" (from the template snapshot or a named snapshot), "warm" (the same, from a
     # pre-spawned QEMU of the warm pool), "boot" (cold), "fork", or "adopted" (left running
     # by a server that died, taken over by this one).
@@ -381,7 +381,7 @@ class Node:
             raise
         handle.origin = "adopted"
         # The slot's egress rules live in its namespace and outlived the server.
-        handle.internet = bool(meta.get("internet", True))
+        handle.egress = Egress.from_json(meta.get("egress"))
         self.pool.adopt(slot)
         self._sandboxes[rec.name] = handle
         # A running sandbox has no use for saved state: what is there is from a pause cut
@@ -554,21 +554,21 @@ class Node:
         memory_mb: int = 512,
         disk_size_mb: int | None = None,
         *,
-        internet: bool = True,
+        egress: Egress = OPEN,
     ) -> SandboxHandle:
-        """`internet=False`: the guest's own connections beyond its slot are refused from
-        before it first runs (and on every resume and in its fork children)."""
+        """`egress` (`network.egress`: internet off, destinations allowed or denied) holds
+        from before the guest first runs, on every resume and in its fork children."""
         if self._boot is None or self._accel is None:
             raise SandboxError("node is not started")
         named = await asyncio.to_thread(self._named_snapshot, template)
         if named is not None:
-            return await self._create_from_snapshot(named, template, internet)
+            return await self._create_from_snapshot(named, template, egress)
         top, top_path, disk_mb, base_mb = await asyncio.to_thread(
             self._validate, template, cpu, memory_mb, disk_size_mb
         )
         async with self.admission.start(f"a create of {template!r}", memory_mb):
             return await self._create(
-                template, cpu, memory_mb, disk_size_mb, top, top_path, disk_mb, base_mb, internet
+                template, cpu, memory_mb, disk_size_mb, top, top_path, disk_mb, base_mb, egress
             )
 
     async def _create(
@@ -581,7 +581,7 @@ class Node:
         top_path: Path,
         disk_mb: int,
         base_mb: int,
-        internet: bool,
+        egress: Egress,
     ) -> SandboxHandle:
         """`create` once the input is valid and the start admitted."""
         if self._boot is None or self._accel is None:
@@ -617,17 +617,17 @@ class Node:
             if warm is None:
                 slot = await self.pool.acquire()
                 undo.append(lambda: self.pool.release(slot))
-            if not internet:
+            if not egress.open:
                 # Before the guest runs (a warm entry's QEMU waits for its state).
-                await set_egress(slot, internet=False)
+                await set_egress(slot, egress)
 
             upper = workdir / ROOTFS
-            await self._write_meta(workdir, template, cpu, memory_mb, disk_mb, top, internet)
+            await self._write_meta(workdir, template, cpu, memory_mb, disk_mb, top, egress)
             if snap is not None:
                 handle = await self._restore(
                     snap.id, sandbox_id, template, workdir, slot, top, prepared=warm
                 )
-                handle.internet = internet
+                handle.egress = egress
                 undo.append(lambda: self._release(handle))
                 if disk_mb > base_mb:
                     await self._grow_disk(handle, disk_mb)
@@ -676,7 +676,7 @@ class Node:
                 upper=upper,
                 top_layer=top,
                 vm=vm,
-                internet=internet,
+                egress=egress,
             )
             if self.snapshots:
                 handle.machine = Machine(
@@ -809,7 +809,7 @@ class Node:
         memory_mb: int,
         disk_mb: int,
         top: str,
-        internet: bool,
+        egress: Egress,
     ) -> None:
         meta = {
             "template": template,
@@ -817,7 +817,7 @@ class Node:
             "memory_mb": memory_mb,
             "disk_size_mb": disk_mb,
             "top_layer": top,
-            "internet": internet,
+            "egress": egress.to_json(),
         }
         await asyncio.to_thread((workdir / META).write_text, json.dumps(meta))
 
@@ -857,6 +857,26 @@ class Node:
             raise
         handle.spawn_to_healthy_s = time.monotonic() - t0
         return handle
+
+    async def update_egress(self, sandbox_id: str, egress: Egress) -> None:
+        """Replace a sandbox's egress policy: at once while it runs (on its slot), from its
+        next resume while it is paused."""
+        sb = self._sandboxes.get(sandbox_id)
+        if (sb is None or sb.paused) and not self._paused_on_disk(sandbox_id):
+            raise UnknownSandbox(f"sandbox {sandbox_id!r} does not exist")
+        workdir = self.settings.sandboxes_dir / sandbox_id
+        if sb is not None and not sb.paused:
+            await set_egress(sb.slot, egress)
+            sb.egress = egress
+
+        def rewrite() -> None:
+            meta = json.loads((workdir / META).read_text())
+            meta["egress"] = egress.to_json()
+            tmp = workdir / (META + ".tmp")
+            tmp.write_text(json.dumps(meta))
+            os.replace(tmp, workdir / META)
+
+        await asyncio.to_thread(rewrite)
 
     async def _grow_disk(self, handle: SandboxHandle, disk_mb: int) -> None:
         """A restored guest has the template's disk: grow the virtual disk under it, then
@@ -962,12 +982,12 @@ class Node:
             await snaps.release(handle.machine, self.repo, self.layers)
 
     async def _create_from_snapshot(
-        self, snap: Snapshot, ref: str, internet: bool
+        self, snap: Snapshot, ref: str, egress: Egress
     ) -> SandboxHandle:
         async with self.admission.start(f"a create from snapshot {ref!r}", snap.memory_mb):
-            return await self._from_snapshot(snap, ref, internet)
+            return await self._from_snapshot(snap, ref, egress)
 
-    async def _from_snapshot(self, snap: Snapshot, ref: str, internet: bool) -> SandboxHandle:
+    async def _from_snapshot(self, snap: Snapshot, ref: str, egress: Egress) -> SandboxHandle:
         sandbox_id = new_sandbox_id()
         workdir = self.settings.sandboxes_dir / sandbox_id
         t0 = time.monotonic()
@@ -975,13 +995,13 @@ class Node:
         slot: Slot | None = None
         try:
             slot = await self.pool.acquire()
-            if not internet:
-                await set_egress(slot, internet=False)
+            if not egress.open:
+                await set_egress(slot, egress)
             await self._write_meta(
-                workdir, ref, snap.vcpus, snap.memory_mb, 0, snap.top_layer, internet
+                workdir, ref, snap.vcpus, snap.memory_mb, 0, snap.top_layer, egress
             )
             handle = await self._restore(snap.id, sandbox_id, ref, workdir, slot, snap.top_layer)
-            handle.internet = internet
+            handle.egress = egress
         except BaseException:
             if slot is not None:
                 await self.pool.release(slot)
@@ -1047,11 +1067,11 @@ class Node:
         t0 = time.monotonic()
         await self.conversions.settle(sandbox_id)
         meta = json.loads(await asyncio.to_thread((workdir / META).read_text))
-        internet = bool(meta.get("internet", True))
+        egress = Egress.from_json(meta.get("egress"))
         slot = await self.pool.acquire()
         try:
-            if not internet:
-                await set_egress(slot, internet=False)
+            if not egress.open:
+                await set_egress(slot, egress)
             machine = await snaps.resume(workdir, self.image, slot)
         except BaseException as exc:
             await self.pool.release(slot)
@@ -1060,7 +1080,7 @@ class Node:
             raise
         if sb is None:
             sb = self._handle(machine, meta["template"], meta["top_layer"])
-            sb.internet = internet
+            sb.egress = egress
             self._sandboxes[sandbox_id] = sb
         sb.machine, sb.vm, sb.slot, sb.upper, sb.paused = (
             machine,
@@ -1126,9 +1146,9 @@ class Node:
                         await asyncio.to_thread(shutil.rmtree, workdir, True)
                         raise
                     targets.append(ForkTarget(child_id, workdir, slot))
-                    if not sb.internet:
+                    if not sb.egress.open:
                         # The children inherit the source's policy before they run.
-                        await set_egress(slot, internet=False)
+                        await set_egress(slot, sb.egress)
                     fut.set_result(targets[-1])
             except BaseException as exc:
                 err = exc if isinstance(exc, Exception) else SandboxError("fork: setup cancelled")
@@ -1168,11 +1188,11 @@ class Node:
         for child in res.children:
             top = res.capture.snapshot.top_layer
             await self._write_meta(
-                child.workdir, sb.template, sb.cpu, sb.memory_mb, 0, top, sb.internet
+                child.workdir, sb.template, sb.cpu, sb.memory_mb, 0, top, sb.egress
             )
             h = self._handle(child, sb.template, top)
             h.origin = "fork"
-            h.internet = sb.internet
+            h.egress = sb.egress
             self._sandboxes[child.name] = h
             handles.append(h)
         return handles

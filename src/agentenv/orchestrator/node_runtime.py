@@ -9,6 +9,7 @@ from pathlib import Path
 
 from agentenv import snapshot as snaps
 from agentenv.config import Settings
+from agentenv.network.egress import OPEN, Egress
 from agentenv.orchestrator.errors import BadRequest, InsufficientStorage, Unavailable
 from agentenv.orchestrator.memory import HostMemory
 from agentenv.orchestrator.node import Node, SandboxHandle
@@ -84,12 +85,12 @@ class NodeRuntime:
         await self.node.close()
 
     async def create(
-        self, template: str, cpu: int, memory_mb: int, disk_size_mb: int, *, internet: bool = True
+        self, template: str, cpu: int, memory_mb: int, disk_size_mb: int, *, egress: Egress = OPEN
     ) -> Placement:
         try:
             with _capacity(self.node.settings.home):
                 handle = await self.node.create(
-                    template, cpu, memory_mb, disk_size_mb, internet=internet
+                    template, cpu, memory_mb, disk_size_mb, egress=egress
                 )
         except UnknownTemplate as exc:
             raise TemplateUnavailable(str(exc)) from exc
@@ -117,6 +118,9 @@ class NodeRuntime:
                 return _placement(await self.node.resume(runtime_id))
         except snaps.ResumedButLost as exc:
             raise Lost(str(exc)) from exc
+
+    async def update_egress(self, runtime_id: str, egress: Egress) -> None:
+        await self.node.update_egress(runtime_id, egress)
 
     def is_alive(self, runtime_id: str) -> bool:
         return self.node.is_alive(runtime_id)

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
+from agentenv.network.egress import OPEN, Egress
 from agentenv.orchestrator.memory import HostMemory
 
 
@@ -65,10 +66,14 @@ class Runtime(Protocol):
     async def close(self) -> None: ...
 
     async def create(
-        self, template: str, cpu: int, memory_mb: int, disk_size_mb: int, *, internet: bool = True
+        self, template: str, cpu: int, memory_mb: int, disk_size_mb: int, *, egress: Egress = OPEN
     ) -> Placement:
-        """A running sandbox; `internet=False` refuses its guest's connections beyond it from
+        """A running sandbox whose guest may open connections only as `egress` says, from
         the start (kept across pause/resume and given to fork children)."""
+        ...
+
+    async def update_egress(self, runtime_id: str, egress: Egress) -> None:
+        """Replace a running or paused sandbox's egress policy (at once while it runs)."""
         ...
 
     async def delete(self, runtime_id: str) -> None: ...

@@ -18,12 +18,13 @@ import secrets
 import string
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any
 
 import httpx
 
+from agentenv.network.egress import Egress, parse_targets
 from agentenv.orchestrator.errors import (
     BadRequest,
     Conflict,
@@ -73,6 +74,15 @@ def _refuse_cold_resume(memory: bool | None) -> None:
             "memory: false (resuming with a cold boot from disk) is not supported by this "
             "server; a plain resume restores memory"
         )
+
+
+def egress_of(rec: SandboxRecord) -> Egress:
+    """The egress policy a row asks for (the API validated its entries)."""
+    return Egress(
+        internet=rec.allow_internet,
+        allow_out=parse_targets("allowOut", rec.network.get("allowOut", [])),
+        deny_out=parse_targets("denyOut", rec.network.get("denyOut", [])),
+    )
 
 
 def new_sandbox_id() -> str:
@@ -397,7 +407,7 @@ class SandboxManager:
             placement: Placement | None = None
             try:
                 placement = await self.runtime.create(
-                    rec.template, cpu, memory, disk, internet=rec.allow_internet
+                    rec.template, cpu, memory, disk, egress=egress_of(rec)
                 )
                 await self._init_envd(rec, placement)
                 # The sandbox's life (and its timeout) starts when it is usable, not when the
@@ -596,6 +606,25 @@ class SandboxManager:
         await self._released(sandbox_id)
         self.store.log(sandbox_id, reason)
         log.info("sandbox %s gone (%s)", sandbox_id, reason, extra={"sandbox_id": sandbox_id})
+
+    async def update_network(
+        self, sandbox_id: str, allow_internet: bool, allow_out: list[str], deny_out: list[str]
+    ) -> None:
+        """Replace a running or paused sandbox's egress policy (omitted parts are cleared,
+        as E2B does); it holds at once while the sandbox runs."""
+        async with self._locked(sandbox_id):
+            rec = self.get(sandbox_id)
+            if rec.state not in (SandboxState.RUNNING, SandboxState.PAUSED):
+                raise Conflict(f"sandbox {sandbox_id} is {rec.state.value}")
+            network = {k: v for k, v in rec.network.items() if k not in ("allowOut", "denyOut")}
+            if allow_out:
+                network["allowOut"] = allow_out
+            if deny_out:
+                network["denyOut"] = deny_out
+            updated = replace(rec, allow_internet=allow_internet, network=network)
+            await self.runtime.update_egress(rec.runtime_id or rec.id, egress_of(updated))
+            self.store.update(sandbox_id, allow_internet=allow_internet, network=network)
+            self.store.log(sandbox_id, f"network policy set: {egress_of(updated).to_json()}")
 
     async def set_timeout(self, sandbox_id: str, seconds: int) -> None:
         async with self._locked(sandbox_id):
