@@ -103,7 +103,7 @@ def test_keys_created_and_revoked_in_the_store_apply_to_the_running_server(
 def test_unknown_routes_and_methods_answer_json(api: httpx.Client) -> None:
     _assert_error(api.get("/nope"), 404)
     _assert_error(api.put("/v2/sandboxes"), 405)
-    _assert_error(api.put("/sandboxes/x/network", json={}), 501)
+    _assert_error(api.put("/sandboxes/x/network", json={}), 404)
 
 
 @pytest.mark.vm
