@@ -481,6 +481,11 @@ class Node:
         except KeyError:
             raise UnknownSandbox(f"sandbox {sandbox_id!r} does not exist") from None
 
+    def running(self, sandbox_id: str) -> SandboxHandle | None:
+        """The handle of a sandbox that runs here (not paused), else None."""
+        sb = self._sandboxes.get(sandbox_id)
+        return None if sb is None or sb.paused else sb
+
     def list(self) -> list[SandboxHandle]:
         return list(self._sandboxes.values())
 
@@ -819,7 +824,7 @@ class Node:
             "top_layer": top,
             "egress": egress.to_json(),
         }
-        await asyncio.to_thread((workdir / META).write_text, json.dumps(meta))
+        await asyncio.to_thread(_replace_json, workdir / META, meta)
 
     async def _restore(
         self,
@@ -872,9 +877,7 @@ class Node:
         def rewrite() -> None:
             meta = json.loads((workdir / META).read_text())
             meta["egress"] = egress.to_json()
-            tmp = workdir / (META + ".tmp")
-            tmp.write_text(json.dumps(meta))
-            os.replace(tmp, workdir / META)
+            _replace_json(workdir / META, meta)
 
         await asyncio.to_thread(rewrite)
 
@@ -1196,6 +1199,13 @@ class Node:
             self._sandboxes[child.name] = h
             handles.append(h)
         return handles
+
+
+def _replace_json(path: Path, value: object) -> None:
+    """Write `path` whole or not at all (a crash never leaves half a file to recover from)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(value))
+    os.replace(tmp, path)
 
 
 def _claim_data_dir(run_dir: Path) -> int | None:

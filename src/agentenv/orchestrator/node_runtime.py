@@ -126,10 +126,10 @@ class NodeRuntime:
         return self.node.is_alive(runtime_id)
 
     def find(self, runtime_id: str) -> Found | None:
-        sb = self.node._sandboxes.get(runtime_id)
-        if sb is not None and not sb.paused:
-            return Found("running", _placement(sb)) if self.node.is_alive(runtime_id) else None
-        return Found("paused", None) if self.node.is_alive(runtime_id) else None
+        if not self.node.is_alive(runtime_id):
+            return None
+        sb = self.node.running(runtime_id)
+        return Found("paused", None) if sb is None else Found("running", _placement(sb))
 
     def sandbox_ids(self) -> list[str]:
         return self.node.sandbox_ids()
