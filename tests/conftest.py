@@ -15,9 +15,27 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from resolver import TestResolver
 
 from agentenv.config import Settings
 from agentenv.vmm import cgroup
+
+
+@pytest.fixture(scope="session", autouse=True)
+def test_resolver() -> Iterator[TestResolver]:
+    """Every guest's DNS goes to the node's forwarder, and the forwarder's upstream is this
+    resolver (servers started as subprocesses inherit the variable): a guest's lookup never
+    reaches the host's resolver. Tests add the names they need (`.set`)."""
+    saved = os.environ.get("AGENTENV_DNS")
+    with TestResolver() as resolver:
+        os.environ["AGENTENV_DNS"] = resolver.address
+        try:
+            yield resolver
+        finally:
+            if saved is None:
+                os.environ.pop("AGENTENV_DNS", None)
+            else:
+                os.environ["AGENTENV_DNS"] = saved
 
 
 @pytest.fixture(scope="session")

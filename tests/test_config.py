@@ -23,6 +23,8 @@ def test_defaults_stay_out_of_rfc1918(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_dns_override(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("AGENTENV_DNS", "198.51.100.53, 198.51.100.54")
     assert Settings.from_env().dns == ("198.51.100.53", "198.51.100.54")
+    monkeypatch.setenv("AGENTENV_DNS", "127.0.0.1:5353")
+    assert Settings.from_env().dns == ("127.0.0.1:5353",)
     monkeypatch.setenv("AGENTENV_DNS", "")
     assert Settings.from_env().dns == ()
 

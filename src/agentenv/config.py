@@ -118,7 +118,8 @@ class Settings:
     warm_low: int = 1
     warm_high: int = 2
     boot_timeout_s: float = 120.0
-    # Nameservers written into a guest's /etc/resolv.conf at first boot (template build).
+    # Upstream resolvers (`ip` or `ip:port`) the slot gateways' DNS forwarder asks; guests'
+    # resolv.conf names only their gateway.
     dns: tuple[str, ...] = ()
     # Create sandboxes by restoring their template's snapshot instead of booting a kernel.
     snapshots: bool = True
@@ -246,16 +247,20 @@ class Settings:
 
 
 def _dns_servers() -> tuple[str, ...]:
-    """`AGENTENV_DNS` (comma-separated), else the host's own resolvers that a guest can reach
-    through its slot: a loopback resolver (systemd-resolved, dnsmasq) is the host's alone."""
+    """Upstream resolvers of the node's per-slot DNS forwarder (`network.dns`):
+    `AGENTENV_DNS` (comma-separated `ip` or `ip:port`), else the host's own IPv4 resolvers,
+    loopback ones included (the forwarder asks from the host)."""
     raw = os.environ.get("AGENTENV_DNS")
     if raw is not None:
         servers = [s.strip() for s in raw.split(",") if s.strip()]
         for server in servers:
+            host, _, port = server.partition(":")
             try:
-                ipaddress.IPv4Address(server)
+                ipaddress.IPv4Address(host)
+                if port and not 0 < int(port) < 65536:
+                    raise ValueError(port)
             except ValueError as exc:
-                raise ConfigError(f"AGENTENV_DNS: {server!r} is not an IPv4 address") from exc
+                raise ConfigError(f"AGENTENV_DNS: {server!r} is not IPv4[:port]") from exc
         return tuple(servers)
     found: list[str] = []
     try:
@@ -269,7 +274,7 @@ def _dns_servers() -> tuple[str, ...]:
                 addr = ipaddress.ip_address(parts[1])
             except ValueError:
                 continue
-            if addr.version == 4 and not addr.is_loopback:
+            if addr.version == 4:
                 found.append(str(addr))
     return tuple(found)
 

@@ -21,6 +21,10 @@ POINTS = frozenset(
         "pause:recorded",  # paused record written, QEMU still alive
         "resume:loaded",  # state loaded into the new QEMU, guest not yet running
         "resume:running",  # guest running, paused record gone, envd not checked
+        "fspause:stopped",  # filesystem-only pause: guest synced and stopped, no record
+        "fspause:recorded",  # its record written, the stopped QEMU still alive
+        "coldboot:booting",  # resume by a cold boot: QEMU spawned, record kept, guest booting
+        "coldboot:running",  # envd answered, record removed, the control plane not told
         "capture:sealed",  # guest stopped, disk sealed, nothing saved
         "fork:captured",  # fork snapshot committed, no child restored
         "fork:child",  # first child restored, others not

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 from agentenv.template.commands import run
@@ -48,6 +49,12 @@ KERNEL_BUILD_PACKAGES = [
     "make",
 ]
 
+# What the test suite runs besides Python (the E2B JS SDK leg, tests/e2e/test_js_sdk.py):
+# command -> the Debian package that provides it. Checked by command, not by package: a Node.js
+# from another source (one whose `nodejs` package bundles npm and conflicts with Debian's `npm`)
+# must not be replaced.
+TEST_COMMANDS = {"node": "nodejs", "npm": "npm"}
+
 APT_ENV = {"DEBIAN_FRONTEND": "noninteractive"}
 
 
@@ -64,6 +71,20 @@ def ensure_host_packages(
     missing = missing_packages(wanted)
     if not missing:
         return []
+    _apt_install(missing, progress)
+    return missing
+
+
+def ensure_test_commands(progress: ProgressFn | None = None) -> list[str]:
+    """Install the package of each `TEST_COMMANDS` command not on PATH; return those installed."""
+    report(progress, "checking test tools")
+    missing = list(dict.fromkeys(p for c, p in TEST_COMMANDS.items() if shutil.which(c) is None))
+    if missing:
+        _apt_install(missing, progress)
+    return missing
+
+
+def _apt_install(missing: list[str], progress: ProgressFn | None) -> None:
     if os.geteuid() != 0:
         raise BuildError(f"missing host packages ({' '.join(missing)}); run `aenv setup` as root")
     # Refresh package lists only when one of them is not known to apt yet.
@@ -79,7 +100,6 @@ def ensure_host_packages(
     still = missing_packages(missing)
     if still:
         raise BuildError(f"apt-get did not install: {' '.join(still)}")
-    return missing
 
 
 def _lists_empty() -> bool:

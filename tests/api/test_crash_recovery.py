@@ -257,7 +257,13 @@ CRASH_CASES = {
     "capture:sealed": "running",
     "fork:captured": "running",
     "fork:child": "running",
+    "fspause:stopped": "running",
+    "fspause:recorded": "paused",
+    "coldboot:booting": "paused",
+    "coldboot:running": "running",
 }
+# Crash points whose restarted server must find a filesystem-only pause: no RAM kept.
+FILESYSTEM_PAUSED = {"fspause:recorded", "coldboot:booting"}
 
 
 @pytest.mark.parametrize("point", sorted(CRASH_CASES))
@@ -269,17 +275,30 @@ def test_sigkill_mid_operation_rolls_forward_or_back(
     try:
         sbx = Sandbox.create(timeout=TIMEOUT_S)
         sbx.files.write("/home/user/f.txt", point)
+        rid = _runtime_id(sbx)
         op = point.split(":")[0]
+        body: dict[str, Any] = {"count": 2} if op == "fork" else {}
         if op == "resume":
             sbx.beta_pause()
+        elif point == "coldboot:booting":
+            # A memory pause resumed without its memory: the record turns into a disk one
+            # before the boot. The file is synced (an unsynced write may be lost, as E2B).
+            sbx.commands.run("sync")
+            sbx.beta_pause()
+            body = {"memory": False}
+        elif op == "coldboot":
+            sbx.pause(mode="filesystem")
+        elif op == "fspause":
+            body = {"memory": False}
         with _api(srv) as api:
             path = {
                 "pause": f"/sandboxes/{sbx.sandbox_id}/pause",
+                "fspause": f"/sandboxes/{sbx.sandbox_id}/pause",
                 "resume": f"/sandboxes/{sbx.sandbox_id}/resume",
+                "coldboot": f"/sandboxes/{sbx.sandbox_id}/resume",
                 "capture": f"/sandboxes/{sbx.sandbox_id}/snapshots",
                 "fork": f"/sandboxes/{sbx.sandbox_id}/fork",
             }[op]
-            body: dict[str, Any] = {"count": 2} if op == "fork" else {}
             with pytest.raises(httpx.TransportError):
                 api.post(path, json=body)
         _await_crash(srv)
@@ -288,6 +307,11 @@ def test_sigkill_mid_operation_rolls_forward_or_back(
             resp = api.get(f"/sandboxes/{sbx.sandbox_id}")
             assert resp.status_code == 200, (resp.text, srv.log_tail(30))
             assert resp.json()["state"] == CRASH_CASES[point], resp.text
+            if point in FILESYSTEM_PAUSED:
+                assert resp.json()["pauseMode"] == "filesystem", resp.text
+                workdir = home / "sandboxes" / rid
+                assert json.loads((workdir / "paused.json").read_text())["kind"] == "disk"
+                assert not (workdir / "memory").exists(), "the dropped RAM is still on disk"
             listed = api.get("/v2/sandboxes").json()
             assert [s["sandboxID"] for s in listed] == [sbx.sandbox_id], "fork children remain"
         again = Sandbox.connect(sbx.sandbox_id)

@@ -18,7 +18,7 @@ from datetime import UTC, datetime, timedelta
 import httpx
 import pytest
 from e2b import Sandbox, SandboxQuery, SandboxState, Template
-from e2b.exceptions import SandboxException, ServiceBusyException
+from e2b.exceptions import SandboxException, SandboxNotFoundException, ServiceBusyException
 
 from agentenv.api.devserver import ServerProcess
 from agentenv.api.keys import KeyRing, hash_key
@@ -82,45 +82,75 @@ def test_keys_are_issued_in_e2b_format_and_older_keys_still_work(server: ServerP
 # -- 3. refusals that name the field ----------------------------------------------------------
 
 
-def test_filesystem_only_requests_are_refused_naming_the_field(
+def test_filesystem_only_bodies_reach_the_lookup_and_auto_resume_is_refused_with_them(
     server: ServerProcess, api: httpx.Client
 ) -> None:
+    """Filesystem-only pause, snapshot and resume are implemented (tests/e2e/
+    test_filesystem_pause.py): their bodies pass the check and reach the lookup. As E2B,
+    a create cannot ask traffic to resume a filesystem-only auto-pause (the SDK refuses it
+    before sending; the API answers 400 naming both fields)."""
     opts = sdk_opts(server)
-    # on_timeout mode "filesystem" → autoPauseMemory: false. Nothing is created.
-    with pytest.raises(SandboxException, match="autoPauseMemory: false"):
-        Sandbox.create(
-            template="base",
-            lifecycle={"on_timeout": {"action": "pause", "mode": "filesystem"}},
-            **opts,  # type: ignore[arg-type]
-        )
+    body = {
+        "templateID": "base",
+        "autoPause": True,
+        "autoPauseMemory": False,
+        "autoResume": {"enabled": True},
+    }
+    msg = _error(api.post("/v2/sandboxes", json=body), 400)
+    assert "autoResume" in msg and "autoPauseMemory: false" in msg
     assert api.get("/v2/sandboxes").json() == []
-    # pause(mode="filesystem") and the deprecated keep_memory=False → memory: false; the body
-    # is checked before the sandbox is looked up (E2B's order).
-    with pytest.raises(SandboxException, match="memory: false"):
+    with pytest.raises(SandboxNotFoundException):
         Sandbox.pause(UNKNOWN_ID, mode="filesystem", **opts)  # type: ignore[arg-type]
-    with pytest.raises(SandboxException, match="memory: false"):
+    with pytest.raises(SandboxNotFoundException):
         Sandbox.beta_pause(UNKNOWN_ID, keep_memory=False, **opts)  # type: ignore[arg-type]
-    assert "memory: false" in _error(
-        api.post(f"/sandboxes/{UNKNOWN_ID}/snapshots", json={"memory": False}), 400
-    )
+    with pytest.raises(SandboxNotFoundException):
+        Sandbox.connect(UNKNOWN_ID, on_resume="reboot", **opts)  # type: ignore[arg-type]
+    _error(api.post(f"/sandboxes/{UNKNOWN_ID}/snapshots", json={"memory": False}), 404)
     assert "colour" in _error(api.post(f"/sandboxes/{UNKNOWN_ID}/pause", json={"colour": 1}), 400)
-    # What is implemented passes the body check and reaches the lookup.
-    for body in ({}, {"memory": True}, {"requireHealthyGuest": True}):
-        _error(api.post(f"/sandboxes/{UNKNOWN_ID}/pause", json=body), 404)
-    _error(api.post(f"/sandboxes/{UNKNOWN_ID}/resume", json={"autoPause": True}), 404)
+    for pause_body in ({}, {"memory": True}, {"memory": False}, {"requireHealthyGuest": True}):
+        _error(api.post(f"/sandboxes/{UNKNOWN_ID}/pause", json=pause_body), 404)
+    for resume_body in ({"autoPause": True}, {"memory": False}):
+        _error(api.post(f"/sandboxes/{UNKNOWN_ID}/resume", json=resume_body), 404)
 
 
 def test_unenforced_network_policy_is_refused_naming_the_field(
     server: ServerProcess, api: httpx.Client
 ) -> None:
-    """Egress policy beyond internet on/off is not enforced yet: asking for it is a 400 that
-    names it, not a sandbox that silently has the internet."""
+    """What the egress policy cannot enforce is a 400 that names it, not a sandbox that
+    silently has the internet: entries that are neither IPv4 CIDRs nor domain names, resolvers
+    that are not IPv4 addresses, proxies, rules and workload identity."""
     opts = sdk_opts(server)
     with pytest.raises(SandboxException, match=re.escape("network.allowOut")):
-        Sandbox.create(template="base", network={"allow_out": ["example.com"]}, **opts)  # type: ignore[arg-type]
-    for field, value in (("allowOut", ["example.com"]), ("dnsServers", ["127.0.0.1"])):
+        Sandbox.create(template="base", network={"allow_out": ["::1"]}, **opts)  # type: ignore[arg-type]
+    for field, value in (
+        ("allowOut", ["not a name"]),
+        ("denyOut", ["2001:db8::/32"]),
+        ("dnsServers", ["resolver.example"]),
+        ("egressProxy", {"address": "proxy.example:1080"}),
+        ("rules", {"api.example.com": []}),
+    ):
         body = {"templateID": "base", "network": {field: value}}
         assert f"network.{field}" in _error(api.post("/v2/sandboxes", json=body), 400)
+    body = {"templateID": "base", "iam": {"tokens": {}}}
+    assert "iam" in _error(api.post("/v2/sandboxes", json=body), 400)
+    assert api.get("/v2/sandboxes").json() == []
+
+
+def test_ingress_options_are_checked_as_e2b_checks_them(
+    server: ServerProcess, api: httpx.Client
+) -> None:
+    """`maskRequestHost` and `httpsPorts` are enforced by the proxy (tests/proxy); what it
+    could not apply is a 400 naming the field, before any sandbox exists."""
+    for network in (
+        {"maskRequestHost": "bad host/${PORT}"},
+        {"maskRequestHost": "ünicode.example.com"},
+        {"maskRequestHost": ""},
+        {"httpsPorts": [0]},
+        {"httpsPorts": [49983]},
+    ):
+        body = {"templateID": "base", "network": network}
+        message = _error(api.post("/v2/sandboxes", json=body), 400)
+        assert f"network.{next(iter(network))}" in message, message
     assert api.get("/v2/sandboxes").json() == []
 
 
@@ -265,10 +295,6 @@ def test_paused_sandbox_pause_body_and_metrics_range_through_the_sdk(
         with pytest.raises(SandboxException, match="Invalid time range"):
             sbx.get_metrics(start=now, end=now - timedelta(hours=1))
 
-        with pytest.raises(SandboxException, match="memory: false"):
-            sbx.pause(mode="filesystem")
-        with pytest.raises(SandboxException, match="memory: false"):
-            sbx.create_snapshot(mode="filesystem")
         assert state() == "running"
 
         # A strict pause of a guest whose envd answers goes ahead.
@@ -279,12 +305,7 @@ def test_paused_sandbox_pause_body_and_metrics_range_through_the_sdk(
         assert api.get(f"/sandboxes/{sid}").json()["lifecycle"]["autoResume"] is False
         assert sbx.is_running() is False
         assert state() == "paused"
-        # A cold-boot resume is refused and leaves it paused.
-        with pytest.raises(SandboxException, match="memory: false"):
-            Sandbox.connect(sid, on_resume="reboot", **opts)  # type: ignore[arg-type]
-        msg = _error(api.post(f"/sandboxes/{sid}/resume", json={"memory": False}), 400)
-        assert "memory: false" in msg
-        assert state() == "paused"
+        assert api.get(f"/sandboxes/{sid}").json()["pauseMode"] == "full"
         # The v1 resume's autoPause replaces the sandbox's setting.
         resumed = api.post(f"/sandboxes/{sid}/resume", json={"timeout": 300, "autoPause": True})
         assert resumed.status_code == 201, resumed.text

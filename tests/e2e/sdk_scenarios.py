@@ -210,6 +210,29 @@ def background_kill(r: Run) -> None:
     check(s.commands.kill(h.pid) is False, "second kill")
 
 
+def background_child(r: Run) -> None:
+    s: Sandbox = r.state["s"]
+    # The shell exits at once and leaves a child running with its output redirected: the
+    # command ends with the shell, not with the child.
+    t0 = time.monotonic()
+    res = s.commands.run("python3 -m http.server 8000 >/dev/null 2>&1 & echo started", timeout=60)
+    took = time.monotonic() - t0
+    check((res.stdout, res.exit_code) == ("started\n", 0), repr(res))
+    check(took < 15, f"run took {took:.1f} s: it waited for the background child")
+    probe = (
+        'python3 -c "import urllib.request; '
+        "print(urllib.request.urlopen('http://127.0.0.1:8000/', timeout=5).status)\""
+    )
+    deadline = time.monotonic() + 60
+    status = ""
+    while time.monotonic() < deadline and status != "200":
+        with contextlib.suppress(CommandExitException):
+            status = s.commands.run(probe, timeout=30).stdout.strip()
+        if status != "200":
+            time.sleep(0.5)
+    check(status == "200", f"the background http.server does not answer ({status!r})")
+
+
 def stdin(r: Run) -> None:
     s: Sandbox = r.state["s"]
     h = s.commands.run("cat", background=True, stdin=True)
@@ -450,6 +473,7 @@ LEGS: dict[str, list[tuple[str, Callable[[Run], None]]]] = {
         ("run_output", run_output),
         ("env_cwd_user", env_cwd_user),
         ("streaming", streaming),
+        ("background_child", background_child),
         ("background_kill", background_kill),
         ("stdin", stdin),
         ("pty", pty),
@@ -464,13 +488,24 @@ LEGS: dict[str, list[tuple[str, Callable[[Run], None]]]] = {
         ("error_hygiene", error_hygiene),
         ("set_timeout_expiry", set_timeout_expiry),
     ],
+    # e2b 2.50, the last release that creates (POST /sandboxes) and connects
+    # (POST /sandboxes/{id}/connect) through the v1 routes; everything but the 100 MB upload.
     "v1": [
         ("create_and_info", create_and_info),
         ("run_output", run_output),
         ("env_cwd_user", env_cwd_user),
+        ("streaming", streaming),
+        ("background_child", background_child),
+        ("background_kill", background_kill),
+        ("stdin", stdin),
+        ("pty", pty),
         ("files", files),
+        ("watch", watch),
         ("connect_by_id", connect_by_id),
         ("secure_token", secure_token),
+        ("user_servers", user_servers),
+        ("metrics", metrics),
+        ("list_and_kill", list_and_kill),
         ("error_hygiene", error_hygiene),
         ("set_timeout_expiry", set_timeout_expiry),
     ],

@@ -1,10 +1,11 @@
 """E2B SDK snapshot scenarios (e2b-protocol.md §5: pause/resume, auto-pause, snapshots, fork),
 run as a script by tests/e2e/test_snapshots_sdk.py in the project venv (the pinned SDK).
 
-    python sdk_snapshot_scenarios.py --leg before|after --out results.json [--state state.json]
+    python sdk_snapshot_scenarios.py --leg before|after|v1 --out results.json --state state.json
 
 `before` leaves one sandbox paused and writes what it held to the state file; `after` (run
-against a restarted server) resumes it and checks that nothing was lost.
+against a restarted server) resumes it and checks that nothing was lost. `v1` runs the pause,
+snapshot, fork and auto-pause scenarios under e2b 2.50 (from tests/e2e/test_sdk.py).
 """
 
 from __future__ import annotations
@@ -122,12 +123,20 @@ def persistent_snapshot(r: Run) -> None:
 
 
 def fork_eight(r: Run) -> None:
+    fork_n(r, 8)
+
+
+def fork_two(r: Run) -> None:
+    fork_n(r, 2)
+
+
+def fork_n(r: Run, n: int) -> None:
     s: Sandbox = r.state["s"]
     t0 = time.monotonic()
-    kids = s.fork(count=8, timeout=120)
-    r.state["fork8_s"] = time.monotonic() - t0
+    kids = s.fork(count=n, timeout=120)
+    r.state[f"fork{n}_s"] = time.monotonic() - t0
     errors = [k for k in kids if isinstance(k, Exception)]
-    check(not errors and len(kids) == 8, f"fork errors: {errors}")
+    check(not errors and len(kids) == n, f"fork errors: {errors}")
     try:
         ids, hosts, rand = set(), set(), set()
         for k in kids:
@@ -136,9 +145,9 @@ def fork_eight(r: Run) -> None:
             ids.add(k.sandbox_id)
             hosts.add(k.commands.run("hostname").stdout.strip())
             rand.add(random32(k))
-        check(len(ids) == 8 and s.sandbox_id not in ids, f"ids {ids}")
-        check(len(hosts) == 8, f"hostnames {hosts}")
-        check(len(rand) == 8, "children share their RNG output")
+        check(len(ids) == n and s.sandbox_id not in ids, f"ids {ids}")
+        check(len(hosts) == n, f"hostnames {hosts}")
+        check(len(rand) == n, "children share their RNG output")
         verify(s, r.state["held"])
     finally:
         for k in kids:
@@ -198,6 +207,13 @@ LEGS: dict[str, list[tuple[str, Callable[[Run], None]]]] = {
         ("leave_paused", leave_paused),
     ],
     "after": [("resume_after_restart", resume_after_restart)],
+    # e2b 2.50 (tests/e2e/test_sdk.py): resume by the v1 connect, creates by the v1 route.
+    "v1": [
+        ("pause_and_connect", pause_and_connect),
+        ("persistent_snapshot", persistent_snapshot),
+        ("fork_two", fork_two),
+        ("auto_pause_then_connect", auto_pause_then_connect),
+    ],
 }
 
 
@@ -214,7 +230,7 @@ def main() -> None:
         run.scenario(name, lambda fn=fn: fn(run))
         if not run.results[-1]["ok"] and name == "pause_and_connect":
             break
-    if args.leg == "before":
+    if args.leg != "after":
         if "held" in run.state:
             Path(args.state).write_text(json.dumps(run.state["held"]))
         s = run.state.get("s")

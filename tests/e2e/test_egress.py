@@ -19,7 +19,7 @@ import pytest
 
 from agentenv.config import Settings
 from agentenv.guest.envd.client import EnvdClient
-from agentenv.network import Egress, nft, parse_targets
+from agentenv.network import Egress, nft
 from agentenv.orchestrator.node import Node, SandboxHandle
 
 pytestmark = pytest.mark.vm
@@ -31,6 +31,38 @@ HOST_IP, INET_IP = "198.51.100.1", "198.51.100.2"
 # A second host of the test's internet (on the namespace's loopback, routed via INET_IP).
 OTHER_IP, OTHER_NET = "198.51.100.130", "198.51.100.128/25"
 PORT = 8080
+
+
+# The test's internet has names too: the session resolver (tests/resolver.py) answers them.
+NAMES = {"inet.test": INET_IP, "www.inet.test": INET_IP, "other.test": OTHER_IP}
+# Web servers of the test's internet: HTTP on 80 and HTTPS (self-signed) on 443.
+WEB = """
+import functools, http.server, ssl, sys, threading
+ip, root, cert = sys.argv[1:4]
+handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=root)
+plain = http.server.ThreadingHTTPServer((ip, 80), handler)
+tls = http.server.ThreadingHTTPServer((ip, 443), handler)
+ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+ctx.load_cert_chain(cert)
+tls.socket = ctx.wrap_socket(tls.socket, server_side=True)
+threading.Thread(target=plain.serve_forever, daemon=True).start()
+tls.serve_forever()
+"""
+
+
+def _certificate(tmp_path: Path) -> Path:
+    key, crt = tmp_path / "web.key", tmp_path / "web.crt"
+    subprocess.run(
+        [
+            *("openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1"),
+            *("-subj", "/CN=inet.test", "-keyout", str(key), "-out", str(crt)),
+        ],
+        check=True,
+        capture_output=True,
+    )
+    pem = tmp_path / "web.pem"
+    pem.write_bytes(key.read_bytes() + crt.read_bytes())
+    return pem
 
 
 @dataclass
@@ -99,6 +131,11 @@ def internet(tmp_path: Path) -> Iterator[Internet]:
         procs.append(_serve(["ip", "netns", "exec", NETNS], INET_IP, tmp_path))
         procs.append(_serve([], HOST_IP, tmp_path))
         procs.append(_serve(["ip", "netns", "exec", NETNS], OTHER_IP, tmp_path))
+        pem = _certificate(tmp_path)
+        for ip in (INET_IP, OTHER_IP):
+            argv = ["ip", "netns", "exec", NETNS, sys.executable, "-c", WEB, ip, str(tmp_path)]
+            procs.append(subprocess.Popen([*argv, str(pem)], stderr=subprocess.DEVNULL))
+            _wait_listening(NETNS, f"http://{ip}/hello.txt")
         _wait_listening(NETNS, f"http://{INET_IP}:{PORT}/hello.txt")
         _wait_listening(NETNS, f"http://{OTHER_IP}:{PORT}/hello.txt")
         _wait_listening(None, f"http://{HOST_IP}:{PORT}/hello.txt")
@@ -239,14 +276,14 @@ async def test_allow_and_deny_by_cidr_block_exactly_and_change_live(
     node: Node, tmp_path: Path
 ) -> None:
     with internet(tmp_path):
-        deny = Egress(deny_out=parse_targets("denyOut", [f"{INET_IP}/32"]))
+        deny = Egress.of(deny_out=[f"{INET_IP}/32"])
         sb = await node.create("base", memory_mb=384, egress=deny)
         try:
             outcome, took = await _connect(sb, INET_IP)
             assert outcome == "ConnectionRefusedError" and took < 1.0, (outcome, took)
             assert (await _connect(sb, OTHER_IP))[0] == "open"
             # Internet off but one destination allowed: only that one.
-            only = Egress(internet=False, allow_out=parse_targets("allowOut", [OTHER_IP]))
+            only = Egress.of(internet=False, allow_out=[OTHER_IP])
             await node.update_egress(sb.id, only)
             assert (await _connect(sb, OTHER_IP))[0] == "open"
             assert (await _connect(sb, INET_IP))[0] == "ConnectionRefusedError"
@@ -293,12 +330,146 @@ def test_network_policy_through_the_api_and_put_network(tmp_path: Path) -> None:
                 info = api.get(f"/sandboxes/{sbx.sandbox_id}").json()
                 assert info["allowInternetAccess"] is False
                 assert info["network"].get("allowOut") == [INET_IP]
-                bad = api.put(f"/sandboxes/{sbx.sandbox_id}/network", json={"denyOut": ["x.com"]})
+                bad = api.put(f"/sandboxes/{sbx.sandbox_id}/network", json={"denyOut": ["::1"]})
                 assert bad.status_code == 400 and "denyOut" in bad.json()["message"]
-                bad = api.put(f"/sandboxes/{sbx.sandbox_id}/network", json={"dnsServers": []})
+                bad = api.put(
+                    f"/sandboxes/{sbx.sandbox_id}/network", json={"dnsServers": ["dns.example"]}
+                )
                 assert bad.status_code == 400 and "dnsServers" in bad.json()["message"]
+                bad = api.put(f"/sandboxes/{sbx.sandbox_id}/network", json={"rules": {}})
+                assert bad.status_code == 400 and "rules" in bad.json()["message"]
                 # Omitted fields are cleared (E2B): an empty body opens everything.
                 assert api.put(f"/sandboxes/{sbx.sandbox_id}/network", json={}).status_code == 204
                 assert connect(OTHER_IP) == "open"
         finally:
             sbx.kill()
+
+
+# curl's outcome and time in the guest: "200 0.012", or "000 <s> <exit code>" on failure.
+CURL = "curl -sS -o /dev/null -m 10 -w '%{{http_code}} %{{time_total}}' {args} ; echo \" $?\""
+
+
+async def _curl(sb: SandboxHandle, args: str) -> tuple[str, float]:
+    _, out = await sh(sb, CURL.format(args=args))
+    status, seconds, exit_code = out.split()[-3:]
+    return (status if exit_code == "0" else f"curl exit {exit_code}"), float(seconds)
+
+
+async def _resolves(sb: SandboxHandle, name: str) -> bool:
+    code, _ = await sh(sb, f"getent hosts {name}")
+    return code == 0
+
+
+@pytest.fixture
+def names(test_resolver: Any) -> Iterator[None]:
+    for name, ip in NAMES.items():
+        test_resolver.set(name, ip)
+    yield
+    for name in NAMES:
+        test_resolver.records.pop(name, None)
+
+
+async def test_allow_by_domain_lets_only_that_name_through(
+    node: Node, tmp_path: Path, names: None
+) -> None:
+    with internet(tmp_path):
+        only = Egress.of(deny_out=["0.0.0.0/0"], allow_out=["inet.test", "*.inet.test"])
+        sb = await node.create("base", memory_mb=384, egress=only)
+        try:
+            assert await _resolves(sb, "inet.test")
+            assert (await _curl(sb, "http://inet.test/hello.txt"))[0] == "200"
+            assert (await _curl(sb, "-k https://inet.test/hello.txt"))[0] == "200"
+            assert (await _curl(sb, "-k https://www.inet.test/hello.txt"))[0] == "200"
+            for url in ("http://other.test/hello.txt", "-k https://other.test/hello.txt"):
+                outcome, took = await _curl(sb, url)
+                assert outcome.startswith("curl exit") and took < 1.0, (url, outcome, took)
+            # By name, not by address: the allowed host's address under another name is
+            # refused, and the allowed name is what counts.
+            resolve = f"--resolve other.test:443:{INET_IP} -k https://other.test/hello.txt"
+            assert (await _curl(sb, resolve))[0].startswith("curl exit")
+            # Other ports: the addresses the allowed name resolved to, nothing else.
+            assert (await _connect(sb, INET_IP))[0] == "open"
+            outcome, took = await _connect(sb, OTHER_IP)
+            assert outcome == "ConnectionRefusedError" and took < 1.0
+            # Changed live: now only the other name.
+            await node.update_egress(
+                sb.id, Egress.of(deny_out=["0.0.0.0/0"], allow_out=["other.test"])
+            )
+            assert (await _curl(sb, "-k https://other.test/hello.txt"))[0] == "200"
+            assert (await _curl(sb, "http://inet.test/hello.txt"))[0].startswith("curl exit")
+            # Whatever is allowed, link-local (metadata) space stays out of reach, fast.
+            await node.update_egress(sb.id, Egress.of(allow_out=["0.0.0.0/0"]))
+            for where in ("http://169.254.169.254/", f"http://{HOST_IP}:{PORT}/hello.txt"):
+                outcome, took = await _curl(sb, where)
+                assert outcome.startswith("curl exit") and took < 1.0, (where, outcome, took)
+            # No IPv6 path out at all.
+            outcome, took = await _curl(sb, "-g http://[2001:db8::1]/")
+            assert outcome.startswith("curl exit") and took < 1.0, (outcome, took)
+        finally:
+            await node.delete(sb.id)
+
+
+async def test_deny_by_domain_blocks_exactly_those_names(
+    node: Node, tmp_path: Path, names: None
+) -> None:
+    with internet(tmp_path):
+        sb = await node.create("base", memory_mb=384, egress=Egress.of(deny_out=["other.test"]))
+        try:
+            assert not await _resolves(sb, "other.test")
+            assert await _resolves(sb, "inet.test")
+            assert (await _curl(sb, "http://inet.test/hello.txt"))[0] == "200"
+            pinned = f"--resolve other.test:80:{OTHER_IP} http://other.test/hello.txt"
+            outcome, took = await _curl(sb, pinned)
+            assert outcome.startswith("curl exit") and took < 1.0, (outcome, took)
+            # The address itself is not denied: only the name is.
+            assert (await _curl(sb, f"http://{OTHER_IP}/hello.txt"))[0] == "200"
+            # Internet off: no name resolves, nothing gets out.
+            await node.update_egress(sb.id, Egress(internet=False))
+            assert not await _resolves(sb, "inet.test")
+            assert (await _curl(sb, f"http://{INET_IP}/hello.txt"))[0].startswith("curl exit")
+        finally:
+            await node.delete(sb.id)
+
+
+def test_sdk_domains_and_update_network_survive_a_server_crash(tmp_path: Path, names: None) -> None:
+    """Domain policy as a user of the official SDK writes it, changed live with
+    `update_network`, and still enforced (DNS and the inspecting proxy back) after the
+    server was SIGKILLed and a new one adopted the sandbox."""
+    from e2b import ALL_TRAFFIC, Sandbox
+
+    from agentenv.api.devserver import ServerProcess, prepare_home
+
+    home = prepare_home(tmp_path / "home")
+    with internet(tmp_path):
+        srv = ServerProcess(home, ready_timeout_s=240).start()
+        try:
+            opts: dict[str, Any] = {
+                "api_key": srv.api_key,
+                "api_url": srv.url,
+                "sandbox_url": srv.url,
+            }
+            sbx = Sandbox.create(
+                network={"allow_out": ["inet.test"], "deny_out": [ALL_TRAFFIC]}, **opts
+            )
+
+            def curl(url: str) -> str:
+                out = sbx.commands.run(CURL.format(args=url)).stdout
+                status, _, exit_code = out.split()[-3:]
+                return status if exit_code == "0" else "failed"
+
+            assert curl("-k https://inet.test/hello.txt") == "200"
+            assert curl("-k https://other.test/hello.txt") == "failed"
+            sbx.update_network({"allow_out": ["other.test"], "deny_out": [ALL_TRAFFIC]})
+            assert curl("-k https://other.test/hello.txt") == "200"
+            assert curl("http://inet.test/hello.txt") == "failed"
+            info = Sandbox.get_info(sbx.sandbox_id, **opts)
+            assert "other.test" in str(info.network), info.network
+
+            srv.crash()
+            srv = ServerProcess(home, port=srv.port, ready_timeout_s=240).start()
+            sbx = Sandbox.connect(sbx.sandbox_id, **opts)
+            assert curl("http://other.test/hello.txt") == "200"
+            assert curl("-k https://inet.test/hello.txt") == "failed"
+            sbx.kill()
+        finally:
+            srv.stop()

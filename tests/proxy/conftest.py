@@ -8,6 +8,7 @@ speedups are left out) is uploaded with the app.
 from __future__ import annotations
 
 import io
+import subprocess
 import tarfile
 import time
 from collections.abc import Iterator
@@ -28,6 +29,9 @@ REQUEST_TIMEOUT_S = 300.0
 # Guest ports of the user servers: the guest is a machine of its own, any free port will do.
 HTTP_PORT = 8080
 WS_PORT = 8081
+# The same servers behind TLS (self-signed), for `network.httpsPorts`.
+TLS_HTTP_PORT = 8443
+TLS_WS_PORT = 8444
 GUEST_LIB = "/tmp/agentenv-proxy-lib"
 
 APP = r"""
@@ -85,19 +89,37 @@ class H(BaseHTTPRequestHandler):
     def log_message(self, *a):
         pass
 
-import asyncio, threading
+import asyncio, contextlib, ssl, threading
 from websockets.asyncio.server import serve
 
+# argv: bind address, HTTP port, WebSocket port[, TLS HTTP port, TLS WebSocket port, cert, key]
+tls = None
+if len(sys.argv) > 4:
+    tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    tls.load_cert_chain(sys.argv[6], sys.argv[7])
+
 async def echo(ws):
+    if ws.request.path == "/headers":
+        await ws.send(json.dumps({k.lower(): v for k, v in ws.request.headers.raw_items()}))
     async for message in ws:
         await ws.send(message)
 
 async def ws_main():
-    async with serve(echo, sys.argv[1], int(sys.argv[3]), compression=None, max_size=None):
+    async with contextlib.AsyncExitStack() as stack:
+        opts = dict(compression=None, max_size=None)
+        await stack.enter_async_context(serve(echo, sys.argv[1], int(sys.argv[3]), **opts))
+        if tls:
+            await stack.enter_async_context(
+                serve(echo, sys.argv[1], int(sys.argv[5]), ssl=tls, **opts)
+            )
         await asyncio.Future()
 
 server = ThreadingHTTPServer((sys.argv[1], int(sys.argv[2])), H)
 threading.Thread(target=server.serve_forever, daemon=True).start()
+if tls:
+    secure = ThreadingHTTPServer((sys.argv[1], int(sys.argv[4])), H)
+    secure.socket = tls.wrap_socket(secure.socket, server_side=True)
+    threading.Thread(target=secure.serve_forever, daemon=True).start()
 asyncio.run(ws_main())
 """
 
@@ -159,16 +181,33 @@ def wait_port(client: httpx.Client, guest_headers: dict[str, str], path: str = "
     raise AssertionError(f"guest port never opened: {resp.text}")
 
 
-def start_app(server: ServerProcess, sbx: Sandbox) -> Guest:
-    """Run the HTTP and WebSocket servers of `APP` in `sbx`; returns once both answer through
-    the proxy."""
+def self_signed(directory: Path) -> tuple[Path, Path]:
+    cert, key = directory / "guest-cert.pem", directory / "guest-key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+         "-subj", "/CN=guest", "-keyout", str(key), "-out", str(cert)],
+        check=True,
+        capture_output=True,
+    )  # fmt: skip
+    return cert, key
+
+
+def start_app(server: ServerProcess, sbx: Sandbox, tls: tuple[Path, Path] | None = None) -> Guest:
+    """Run the HTTP and WebSocket servers of `APP` in `sbx` (also behind TLS on `TLS_*_PORT`
+    with `tls`, a certificate and key); returns once they answer through the proxy (the TLS
+    ones only if the sandbox has them in `httpsPorts`)."""
     rec = Store(server.home / "agentenv.db").get(sbx.sandbox_id)
     assert rec is not None and rec.address
     sbx.files.write(f"{GUEST_LIB}.tgz", websockets_tarball())
     sbx.files.write(f"{GUEST_LIB}/app.py", APP)
     sbx.commands.run(f"tar -xzf {GUEST_LIB}.tgz -C {GUEST_LIB}")
+    args = f"0.0.0.0 {HTTP_PORT} {WS_PORT}"
+    if tls:
+        sbx.files.write(f"{GUEST_LIB}/cert.pem", tls[0].read_bytes())
+        sbx.files.write(f"{GUEST_LIB}/key.pem", tls[1].read_bytes())
+        args += f" {TLS_HTTP_PORT} {TLS_WS_PORT} {GUEST_LIB}/cert.pem {GUEST_LIB}/key.pem"
     sbx.commands.run(
-        f"python3 {GUEST_LIB}/app.py 0.0.0.0 {HTTP_PORT} {WS_PORT}",
+        f"python3 {GUEST_LIB}/app.py {args}",
         background=True,
         timeout=0,
         envs={"PYTHONPATH": GUEST_LIB},
@@ -178,6 +217,9 @@ def start_app(server: ServerProcess, sbx: Sandbox) -> Guest:
         wait_port(client, g.headers(), "/ready")
         # The WebSocket server starts after the HTTP one; it answers a plain GET (426).
         wait_port(client, g.headers(WS_PORT))
+        if tls:
+            wait_port(client, g.headers(TLS_HTTP_PORT), "/ready")
+            wait_port(client, g.headers(TLS_WS_PORT))
     return g
 
 

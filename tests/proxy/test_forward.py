@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import os
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -18,7 +20,15 @@ from websockets.exceptions import InvalidStatus
 from agentenv.api.devserver import ServerProcess
 from agentenv.orchestrator.store import Store
 
-from .conftest import Guest, sdk_opts, wait_port
+from .conftest import (
+    TLS_HTTP_PORT,
+    TLS_WS_PORT,
+    Guest,
+    sdk_opts,
+    self_signed,
+    start_app,
+    wait_port,
+)
 
 pytestmark = pytest.mark.vm
 
@@ -167,3 +177,62 @@ def test_request_body_may_idle_longer_than_a_minute(client: httpx.Client, guest:
     resp = client.post("/idle", content=body(), headers=guest.headers(), timeout=120)
     assert resp.status_code == 200, resp.text
     assert resp.json() == {"sha256": hashlib.sha256(b"first second").hexdigest(), "bytes": 12}
+
+
+async def ws_headers(server: ServerProcess, headers: dict[str, str]) -> dict[str, str]:
+    """The handshake headers the guest's WebSocket server got (its `/headers` path)."""
+    url = server.url.replace("http://", "ws://") + "/headers"
+    async with asyncio.timeout(30), ws_connect(url, additional_headers=headers) as ws:
+        got = json.loads(await ws.recv())
+        await ws.send("still echoing")
+        assert await ws.recv() == "still echoing"
+    return dict(got)
+
+
+def test_guest_sees_the_clients_host(client: httpx.Client, guest: Guest) -> None:
+    # As E2B's proxy (no maskRequestHost): the Host the client sent, over HTTP and WebSocket.
+    host = f"127.0.0.1:{guest.server.port}"
+    seen = client.get("/echo", headers=guest.headers()).json()["headers"]
+    assert seen["host"] == host and "x-forwarded-host" not in seen
+    seen = asyncio.run(ws_headers(guest.server, guest.headers(guest.ws_port)))
+    assert seen["host"] == host and "x-forwarded-host" not in seen
+
+
+def test_mask_request_host_and_https_ports(proxy_server: ServerProcess, tmp_path: Path) -> None:
+    sbx = Sandbox.create(
+        template="base",
+        timeout=300,
+        network={
+            "mask_request_host": "${PORT}-app.example.com",
+            "https_ports": [TLS_HTTP_PORT, TLS_WS_PORT],
+        },
+        **sdk_opts(proxy_server),  # type: ignore[arg-type]
+    )
+    try:
+        g = start_app(proxy_server, sbx, tls=self_signed(tmp_path))
+        with httpx.Client(base_url=proxy_server.url, timeout=30) as c:
+            info = c.get(
+                f"/sandboxes/{sbx.sandbox_id}", headers={"X-API-Key": proxy_server.api_key}
+            )
+            assert info.json()["network"]["maskRequestHost"] == "${PORT}-app.example.com"
+            assert info.json()["network"]["httpsPorts"] == [TLS_HTTP_PORT, TLS_WS_PORT]
+            client_host = f"127.0.0.1:{proxy_server.port}"
+            for port in (g.http_port, TLS_HTTP_PORT):
+                # A client's own X-Forwarded-Host is replaced, as E2B's proxy does.
+                hdrs = {**g.headers(port), "x-forwarded-host": "spoofed.example"}
+                resp = c.get("/echo", headers=hdrs)
+                assert resp.status_code == 200, resp.text
+                seen = resp.json()["headers"]
+                assert seen["host"] == f"{port}-app.example.com", seen
+                assert seen["x-forwarded-host"] == client_host, seen
+            # The guest's TLS port refuses plain HTTP, so the 200 above went over TLS.
+            with pytest.raises((httpx.HTTPError, OSError)):
+                httpx.get(f"http://{g.address}:{TLS_HTTP_PORT}/echo", timeout=5)
+            # envd's port is never masked (it has its own access rules).
+            assert sbx.is_running()
+        for port in (g.ws_port, TLS_WS_PORT):
+            seen = asyncio.run(ws_headers(proxy_server, g.headers(port)))
+            assert seen["host"] == f"{port}-app.example.com", seen
+            assert seen["x-forwarded-host"] == f"127.0.0.1:{proxy_server.port}", seen
+    finally:
+        sbx.kill()

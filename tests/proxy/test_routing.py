@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from agentenv.proxy.routing import CONTROL, BadRoute, Sandbox, normalise_path, route
+from agentenv.proxy.routing import (
+    CONTROL,
+    BadRoute,
+    Sandbox,
+    SignedFiles,
+    normalise_path,
+    route,
+)
 
 SID = "iabc123"
 
@@ -57,12 +64,8 @@ def hdrs(**kw: str) -> dict[str, str]:
         ("GET", "/a?b", hdrs(host="8080-iabc123.sbx.test:8000"), Sandbox(SID, 8080, "/a?b")),
         ("GET", "/proxy/iabc123/3000/x/y", {}, Sandbox(SID, 3000, "/x/y")),
         ("GET", "/proxy/iabc123/3000", {}, Sandbox(SID, 3000, "/")),
-        (
-            "GET",
-            "/files",
-            hdrs(host="127.0.0.1:8000"),
-            BadRoute(404, "route not found: GET /files"),
-        ),
+        # A sandbox host is the data plane even for the server's own paths.
+        ("GET", "/health", hdrs(host="8080-iabc123.any.test"), Sandbox(SID, 8080, "/health")),
     ],
 )
 def test_route(method: str, path: str, headers: dict[str, str], expected: object) -> None:
@@ -78,3 +81,38 @@ def test_bad_port_header_is_a_400(port: str) -> None:
 def test_double_slash_from_a_trailing_slash_base_url_is_normalised() -> None:
     assert normalise_path("//process.Process/Start") == "/process.Process/Start"
     assert normalise_path("/files") == "/files"
+
+
+def test_files_without_a_sandbox_is_signed_or_a_404() -> None:
+    unsigned = route("GET", "/files", hdrs(host="127.0.0.1:8000"))
+    assert isinstance(unsigned, BadRoute) and unsigned.status == 404
+    assert "{port}-{sandboxID}.{domain}" in unsigned.message
+    assert route("GET", "/files", hdrs(host="127.0.0.1:8000"), signed=True) == SignedFiles()
+    assert route("POST", "/files", {}, signed=True) == SignedFiles()
+    # Headers name the sandbox: the signature is envd's business, not routing's.
+    with_id = route("GET", "/files", hdrs(e2b_sandbox_id=SID), signed=True)
+    assert with_id == Sandbox(SID, 49983, "/files")
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "host", "expected"),
+    [
+        # Under the server's domain the host wins over control-plane paths and headers.
+        ("GET", "/sandboxes", "8080-iabc123.sbx.test", Sandbox(SID, 8080, "/sandboxes")),
+        ("GET", "/health", "49983-iabc123.SBX.test:443", Sandbox(SID, 49983, "/health")),
+        ("GET", "/files", "49983-iabc123.sbx.test", Sandbox(SID, 49983, "/files")),
+        # The API host under the same wildcard is the control plane.
+        ("GET", "/sandboxes", "api.sbx.test", CONTROL),
+        # Another domain keeps the usual order: control-plane paths first.
+        ("GET", "/sandboxes", "8080-iabc123.other.test", CONTROL),
+        (
+            "GET",
+            "/x",
+            "70000-iabc123.sbx.test",
+            BadRoute(400, "invalid sandbox port in host '70000-iabc123.sbx.test'"),
+        ),
+    ],
+)
+def test_domain_host_routing(method: str, path: str, host: str, expected: object) -> None:
+    headers = hdrs(host=host, e2b_sandbox_id="iother")
+    assert route(method, path, headers, domain="sbx.test") == expected

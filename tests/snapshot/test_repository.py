@@ -81,6 +81,28 @@ def test_content_addressed_commit(repo: SnapshotRepository, layer: str) -> None:
     assert not list(repo.root.glob(".staging-*"))
 
 
+def test_filesystem_only_snapshot_is_its_layers(repo: SnapshotRepository, layer: str) -> None:
+    """`memory=False`: no RAM image or state is staged or kept; the id is the layers' and
+    shape's, so the same disk captured twice is one snapshot, and it never equals a memory
+    snapshot of the same layers."""
+    from dataclasses import replace
+
+    disk = replace(draft(layer, ["fs"]), memory=False)
+    a = repo.commit(repo.stage(), disk)
+    assert a.memory is False and a.memory_bytes == a.state_bytes == 0
+    assert not repo.memory_path(a.id).exists() and not repo.state_path(a.id).exists()
+    b = repo.commit(repo.stage(), replace(disk, names=["fs2"]))
+    assert b.id == a.id and sorted(b.names) == ["fs", "fs2"]
+    full = repo.commit(stage(repo, b"ram"), draft(layer))
+    assert full.id != a.id and full.memory is True
+    # It survives a catalog round trip as what it is.
+    assert repo.get("fs").memory is False
+    assert f"snapshot:{a.id}" in repo.layers.holders(layer)
+    repo.delete("fs2")
+    assert not (repo.root / a.id).exists()
+    assert f"snapshot:{a.id}" not in repo.layers.holders(layer)
+
+
 def test_names_move_like_tags(repo: SnapshotRepository, layer: str) -> None:
     a = repo.commit(stage(repo, b"a"), draft(layer, ["latest"]))
     b = repo.commit(stage(repo, b"b"), draft(layer, ["latest"]))

@@ -38,9 +38,12 @@ def test_guest_args_follow_the_address_plan(settings: Settings) -> None:
         "agentenv.ip=169.254.0.2/30",
         "agentenv.gw=169.254.0.1",
         "agentenv.hostname=sb1",
+        "agentenv.dns=169.254.0.1",
     ]
-    with_dns = replace(settings, dns=("198.51.100.53", "198.51.100.54"))
-    assert guest_args(with_dns)[-1] == "agentenv.dns=198.51.100.53,198.51.100.54"
+    # The guest's resolver is its gateway whatever the node's upstreams are: a snapshot's
+    # command line (and so its template key) does not depend on the host's resolv.conf.
+    with_dns = replace(settings, dns=("198.51.100.53", "127.0.0.1:5353"))
+    assert guest_args(with_dns) == guest_args(replace(settings, dns=()))
 
 
 def test_user_kernel_overrides_and_is_checked(settings: Settings, tmp_path: Path) -> None:

@@ -10,9 +10,19 @@ from agentenv.api.control import ControlContext, build_control_app
 from agentenv.api.keys import KeyRing
 from agentenv.orchestrator.runtime import TemplateSource
 from agentenv.orchestrator.sandboxes import SandboxManager
-from agentenv.orchestrator.store import SandboxRecord, SandboxState
+from agentenv.orchestrator.store import LIVE_STATES, SandboxRecord, SandboxState
 from agentenv.proxy.forward import SandboxProxy
-from agentenv.proxy.routing import BadRoute, Control, normalise_path, route
+from agentenv.proxy.routing import (
+    ENVD_PORT,
+    FILES_PATH,
+    BadRoute,
+    Control,
+    Sandbox,
+    SignedFiles,
+    normalise_path,
+    route,
+)
+from agentenv.proxy.signed import SignedUrls
 from agentenv.proxy.wire import Receive, Scope, Send, send_json
 
 log = logging.getLogger("agentenv.api")
@@ -31,13 +41,20 @@ class AgentenvApp:
     ) -> None:
         self.manager = manager
         self.keys = keys
+        self.domain = domain
         self.control = build_control_app(ControlContext(manager, keys, templates, domain))
         self.proxy = SandboxProxy(self._resolve, manager.metrics, manager.note_activity)
         manager.metrics.watch_states(manager.store.count_by_state)
         # Pooled connections to a killed or paused sandbox's VM are dead: never reuse them.
         manager.on_release.append(self.proxy.drop)
         manager.metrics.watch_host_memory(manager.host_memory_all)
+        self.signed = SignedUrls(manager.store.envd_tokens, self._envd_token)
         self._started = False
+
+    def _envd_token(self, sandbox_id: str) -> str | None:
+        # The same candidates as `Store.envd_tokens`: a gone sandbox signs nothing.
+        rec = self.manager.store.get(sandbox_id)
+        return rec.envd_token if rec is not None and rec.state in LIVE_STATES else None
 
     async def startup(self) -> None:
         if not self._started:
@@ -54,7 +71,8 @@ class AgentenvApp:
         rec = self.manager.store.get(sandbox_id)
         if rec is None:
             return None
-        if rec.state is SandboxState.PAUSED and rec.auto_resume:
+        # Traffic never resumes a filesystem-only pause (E2B): it would reboot the guest.
+        if rec.state is SandboxState.PAUSED and rec.auto_resume and rec.pause_mode != "filesystem":
             try:
                 rec, _ = await self.manager.connect(sandbox_id, None)
             except Exception as exc:
@@ -77,7 +95,19 @@ class AgentenvApp:
             scope["raw_path"] = path.encode()
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         method = scope.get("method", "GET")
-        target = route(method, path, headers)
+        query = scope.get("query_string", b"").decode("latin-1")
+        target = route(method, path, headers, domain=self.domain, signed="signature=" in query)
+        if isinstance(target, SignedFiles):
+            found = self.signed.find(method, query)
+            target = (
+                Sandbox(found, ENVD_PORT, FILES_PATH)
+                if found is not None
+                else BadRoute(
+                    401,
+                    "invalid signature: no sandbox on this server signed this URL "
+                    "(the sandbox may be gone)",
+                )
+            )
         if isinstance(target, Control):
             if kind == "websocket":
                 await send({"type": "websocket.close", "code": 1008})

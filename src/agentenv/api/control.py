@@ -25,6 +25,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from agentenv.api import views
+from agentenv.api.ingress import BadIngress, check_ingress
 from agentenv.api.keys import KeyRing
 from agentenv.api.models import (
     ConnectBody,
@@ -37,7 +38,7 @@ from agentenv.api.models import (
     SnapshotBody,
     TimeoutBody,
 )
-from agentenv.network.egress import BadTarget, parse_targets
+from agentenv.network.egress import BadTarget, Egress
 from agentenv.orchestrator.errors import BadRequest, Conflict, OrchestratorError, SandboxNotFound
 from agentenv.orchestrator.runtime import TemplateSource, TemplateUnavailable
 from agentenv.orchestrator.sandboxes import DEFAULT_TIMEOUT_S, CreateSpec, SandboxManager
@@ -147,11 +148,16 @@ def build_control_app(ctx: ControlContext) -> FastAPI:
             raise ApiError(400, "volumeMounts are not supported by this server")
         if body.mcp is not None:
             raise ApiError(400, "mcp sandboxes are not supported by this server")
-        if body.autoPauseMemory is False:
+        if (
+            body.autoPauseMemory is False
+            and body.autoResume is not None
+            and body.autoResume.enabled
+        ):
+            # As E2B: traffic never resumes a filesystem-only pause (it would reboot the guest).
             raise ApiError(
                 400,
-                "autoPauseMemory: false (a filesystem-only auto-pause) is not supported by this "
-                "server",
+                "autoResume.enabled: true cannot be combined with autoPauseMemory: false; a "
+                "sandbox paused without memory is resumed only by connect",
             )
         network = body.network.model_dump(exclude_none=True) if body.network else {}
         _refuse_unenforced(body, network)
@@ -159,6 +165,7 @@ def build_control_app(ctx: ControlContext) -> FastAPI:
             template=body.templateID,
             timeout=body.timeout or DEFAULT_TIMEOUT_S,
             auto_pause=body.autoPause,
+            auto_pause_memory=body.autoPauseMemory is not False,
             auto_resume=body.autoResume.enabled if body.autoResume is not None else None,
             # v2 is always secured; v1 asks with `secure`.
             secure=True if v2 else body.secure,
@@ -312,13 +319,11 @@ def build_control_app(ctx: ControlContext) -> FastAPI:
     @app.post("/sandboxes/{sandbox_id}/pause", status_code=204, tags=["sandboxes"])
     async def pause(sandbox_id: str, _: Auth, body: PauseBody | None = None) -> Response:
         body = body or PauseBody()
-        if body.memory is False:
-            raise ApiError(
-                400,
-                "memory: false (a filesystem-only pause) is not supported by this server; "
-                "a pause without it keeps memory and filesystem",
-            )
-        await mgr.pause(sandbox_id, require_healthy_guest=body.requireHealthyGuest is True)
+        await mgr.pause(
+            sandbox_id,
+            require_healthy_guest=body.requireHealthyGuest is True,
+            memory=body.memory is not False,
+        )
         return Response(status_code=204)
 
     @app.post("/sandboxes/{sandbox_id}/resume", status_code=201, tags=["sandboxes"])
@@ -341,11 +346,8 @@ def build_control_app(ctx: ControlContext) -> FastAPI:
     async def create_snapshot(
         sandbox_id: str, _: Auth, body: SnapshotBody | None = None
     ) -> JSONResponse:
-        if body is not None and body.memory is False:
-            raise ApiError(
-                400, "memory: false (a filesystem-only snapshot) is not supported by this server"
-            )
-        info = await mgr.snapshot(sandbox_id, body.name if body else None)
+        body = body or SnapshotBody()
+        info = await mgr.snapshot(sandbox_id, body.name, memory=body.memory is not False)
         return JSONResponse({"snapshotID": info.snapshot_id, "names": info.names}, 201)
 
     @app.get("/snapshots", tags=["snapshots"])
@@ -475,13 +477,17 @@ def build_control_app(ctx: ControlContext) -> FastAPI:
     @app.put("/sandboxes/{sandbox_id}/network", status_code=204, tags=["sandboxes"])
     async def update_network(sandbox_id: str, _: Auth, body: NetworkUpdate) -> Response:
         # E2B replaces the whole egress config: what the body leaves out is cleared.
-        named = [k for k in ("dnsServers", "egressProxy", "rules") if getattr(body, k) is not None]
+        named = [k for k in ("egressProxy", "rules") if getattr(body, k) is not None]
         if named:
             raise ApiError(400, f"{', '.join(named)}: not enforced by this server yet")
-        _check_targets("", body.allowOut, body.denyOut)
+        _check_targets("", body.allowOut, body.denyOut, body.dnsServers)
         allow_internet = True if body.allowInternetAccess is None else body.allowInternetAccess
         await mgr.update_network(
-            sandbox_id, allow_internet, list(body.allowOut or []), list(body.denyOut or [])
+            sandbox_id,
+            allow_internet,
+            list(body.allowOut or []),
+            list(body.denyOut or []),
+            None if body.dnsServers is None else list(body.dnsServers),
         )
         return Response(status_code=204)
 
@@ -496,9 +502,6 @@ def build_control_app(ctx: ControlContext) -> FastAPI:
 
 # Egress policy this server does not enforce yet: refused by name, never stored and ignored.
 _UNENFORCED_NETWORK = (
-    "dnsServers",
-    "maskRequestHost",
-    "httpsPorts",
     "egressProxy",
     "rules",
 )
@@ -508,17 +511,24 @@ def _refuse_unenforced(body: NewSandbox, network: dict[str, object]) -> None:
     named = [f"network.{k}" for k in _UNENFORCED_NETWORK if k in network]
     if named:
         raise ApiError(400, f"{', '.join(named)}: not enforced by this server yet")
+    try:
+        check_ingress(network)
+    except BadIngress as exc:
+        raise ApiError(400, str(exc)) from exc
     if body.iam is not None:
         raise ApiError(400, "iam: workload identity is not supported by this server")
     if body.network is not None:
-        _check_targets("network.", body.network.allowOut, body.network.denyOut)
+        net = body.network
+        _check_targets("network.", net.allowOut, net.denyOut, net.dnsServers)
 
 
-def _check_targets(prefix: str, allow: list[str] | None, deny: list[str] | None) -> None:
-    """allowOut/denyOut entries are enforced as IPv4 CIDRs or addresses; others are a 400."""
+def _check_targets(
+    prefix: str, allow: list[str] | None, deny: list[str] | None, dns: list[str] | None
+) -> None:
+    """allowOut/denyOut entries are IPv4 CIDRs, addresses or domain names, dnsServers IPv4
+    addresses; anything else is a 400 naming the entry."""
     try:
-        parse_targets(f"{prefix}allowOut", allow or [])
-        parse_targets(f"{prefix}denyOut", deny or [])
+        Egress.of(allow_out=allow or [], deny_out=deny or [], dns_servers=dns, prefix=prefix)
     except BadTarget as exc:
         raise ApiError(400, str(exc)) from exc
 

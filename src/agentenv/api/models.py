@@ -103,7 +103,8 @@ class NetworkUpdate(_Strict):
 
 class ConnectBody(_Strict):
     timeout: Timeout | None = None
-    # `false` asks a paused sandbox to cold-boot from disk; refused (a running one ignores it).
+    # `false`: a paused sandbox comes back by a cold boot from its disk, its saved memory
+    # dropped (a running one ignores it).
     memory: StrictBool | None = None
 
 
@@ -116,7 +117,7 @@ class RefreshBody(_Strict):
 
 
 class PauseBody(_Strict):
-    # Only memory snapshots exist here; `false` (filesystem only) is refused.
+    # `false`: keep the filesystem only (the resume boots from it); needs a responding envd.
     memory: StrictBool | None = None
     # True: refuse (503) while the guest's envd does not answer; the sandbox keeps running.
     requireHealthyGuest: StrictBool | None = None
@@ -124,7 +125,7 @@ class PauseBody(_Strict):
 
 class SnapshotBody(_Strict):
     name: Annotated[str, Field(min_length=1, max_length=63)] | None = None
-    # Only memory snapshots exist here; `false` (filesystem only) is refused.
+    # `false`: the filesystem only; sandboxes created from it boot from that disk.
     memory: StrictBool | None = None
 
 
@@ -137,5 +138,5 @@ class ResumeBody(_Strict):
     timeout: Timeout | None = None
     # Replaces the sandbox's auto-pause setting once it runs again (E2B: deprecated).
     autoPause: StrictBool | None = None
-    # `false` (cold-boot from disk, memory dropped) is refused, as on connect.
+    # `false`: cold-boot from its disk, memory dropped, as on connect.
     memory: StrictBool | None = None

@@ -95,6 +95,9 @@ def detail(rec: SandboxRecord, domain: str | None) -> dict[str, Any]:
             },
         }
     )
+    if rec.state is SandboxState.PAUSED:
+        # E2B: what the finished pause kept ("filesystem": the resume boots from disk).
+        body["pauseMode"] = rec.pause_mode or "full"
     return body
 
 

@@ -33,13 +33,18 @@ def setup(
     skip_packages: bool = typer.Option(
         False, "--skip-packages", help="Do not install missing Debian packages."
     ),
+    with_test_tools: bool = typer.Option(
+        False,
+        "--with-test-tools",
+        help="Also install what the test suite runs: node and npm (the JS SDK tests).",
+    ),
 ) -> None:
     """Install host packages; build the guest kernel, tools layer and `base` template.
 
     Everything is cached by its inputs, so a second run is a cache hit that takes seconds.
     """
     from agentenv.cli.progress import step_progress
-    from agentenv.hostdeps import ensure_host_packages
+    from agentenv.hostdeps import ensure_host_packages, ensure_test_commands
     from agentenv.snapshot import ensure_template_snapshot
     from agentenv.template.artifacts import ensure_all
     from agentenv.template.rootfs import ensure_base
@@ -49,6 +54,8 @@ def setup(
     started = time.monotonic()
     with step_progress(console) as progress:
         installed = [] if skip_packages else ensure_host_packages(progress)
+        if with_test_tools and not skip_packages:
+            installed += ensure_test_commands(progress)
         artifacts = ensure_all(settings, progress)
         shim = ensure_ram_shim(settings.cache, progress)
         template = ensure_base(settings, progress)

@@ -51,21 +51,37 @@ async def run_in_netns(netns: str | None, script: str, stdin: str = "") -> None:
         raise NetworkError(f"{where}: {lines[-1] if lines else 'command failed'}")
 
 
+# What a guest may never reach through its slot, whatever its policy says: link-local space
+# (cloud metadata services live at 169.254.169.254), multicast and reserved space.
+ALWAYS_BLOCKED = (
+    ipaddress.IPv4Network("169.254.0.0/16"),
+    ipaddress.IPv4Network("224.0.0.0/3"),
+    ipaddress.IPv4Network("0.0.0.0/8"),
+)
+# The slot gateway serves DNS (`network.dns`) and, for policies that name domains, the
+# proxy that ports 80/443 are redirected to (`network.inspect`).
+DNS_PORT = 53
+INSPECT_PORT = 15080
+
+
 def slot_ruleset(
     *,
     veth: str,
     tap: str,
     slot_ip: ipaddress.IPv4Address,
     guest_ip: ipaddress.IPv4Address,
+    gateway_ip: ipaddress.IPv4Address,
     blocked: list[ipaddress.IPv4Network],
 ) -> str:
     """Rules inside one slot's namespace.
 
     The host reaches every guest port at the slot address (DNAT). The guest's own new
     connections may leave through the veth (masqueraded to the slot address), but never to
-    another slot, the host-side range or the namespace itself.
+    another slot, the host-side range, link-local space or the namespace itself; of the
+    namespace it reaches only the gateway's DNS port and, when redirected there, the
+    inspecting proxy.
     """
-    block = ", ".join(str(n) for n in blocked)
+    block = ", ".join(str(n) for n in (*blocked, *ALWAYS_BLOCKED))
     return f"""
 table inet {TABLE}
 delete table inet {TABLE}
@@ -83,11 +99,14 @@ table inet {TABLE} {{
     ct state established,related accept
     ct state invalid drop
     iifname "{veth}" oifname "{tap}" ip daddr {guest_ip} accept
-    iifname "{tap}" ip daddr {{ {block} }} drop
+    iifname "{tap}" ip daddr {{ {block} }} meta l4proto tcp reject with tcp reset
+    iifname "{tap}" ip daddr {{ {block} }} reject with icmpx type admin-prohibited
     iifname "{tap}" oifname "{veth}" meta nfproto ipv4 accept
   }}
   chain input {{
     type filter hook input priority filter; policy accept;
+    iifname "{tap}" ip daddr {gateway_ip} meta l4proto {{ tcp, udp }} th dport {DNS_PORT} accept
+    iifname "{tap}" ip daddr {gateway_ip} tcp dport {INSPECT_PORT} ct status dnat accept
     iifname "{tap}" ct state new drop
   }}
 }}
@@ -97,32 +116,68 @@ table inet {TABLE} {{
 EGRESS_TABLE = "agentenv_egress"
 
 
-def egress_ruleset(*, tap: str, egress: Egress) -> str:
+LEARNED_SET = "learned"
+
+
+def egress_ruleset(*, tap: str, gateway_ip: ipaddress.IPv4Address, egress: Egress) -> str:
     """A slot's egress policy (`network.egress`), in a table of its own next to the slot's
     rules, so it can be replaced alone and at once. New connections the guest opens to an
     allowed destination pass this table (the slot's own rules still apply after it); to a
     denied one they are refused at once (TCP reset, ICMP admin-prohibited otherwise), not
     dropped into a silent hang. Replies to connections into the guest (the proxy) are
-    established and pass. One rule per entry: prefixes may overlap."""
+    established and pass. One rule per entry: prefixes may overlap.
+
+    A policy that names domains sends TCP 80/443 to the inspecting proxy on the gateway, which
+    decides by Host/SNI, and allows the addresses its DNS forwarder returned for an allowed
+    name (the `learned` set, each element timing out with its answer)."""
     reset = f"table inet {EGRESS_TABLE}\ndelete table inet {EGRESS_TABLE}\n"
     if egress.open:
         return reset
     new = f'iifname "{tap}" ct state new'
-    rules = [f"    {new} ip daddr {net} accept" for net in egress.allow_out]
+    rules = []
+    parts = []
+    if egress.allow_domains:
+        parts.append(f"  set {LEARNED_SET} {{\n    type ipv4_addr; flags timeout;\n  }}\n")
+        rules.append(f"    {new} ip daddr @{LEARNED_SET} accept")
+    if egress.inspects:
+        parts.append(
+            "  chain prerouting {\n"
+            "    type nat hook prerouting priority dstnat - 10; policy accept;\n"
+            f'    iifname "{tap}" ip daddr != {gateway_ip} tcp dport {{ 80, 443 }} '
+            f"redirect to :{INSPECT_PORT}\n"
+            "  }\n"
+        )
+    rules += [f"    {new} ip daddr {net} accept" for net in egress.allowed]
     for net in egress.denied:
         rules.append(f"    {new} ip daddr {net} meta l4proto tcp reject with tcp reset")
         rules.append(f"    {new} ip daddr {net} reject with icmpx type admin-prohibited")
     body = "\n".join(rules)
     chain = "    type filter hook forward priority filter - 10; policy accept;"
-    return reset + f"table inet {EGRESS_TABLE} {{\n  chain forward {{\n{chain}\n{body}\n  }}\n}}\n"
+    parts.append(f"  chain forward {{\n{chain}\n{body}\n  }}\n")
+    return reset + f"table inet {EGRESS_TABLE} {{\n{''.join(parts)}}}\n"
+
+
+def learn_command(addresses: dict[ipaddress.IPv4Address, int]) -> str:
+    """Allow `addresses` (each for its number of seconds) in a slot's `learned` set, in one
+    transaction. `add` leaves an existing element's timeout alone, so each is added, deleted
+    and added again with its new timeout."""
+    where = f"inet {EGRESS_TABLE} {LEARNED_SET}"
+    timed = ", ".join(f"{ip} timeout {max(1, ttl)}s" for ip, ttl in addresses.items())
+    bare = ", ".join(str(ip) for ip in addresses)
+    return (
+        f"add element {where} {{ {bare} }}\n"
+        f"delete element {where} {{ {bare} }}\n"
+        f"add element {where} {{ {timed} }}\n"
+    )
 
 
 def host_ruleset(*, slots_only: bool = False) -> str:
     """Host-side rules shared by all slots: slots may not open connections to the host itself
-    or to each other; replies to the host's own connections pass; nothing routed through the
-    host may open a connection into a slot (the proxy is the way in). Guest traffic leaving the
-    host is masqueraded to the outgoing interface's address. With `slots_only` (forwarding was
-    off before agentenv turned it on) the host forwards nothing that is not slot traffic."""
+    or to each other (refused at once, not dropped into a hang); replies to the host's own
+    connections pass; nothing routed through the host may open a connection into a slot (the
+    proxy is the way in). Guest traffic leaving the host is masqueraded to the outgoing
+    interface's address. With `slots_only` (forwarding was off before agentenv turned it on)
+    the host forwards nothing that is not slot traffic."""
     others = (
         f'    iifname != "{HOST_PREFIX}*" oifname != "{HOST_PREFIX}*" drop\n' if slots_only else ""
     )
@@ -133,11 +188,13 @@ table inet {TABLE} {{
   chain input {{
     type filter hook input priority filter; policy accept;
     iifname "{HOST_PREFIX}*" ct state established,related accept
-    iifname "{HOST_PREFIX}*" drop
+    iifname "{HOST_PREFIX}*" meta l4proto tcp reject with tcp reset
+    iifname "{HOST_PREFIX}*" reject with icmpx type admin-prohibited
   }}
   chain forward {{
     type filter hook forward priority filter; policy accept;
-    iifname "{HOST_PREFIX}*" oifname "{HOST_PREFIX}*" drop
+    iifname "{HOST_PREFIX}*" oifname "{HOST_PREFIX}*" meta l4proto tcp reject with tcp reset
+    iifname "{HOST_PREFIX}*" oifname "{HOST_PREFIX}*" reject with icmpx type admin-prohibited
     oifname "{HOST_PREFIX}*" ct state established,related accept
     oifname "{HOST_PREFIX}*" drop
 {others}  }}

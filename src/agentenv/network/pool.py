@@ -1,4 +1,5 @@
-"""A pool of ready network slots, refilled in the background between watermarks."""
+"""A pool of ready network slots, refilled in the background between watermarks; each slot
+it hands out gets its gateway (`network.gateway`: DNS, egress policy, inspecting proxy)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,10 @@ import contextlib
 from pathlib import Path
 
 from agentenv.config import NetworkPlan
-from agentenv.network.slot import Slot, create_slot, destroy_slot, reset_slot
+from agentenv.network.dns import DnsForwarder
+from agentenv.network.egress import Egress
+from agentenv.network.gateway import SlotGateway
+from agentenv.network.slot import Slot, create_slot, destroy_slot, reset_slot, set_egress
 
 
 class SlotPool:
@@ -19,7 +23,13 @@ class SlotPool:
     """
 
     def __init__(
-        self, plan: NetworkPlan, low: int = 0, high: int = 0, *, owner: Path | None = None
+        self,
+        plan: NetworkPlan,
+        low: int = 0,
+        high: int = 0,
+        *,
+        owner: Path | None = None,
+        dns: DnsForwarder | None = None,
     ) -> None:
         if low < 0 or high < low:
             raise ValueError(f"slot pool watermarks need 0 <= low <= high, got {low}, {high}")
@@ -30,6 +40,10 @@ class SlotPool:
         self.high = high
         self._idle: list[Slot] = []
         self._busy: dict[int, Slot] = {}
+        # Without a forwarder (tests of the pool alone) slots get no gateway: no DNS, and
+        # policies are nft rules only.
+        self.dns = dns
+        self._gateways: dict[int, SlotGateway] = {}
         self._refill: asyncio.Task[None] | None = None
         self._closed = False
 
@@ -52,14 +66,50 @@ class SlotPool:
         slot = self._idle.pop(0) if self._idle else await create_slot(self.plan, owner=self.owner)
         self._busy[slot.index] = slot
         self._maybe_refill()
+        try:
+            await self._open_gateway(slot)
+        except BaseException:
+            await self.release(slot)
+            raise
         return slot
 
-    def adopt(self, slot: Slot) -> None:
-        """A slot a VM of an earlier server still uses (crash recovery) counts as busy."""
+    async def adopt(self, slot: Slot, egress: Egress) -> None:
+        """A slot a VM of an earlier server still uses (crash recovery) counts as busy; its
+        gateway comes back with the policy its nft table still holds."""
         self._busy[slot.index] = slot
+        await self._open_gateway(slot)
+        gateway = self._gateways.get(slot.index)
+        if gateway is not None:
+            await gateway.apply(egress)
+
+    async def _open_gateway(self, slot: Slot) -> None:
+        if self.dns is None or slot.index in self._gateways:
+            return
+        gateway = SlotGateway(slot, self.dns, [self.plan.slot_cidr])
+        await gateway.start()
+        self._gateways[slot.index] = gateway
+
+    async def set_egress(self, slot: Slot, egress: Egress) -> None:
+        """Where the guest on a busy `slot` may open connections; at once, also while it runs
+        (connections it already has stay)."""
+        gateway = self._gateways.get(slot.index)
+        if gateway is not None:
+            await gateway.apply(egress)
+        else:
+            await set_egress(slot, egress)
+
+    def egress(self, slot: Slot) -> Egress | None:
+        gateway = self._gateways.get(slot.index)
+        return None if gateway is None else gateway.egress
+
+    async def _close_gateway(self, slot: Slot) -> None:
+        gateway = self._gateways.pop(slot.index, None)
+        if gateway is not None:
+            await gateway.close()
 
     async def release(self, slot: Slot) -> None:
         self._busy.pop(slot.index, None)
+        await self._close_gateway(slot)
         if not self._closed and len(self._idle) < self.high:
             try:
                 await reset_slot(slot)
@@ -95,4 +145,5 @@ class SlotPool:
         self._idle.clear()
         self._busy.clear()
         for slot in slots:
+            await self._close_gateway(slot)
             await destroy_slot(slot, owner=self.owner)

@@ -206,6 +206,7 @@ async def _build(plan: NetworkPlan, slot: Slot) -> None:
         tap=slot.tap,
         slot_ip=slot.slot_ip,
         guest_ip=slot.guest_ip,
+        gateway_ip=slot.gateway_ip,
         blocked=[plan.slot_cidr],
     )
     # ip_forward is per namespace; the guest's traffic is routed, not bridged.
@@ -227,7 +228,7 @@ async def conntrack_entries(slot: Slot) -> int:
 async def set_egress(slot: Slot, egress: Egress) -> None:
     """Where the guest on `slot` may open connections (`network.egress`); replaces what was
     there, at once, also for a guest that runs (connections it already has stay)."""
-    ruleset = nft.egress_ruleset(tap=slot.tap, egress=egress)
+    ruleset = nft.egress_ruleset(tap=slot.tap, gateway_ip=slot.gateway_ip, egress=egress)
     await nft.run_in_netns(slot.netns, "nft -f -", ruleset)
 
 

@@ -37,7 +37,8 @@ import httpx
 from agentenv import snapshot as snaps
 from agentenv.config import ENVD_PORT, Settings
 from agentenv.guest.envd.client import EnvdClient, EnvdError
-from agentenv.network import OPEN, Egress, Slot, SlotPool, recover_slots, set_egress, slot_for
+from agentenv.network import OPEN, Egress, Slot, SlotPool, recover_slots, slot_for
+from agentenv.network.dns import DnsForwarder
 from agentenv.network.slot import NETNS_PREFIX
 from agentenv.orchestrator.admission import Admission, Limits
 from agentenv.orchestrator.conversions import PausedConversions
@@ -58,7 +59,7 @@ from agentenv.orchestrator.warm import Shape, WarmPool
 from agentenv.snapshot import GuestImage, Machine, MemoryMode, Snapshot, SnapshotError
 from agentenv.snapshot.fork import MAX_CHILDREN, ForkTarget
 from agentenv.snapshot.machine import wait_envd
-from agentenv.snapshot.pause import PAUSED, STATE, STREAM
+from agentenv.snapshot.pause import DISK, PAUSED, STATE, STREAM, tidy
 from agentenv.snapshot.restore import (
     Prepared,
     discard,
@@ -138,6 +139,9 @@ class SandboxHandle:
     # pre-spawned QEMU of the warm pool), "boot" (cold), "fork", or "adopted" (left running
     # by a server that died, taken over by this one).
     origin: str = "boot"
+    # Its last start was a cold boot over its disk (a filesystem-only resume): its envd is
+    # fresh and knows nothing of the sandbox (token, env vars) until it is initialised.
+    booted: bool = False
 
     @property
     def address(self) -> str:
@@ -182,6 +186,8 @@ class Node:
             settings.slot_pool_low,
             settings.slot_pool_high,
             owner=settings.slots_dir,
+            # The resolver guests are given (the slot gateway) forwards to these.
+            dns=DnsForwarder(settings.dns),
         )
         self._sandboxes: dict[str, SandboxHandle] = {}
         # Sandboxes found dead or not adoptable at start: why (the control plane takes each
@@ -302,7 +308,14 @@ class Node:
             await self._reap(rec, pid, keep_workdir=is_sandbox)
         for workdir in await asyncio.to_thread(lambda: sorted(s.sandboxes_dir.iterdir())):
             name = workdir.name
-            if name in self._sandboxes or self._paused_on_disk(name):
+            if name in self._sandboxes:
+                continue
+            if self._paused_on_disk(name):
+                # A disk pause cut short after its record: RAM files, a snapshot hold.
+                try:
+                    await asyncio.to_thread(tidy, workdir, self.repo)
+                except SnapshotError as exc:
+                    log.warning("sandbox %s: %s", name, exc)
                 continue
             why = self.lost.setdefault(
                 name, "its VM was no longer running when the server restarted"
@@ -380,9 +393,10 @@ class Node:
             await vm.kill()
             raise
         handle.origin = "adopted"
-        # The slot's egress rules live in its namespace and outlived the server.
+        # The slot's egress rules live in its namespace and outlived the server; its gateway
+        # (DNS, inspecting proxy) died with it and comes back here.
         handle.egress = Egress.from_json(meta.get("egress"))
-        self.pool.adopt(slot)
+        await self.pool.adopt(slot, handle.egress)
         self._sandboxes[rec.name] = handle
         # A running sandbox has no use for saved state: what is there is from a pause cut
         # short before it wrote its record.
@@ -501,6 +515,17 @@ class Node:
         sb = self._sandboxes.get(sandbox_id)
         pid = None if sb is None or sb.paused else sb.vm.pid
         return None if pid is None else host_memory(pid)
+
+    def paused_memory(self, sandbox_id: str) -> bool | None:
+        """Whether a paused sandbox kept its memory (False: a filesystem-only pause, no RAM
+        file on disk, resumed by a cold boot); None unless it is paused."""
+        if self.running(sandbox_id) is not None or not self._paused_on_disk(sandbox_id):
+            return None
+        try:
+            record = snaps.paused_state(self.settings.sandboxes_dir / sandbox_id)
+        except SnapshotError:
+            return None
+        return None if record is None else record.kind != DISK
 
     def _on_disk(self, sandbox_id: str, what: str = "") -> bool:
         if "/" in sandbox_id or sandbox_id in ("", ".", ".."):
@@ -624,7 +649,7 @@ class Node:
                 undo.append(lambda: self.pool.release(slot))
             if not egress.open:
                 # Before the guest runs (a warm entry's QEMU waits for its state).
-                await set_egress(slot, egress)
+                await self.pool.set_egress(slot, egress)
 
             upper = workdir / ROOTFS
             await self._write_meta(workdir, template, cpu, memory_mb, disk_mb, top, egress)
@@ -871,7 +896,7 @@ class Node:
             raise UnknownSandbox(f"sandbox {sandbox_id!r} does not exist")
         workdir = self.settings.sandboxes_dir / sandbox_id
         if sb is not None and not sb.paused:
-            await set_egress(sb.slot, egress)
+            await self.pool.set_egress(sb.slot, egress)
             sb.egress = egress
 
         def rewrite() -> None:
@@ -999,11 +1024,16 @@ class Node:
         try:
             slot = await self.pool.acquire()
             if not egress.open:
-                await set_egress(slot, egress)
+                await self.pool.set_egress(slot, egress)
             await self._write_meta(
                 workdir, ref, snap.vcpus, snap.memory_mb, 0, snap.top_layer, egress
             )
-            handle = await self._restore(snap.id, sandbox_id, ref, workdir, slot, snap.top_layer)
+            if snap.memory:
+                handle = await self._restore(
+                    snap.id, sandbox_id, ref, workdir, slot, snap.top_layer
+                )
+            else:
+                handle = await self._boot_snapshot(snap, sandbox_id, ref, workdir, slot)
             handle.egress = egress
         except BaseException:
             if slot is not None:
@@ -1014,6 +1044,44 @@ class Node:
         self._sandboxes[sandbox_id] = handle
         return handle
 
+    async def _boot_snapshot(
+        self, snap: Snapshot, sandbox_id: str, ref: str, workdir: Path, slot: Slot
+    ) -> SandboxHandle:
+        """A sandbox from a filesystem-only snapshot: a cold boot over a fresh upper on its
+        top layer (which the sandbox holds), in the snapshot's shape."""
+        t0 = time.monotonic()
+        top = snap.top_layer
+        await asyncio.to_thread(self.layers.ref, top, sandbox_id)
+        machine: Machine | None = None
+        try:
+            upper = workdir / ROOTFS
+            await create_upper(await asyncio.to_thread(self.layers.path, top), upper, None)
+            machine = await snaps.boot(
+                self.image,
+                name=sandbox_id,
+                workdir=workdir,
+                vcpus=snap.vcpus,
+                memory_mb=snap.memory_mb,
+                upper=upper,
+                slot=slot,
+                timeout_s=self.settings.boot_timeout_s,
+            )
+            handle = await asyncio.to_thread(self._handle, machine, ref, top)
+        except BaseException as exc:
+            if machine is not None:
+                await machine.vm.kill()
+            await asyncio.to_thread(self.layers.unref_holder, sandbox_id)
+            if isinstance(exc, (SnapshotError, VMMError)):
+                raise BootFailed(
+                    f"sandbox {sandbox_id} from snapshot {ref!r}: {exc}; console: "
+                    f"{_tail(workdir / 'serial.log')}"
+                ) from exc
+            raise
+        handle.origin = "boot"
+        handle.booted = True
+        handle.spawn_to_healthy_s = time.monotonic() - t0
+        return handle
+
     def _machine(self, sandbox_id: str) -> tuple[SandboxHandle, Machine]:
         sb = self.get(sandbox_id)
         if sb.paused:
@@ -1022,12 +1090,28 @@ class Node:
             raise NotPausable(f"sandbox {sandbox_id} was started without snapshot support")
         return sb, sb.machine
 
-    async def pause(self, sandbox_id: str) -> None:
-        """Save the sandbox into its workdir; its QEMU exits and its slot is released."""
+    async def pause(
+        self,
+        sandbox_id: str,
+        *,
+        memory: bool = True,
+        envd_token: str | None = None,
+        strict: bool = True,
+    ) -> None:
+        """Save the sandbox into its workdir; its QEMU exits and its slot is released.
+        `memory=False`: its disk only (synced through envd with `envd_token`; `strict`:
+        refused with `GuestSyncFailed` while envd cannot sync, see `snapshot.pause_disk`)."""
         sb, machine = self._machine(sandbox_id)
         try:
-            async with self.memory.hold(sandbox_id):
-                record = await snaps.pause(machine, self.repo, self.image)
+            if memory:
+                async with self.memory.hold(sandbox_id):
+                    record = await snaps.pause(machine, self.repo, self.image)
+            else:
+                record = await snaps.pause_disk(
+                    machine, self.repo, self.image, envd_token=envd_token, strict=strict
+                )
+        except snaps.GuestSyncFailed:
+            raise
         except SnapshotError as exc:
             raise SandboxError(str(exc)) from exc
         sb.paused = True
@@ -1039,8 +1123,10 @@ class Node:
         # last holder of a deleted one.
         await asyncio.to_thread(self.repo.gc)
 
-    async def resume(self, sandbox_id: str) -> SandboxHandle:
-        """Bring a paused sandbox back on a free slot (also one paused by an earlier node)."""
+    async def resume(self, sandbox_id: str, *, memory: bool = True) -> SandboxHandle:
+        """Bring a paused sandbox back on a free slot (also one paused by an earlier node).
+        A filesystem-only pause, or `memory=False`, comes back by a cold boot over its disk
+        (`handle.booted`); the saved RAM of a memory pause is then dropped."""
         sb = self._sandboxes.get(sandbox_id)
         if sb is not None and not sb.paused:
             raise SandboxNotPaused(f"sandbox {sandbox_id} is running")
@@ -1050,7 +1136,7 @@ class Node:
         else:
             memory_mb = sb.memory_mb
         async with self.admission.start(f"a resume of {sandbox_id}", memory_mb):
-            return await self._resume(sandbox_id)
+            return await self._resume(sandbox_id, memory)
 
     def _paused_record(self, sandbox_id: str) -> snaps.PausedState:
         record = None
@@ -1060,7 +1146,7 @@ class Node:
             raise UnknownSandbox(f"sandbox {sandbox_id!r} does not exist")
         return record
 
-    async def _resume(self, sandbox_id: str) -> SandboxHandle:
+    async def _resume(self, sandbox_id: str, memory: bool) -> SandboxHandle:
         sb = self._sandboxes.get(sandbox_id)
         if sb is not None and not sb.paused:
             raise SandboxNotPaused(f"sandbox {sandbox_id} is running")
@@ -1072,10 +1158,19 @@ class Node:
         meta = json.loads(await asyncio.to_thread((workdir / META).read_text))
         egress = Egress.from_json(meta.get("egress"))
         slot = await self.pool.acquire()
+        booted = False
         try:
             if not egress.open:
-                await set_egress(slot, egress)
-            machine = await snaps.resume(workdir, self.image, slot)
+                await self.pool.set_egress(slot, egress)
+            record = await asyncio.to_thread(snaps.paused_state, workdir)
+            booted = not memory or (record is not None and record.kind == DISK)
+            machine = await snaps.resume(
+                workdir,
+                self.image,
+                slot,
+                memory=memory,
+                boot_timeout_s=self.settings.boot_timeout_s,
+            )
         except BaseException as exc:
             await self.pool.release(slot)
             if isinstance(exc, snaps.ResumedButLost):
@@ -1085,23 +1180,36 @@ class Node:
             sb = self._handle(machine, meta["template"], meta["top_layer"])
             sb.egress = egress
             self._sandboxes[sandbox_id] = sb
-        sb.machine, sb.vm, sb.slot, sb.upper, sb.paused = (
+        sb.machine, sb.vm, sb.slot, sb.upper, sb.paused, sb.booted = (
             machine,
             machine.vm,
             slot,
             machine.upper,
             False,
+            booted,
         )
         sb.spawn_to_healthy_s = sb.boot_s = time.monotonic() - t0
         return sb
 
     async def snapshot(
-        self, sandbox_id: str, name: str | None = None, envd_token: str | None = None
+        self,
+        sandbox_id: str,
+        name: str | None = None,
+        envd_token: str | None = None,
+        *,
+        memory: bool = True,
     ) -> Snapshot:
         """A persistent snapshot of a running sandbox (which keeps running); other sandboxes
-        start from it by name. Unnamed ones get a generated name."""
+        start from it by name. Unnamed ones get a generated name. `memory=False`: its disk
+        only (`snapshot.capture_disk`); creates from it cold-boot."""
         sb, machine = self._machine(sandbox_id)
         label = name or f"snapshot-{secrets.token_hex(6)}"
+        if not memory:
+            cap = await snaps.capture_disk(
+                machine, self.repo, self.layers, self.image, names=[label], envd_token=envd_token
+            )
+            sb.vm, sb.upper = machine.vm, machine.upper
+            return cap.snapshot
         async with self.memory.hold(sandbox_id):
             cap = await snaps.capture(
                 machine,
@@ -1151,7 +1259,7 @@ class Node:
                     targets.append(ForkTarget(child_id, workdir, slot))
                     if not sb.egress.open:
                         # The children inherit the source's policy before they run.
-                        await set_egress(slot, sb.egress)
+                        await self.pool.set_egress(slot, sb.egress)
                     fut.set_result(targets[-1])
             except BaseException as exc:
                 err = exc if isinstance(exc, Exception) else SandboxError("fork: setup cancelled")

@@ -42,7 +42,7 @@ def snapshot_info(s: snaps.Snapshot) -> SnapshotInfo:
 
 
 def _placement(h: SandboxHandle) -> Placement:
-    return Placement(h.id, h.address, h.envd_url)
+    return Placement(h.id, h.address, h.envd_url, booted=h.booted)
 
 
 def _out_of_space(exc: BaseException) -> bool:
@@ -105,17 +105,33 @@ class NodeRuntime:
             # Already released (e.g. the VM died and was reaped): nothing left to free.
             return
 
-    async def pause(self, runtime_id: str) -> None:
+    async def pause(
+        self,
+        runtime_id: str,
+        *,
+        memory: bool = True,
+        envd_token: str | None = None,
+        strict: bool = True,
+    ) -> None:
         try:
             with _capacity(self.node.settings.home):
-                await self.node.pause(runtime_id)
+                if memory:
+                    await self.node.pause(runtime_id)
+                else:
+                    await self.node.pause(
+                        runtime_id, memory=False, envd_token=envd_token, strict=strict
+                    )
         except NotPausable as exc:
             raise Unsupported(str(exc)) from exc
+        except snaps.GuestSyncFailed as exc:
+            raise Unavailable(
+                f"sandbox {runtime_id} was not paused: {exc}; it keeps running"
+            ) from exc
 
-    async def resume(self, runtime_id: str) -> Placement:
+    async def resume(self, runtime_id: str, *, memory: bool = True) -> Placement:
         try:
             with _capacity(self.node.settings.home):
-                return _placement(await self.node.resume(runtime_id))
+                return _placement(await self.node.resume(runtime_id, memory=memory))
         except snaps.ResumedButLost as exc:
             raise Lost(str(exc)) from exc
 
@@ -129,7 +145,9 @@ class NodeRuntime:
         if not self.node.is_alive(runtime_id):
             return None
         sb = self.node.running(runtime_id)
-        return Found("paused", None) if sb is None else Found("running", _placement(sb))
+        if sb is not None:
+            return Found("running", _placement(sb))
+        return Found("paused", None, memory=self.node.paused_memory(runtime_id) is not False)
 
     def sandbox_ids(self) -> list[str]:
         return self.node.sandbox_ids()
@@ -141,13 +159,18 @@ class NodeRuntime:
         self.node.on_lost = handler
 
     async def snapshot(
-        self, runtime_id: str, name: str | None, envd_token: str | None
+        self, runtime_id: str, name: str | None, envd_token: str | None, *, memory: bool = True
     ) -> SnapshotInfo:
         try:
             with _capacity(self.node.settings.home):
-                snap = await self.node.snapshot(runtime_id, name, envd_token)
+                if memory:
+                    snap = await self.node.snapshot(runtime_id, name, envd_token)
+                else:
+                    snap = await self.node.snapshot(runtime_id, name, envd_token, memory=False)
         except NotPausable as exc:
             raise Unsupported(str(exc)) from exc
+        except snaps.GuestSyncFailed as exc:
+            raise Unavailable(f"sandbox {runtime_id} was not snapshotted: {exc}") from exc
         except snaps.InvalidSnapshotName as exc:
             raise BadRequest(str(exc)) from exc
         return snapshot_info(snap)

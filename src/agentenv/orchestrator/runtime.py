@@ -22,6 +22,9 @@ class Placement:
     # Host (IP) that forwards every guest port: the slot address for microVMs.
     address: str
     envd_url: str
+    # The guest started fresh from its disk (a filesystem-only resume): its envd knows
+    # nothing of the sandbox yet and needs the full `/init` (token, env vars).
+    booted: bool = False
 
 
 class RuntimeFailure(Exception):
@@ -47,6 +50,8 @@ class Found:
     state: Literal["running", "paused"]
     # Where it runs; None while paused.
     placement: Placement | None
+    # Paused: whether the pause kept its memory (False: filesystem only, resumed by a boot).
+    memory: bool = True
 
 
 @dataclass(frozen=True)
@@ -78,12 +83,22 @@ class Runtime(Protocol):
 
     async def delete(self, runtime_id: str) -> None: ...
 
-    async def pause(self, runtime_id: str) -> None:
-        """Freeze the sandbox into a snapshot and release its VM; may raise ``Unsupported``."""
+    async def pause(
+        self,
+        runtime_id: str,
+        *,
+        memory: bool = True,
+        envd_token: str | None = None,
+        strict: bool = True,
+    ) -> None:
+        """Freeze the sandbox into a snapshot and release its VM; may raise ``Unsupported``.
+        ``memory=False``: keep only its disk, flushed through envd (``envd_token``); with
+        ``strict`` a guest whose envd cannot flush it is not paused (``Unavailable``)."""
         ...
 
-    async def resume(self, runtime_id: str) -> Placement:
-        """Bring a paused sandbox back; may raise ``Unsupported``."""
+    async def resume(self, runtime_id: str, *, memory: bool = True) -> Placement:
+        """Bring a paused sandbox back; may raise ``Unsupported``. A filesystem-only pause,
+        or ``memory=False``, comes back by a cold boot over its disk (``booted``)."""
         ...
 
     def is_alive(self, runtime_id: str) -> bool:
@@ -108,10 +123,11 @@ class Runtime(Protocol):
         ...
 
     async def snapshot(
-        self, runtime_id: str, name: str | None, envd_token: str | None
+        self, runtime_id: str, name: str | None, envd_token: str | None, *, memory: bool = True
     ) -> SnapshotInfo:
         """Capture a running sandbox (which keeps running) as a snapshot others can start
-        from by id or name; `envd_token` is the guest's current envd token."""
+        from by id or name; `envd_token` is the guest's current envd token. `memory=False`:
+        its disk only; creates from it cold-boot."""
         ...
 
     async def fork(self, runtime_id: str, count: int, envd_token: str | None) -> list[Placement]:

@@ -24,7 +24,7 @@ from typing import Any
 
 import httpx
 
-from agentenv.network.egress import Egress, parse_targets
+from agentenv.network.egress import Egress
 from agentenv.orchestrator.errors import (
     BadRequest,
     Conflict,
@@ -68,20 +68,18 @@ _RETENTION_CHECK_S = 30.0
 _FORK_INIT_CONCURRENCY = 8
 
 
-def _refuse_cold_resume(memory: bool | None) -> None:
-    if memory is False:
-        raise BadRequest(
-            "memory: false (resuming with a cold boot from disk) is not supported by this "
-            "server; a plain resume restores memory"
-        )
+def _pause_mode(memory: bool) -> str:
+    """E2B's `pauseMode` of a pause that kept (or dropped) the guest's memory."""
+    return "full" if memory else "filesystem"
 
 
 def egress_of(rec: SandboxRecord) -> Egress:
     """The egress policy a row asks for (the API validated its entries)."""
-    return Egress(
+    return Egress.of(
         internet=rec.allow_internet,
-        allow_out=parse_targets("allowOut", rec.network.get("allowOut", [])),
-        deny_out=parse_targets("denyOut", rec.network.get("denyOut", [])),
+        allow_out=rec.network.get("allowOut", []),
+        deny_out=rec.network.get("denyOut", []),
+        dns_servers=rec.network.get("dnsServers"),
     )
 
 
@@ -95,6 +93,8 @@ class CreateSpec:
     template: str
     timeout: int = DEFAULT_TIMEOUT_S
     auto_pause: bool = False
+    # False: the auto-pause keeps only the disk (E2B's `autoPauseMemory: false`).
+    auto_pause_memory: bool = True
     # None: the request did not say, so the server's default applies.
     auto_resume: bool | None = None
     secure: bool = True
@@ -232,8 +232,18 @@ class SandboxManager:
                     address=found.placement.address,
                     envd_url=found.placement.envd_url,
                     end_at=end_at,
+                    pause_mode=None,
                 )
                 self.store.log(rec.id, f"running, taken over by a restarted server (was {was})")
+                if rec.state is SandboxState.RESUMING:
+                    # The crash may have come before the control plane's `/init`: a guest
+                    # booted from its disk would run with an envd that has no token yet.
+                    try:
+                        await self._init_envd(rec, found.placement)
+                    except (httpx.HTTPError, CreateFailed) as exc:
+                        self.store.log(
+                            rec.id, f"envd /init after the restart failed: {exc}", "warn"
+                        )
             elif found.state == "paused":
                 self.store.transition(
                     rec.id,
@@ -241,6 +251,7 @@ class SandboxManager:
                     SandboxState.PAUSED,
                     address=None,
                     end_at=min(rec.end_at, now),
+                    pause_mode=_pause_mode(found.memory),
                 )
                 if rec.state is not SandboxState.PAUSED:
                     self.store.log(rec.id, f"paused, as a restarted server found it (was {was})")
@@ -389,6 +400,7 @@ class SandboxManager:
                 else None
             ),
             auto_pause=spec.auto_pause,
+            auto_pause_memory=spec.auto_pause_memory,
             auto_resume=self.auto_resume if spec.auto_resume is None else spec.auto_resume,
             allow_internet=spec.allow_internet,
             network=dict(spec.network),
@@ -466,7 +478,10 @@ class SandboxManager:
             # Every VM boots from the same image; give each its own RNG state.
             "entropy": base64.b64encode(secrets.token_bytes(32)).decode(),
         }
-        resp = await self._http.post(f"{placement.envd_url}/init", json=body)
+        # A fresh envd (no token yet) ignores it; one that has the token (a resume that a
+        # restart rolled forward) needs it.
+        headers = {"X-Access-Token": rec.envd_token} if rec.envd_token else {}
+        resp = await self._http.post(f"{placement.envd_url}/init", json=body, headers=headers)
         if resp.status_code >= 300:
             raise CreateFailed(f"envd /init answered {resp.status_code}: {resp.text[:200]}")
 
@@ -488,14 +503,21 @@ class SandboxManager:
         if resp.status_code >= 300:
             raise CreateFailed(f"envd /init answered {resp.status_code}: {resp.text[:200]}")
 
-    async def snapshot(self, sandbox_id: str, name: str | None) -> SnapshotInfo:
-        """A persistent snapshot of a running sandbox; it keeps running."""
+    async def snapshot(
+        self, sandbox_id: str, name: str | None, *, memory: bool = True
+    ) -> SnapshotInfo:
+        """A persistent snapshot of a running sandbox; it keeps running. `memory=False`: its
+        disk only (E2B's filesystem-only snapshot), whose creates boot from that disk."""
         async with self._locked(sandbox_id):
             rec = self.get(sandbox_id)
             if rec.state is not SandboxState.RUNNING:
                 raise Conflict(f"sandbox {sandbox_id} is {rec.state.value}, not running")
             try:
-                info = await self.runtime.snapshot(rec.runtime_id or rec.id, name, rec.envd_token)
+                rid = rec.runtime_id or rec.id
+                if memory:
+                    info = await self.runtime.snapshot(rid, name, rec.envd_token)
+                else:
+                    info = await self.runtime.snapshot(rid, name, rec.envd_token, memory=False)
             except Unsupported as exc:
                 raise NotSupported(str(exc)) from exc
             # The guest may have moved to another QEMU (same slot, same address).
@@ -538,6 +560,7 @@ class SandboxManager:
                 traffic_token=secrets.token_urlsafe(24) if src.traffic_token else None,
                 auto_pause=src.auto_pause,
                 auto_resume=src.auto_resume,
+                auto_pause_memory=src.auto_pause_memory,
                 allow_internet=src.allow_internet,
                 network=dict(src.network),
                 api_key_id=api_key_id,
@@ -608,7 +631,12 @@ class SandboxManager:
         log.info("sandbox %s gone (%s)", sandbox_id, reason, extra={"sandbox_id": sandbox_id})
 
     async def update_network(
-        self, sandbox_id: str, allow_internet: bool, allow_out: list[str], deny_out: list[str]
+        self,
+        sandbox_id: str,
+        allow_internet: bool,
+        allow_out: list[str],
+        deny_out: list[str],
+        dns_servers: list[str] | None = None,
     ) -> None:
         """Replace a running or paused sandbox's egress policy (omitted parts are cleared,
         as E2B does); it holds at once while the sandbox runs."""
@@ -616,11 +644,14 @@ class SandboxManager:
             rec = self.get(sandbox_id)
             if rec.state not in (SandboxState.RUNNING, SandboxState.PAUSED):
                 raise Conflict(f"sandbox {sandbox_id} is {rec.state.value}")
-            network = {k: v for k, v in rec.network.items() if k not in ("allowOut", "denyOut")}
+            egress_keys = ("allowOut", "denyOut", "dnsServers")
+            network = {k: v for k, v in rec.network.items() if k not in egress_keys}
             if allow_out:
                 network["allowOut"] = allow_out
             if deny_out:
                 network["denyOut"] = deny_out
+            if dns_servers is not None:
+                network["dnsServers"] = dns_servers
             updated = replace(rec, allow_internet=allow_internet, network=network)
             await self.runtime.update_egress(rec.runtime_id or rec.id, egress_of(updated))
             self.store.update(sandbox_id, allow_internet=allow_internet, network=network)
@@ -648,8 +679,8 @@ class SandboxManager:
     ) -> tuple[SandboxRecord, bool]:
         """Make sure the sandbox runs; returns it and whether it had to be resumed.
 
-        ``memory=False`` (resume by a cold boot from disk) is refused for a paused sandbox
-        and means nothing for a running one (E2B's connect)."""
+        ``memory=False`` resumes a paused sandbox by a cold boot from its disk, its saved
+        memory dropped, and means nothing for a running one (E2B's connect)."""
         async with self._locked(sandbox_id):
             rec = self.get(sandbox_id)
             if rec.state is SandboxState.RUNNING:
@@ -659,8 +690,7 @@ class SandboxManager:
                     self.store.update(sandbox_id, end_at=end_at)
                 return self.get(sandbox_id), False
             if rec.state is SandboxState.PAUSED:
-                _refuse_cold_resume(memory)
-                await self._resume_locked(rec, seconds)
+                await self._resume_locked(rec, seconds, memory=memory is not False)
                 return self.get(sandbox_id), True
             raise Conflict(f"sandbox {sandbox_id} is {rec.state.value}")
 
@@ -677,23 +707,40 @@ class SandboxManager:
             rec = self.get(sandbox_id)
             if rec.state is not SandboxState.PAUSED:
                 raise Conflict(f"sandbox {sandbox_id} is {rec.state.value}, not paused")
-            _refuse_cold_resume(memory)
-            await self._resume_locked(rec, seconds)
+            await self._resume_locked(rec, seconds, memory=memory is not False)
             if auto_pause is not None:
                 self.store.update(sandbox_id, auto_pause=auto_pause)
         return self.get(sandbox_id)
 
-    async def _resume_locked(self, rec: SandboxRecord, seconds: int | None) -> None:
+    async def _resume_locked(
+        self, rec: SandboxRecord, seconds: int | None, *, memory: bool = True
+    ) -> None:
         if not self.store.transition(rec.id, SandboxState.PAUSED, SandboxState.RESUMING):
             raise Conflict(f"sandbox {rec.id} changed state during resume")
         started = time.monotonic()
+        rid = rec.runtime_id or rec.id
         try:
-            placement = await self.runtime.resume(rec.runtime_id or rec.id)
+            placement = await (
+                self.runtime.resume(rid) if memory else self.runtime.resume(rid, memory=False)
+            )
             try:
-                await self._reinit_envd(rec, placement)
+                if placement.booted:
+                    # A guest booted from its disk: a new envd, told everything as at create.
+                    await self._init_envd(rec, placement)
+                else:
+                    await self._reinit_envd(rec, placement)
             except BaseException:
                 with contextlib.suppress(Exception):
-                    await self.runtime.pause(placement.runtime_id)
+                    if placement.booted:
+                        # Nothing in its memory is worth keeping: back to its disk only.
+                        await self.runtime.pause(
+                            placement.runtime_id,
+                            memory=False,
+                            envd_token=rec.envd_token,
+                            strict=False,
+                        )
+                    else:
+                        await self.runtime.pause(placement.runtime_id)
                 raise
         except BaseException as exc:
             if isinstance(exc, Lost):
@@ -702,7 +749,14 @@ class SandboxManager:
                 self.store.log(rec.id, f"{LOST}{exc}", "error")
                 await self._released(rec.id)
                 raise SandboxLost(rec.id, str(exc)) from exc
-            self.store.transition(rec.id, SandboxState.RESUMING, SandboxState.PAUSED)
+            # A resume without memory may have dropped it before it failed.
+            found = self.runtime.find(rid)
+            mode = rec.pause_mode
+            if found is not None and found.state == "paused":
+                mode = _pause_mode(found.memory)
+            self.store.transition(
+                rec.id, SandboxState.RESUMING, SandboxState.PAUSED, pause_mode=mode
+            )
             if isinstance(exc, Unsupported):
                 raise NotSupported(str(exc)) from exc
             raise
@@ -714,19 +768,31 @@ class SandboxManager:
             envd_url=placement.envd_url,
             runtime_id=placement.runtime_id,
             end_at=time.time() + (seconds if seconds is not None else DEFAULT_TIMEOUT_S),
+            pause_mode=None,
         )
         self.metrics.resume_seconds.observe(time.monotonic() - started)
-        self.store.log(rec.id, "resumed")
+        self.store.log(rec.id, "resumed by a boot from its disk" if placement.booted else "resumed")
         self._wake.set()
 
-    async def pause(self, sandbox_id: str, *, require_healthy_guest: bool = False) -> None:
+    async def pause(
+        self,
+        sandbox_id: str,
+        *,
+        require_healthy_guest: bool = False,
+        memory: bool = True,
+        strict: bool = True,
+    ) -> None:
         """Pause a running sandbox. ``require_healthy_guest``: refuse (503, it keeps running)
-        while its envd does not answer, instead of saving a guest that may be stuck."""
+        while its envd does not answer, instead of saving a guest that may be stuck.
+        ``memory=False``: keep only its disk (E2B's filesystem-only pause; the resume boots
+        it), which always needs envd to flush the disk; ``strict=False`` (an auto-pause)
+        pauses anyway, with what the disk holds, rather than refuse."""
         async with self._locked(sandbox_id):
             rec = self.get(sandbox_id)
             if rec.state is SandboxState.PAUSED:
                 raise Conflict(f"sandbox {sandbox_id} is already paused")
-            if require_healthy_guest and rec.state is SandboxState.RUNNING:
+            check = require_healthy_guest or (not memory and strict)
+            if check and rec.state is SandboxState.RUNNING:
                 why = await self._envd_unhealthy(rec)
                 if why is not None:
                     raise Unavailable(
@@ -736,7 +802,13 @@ class SandboxManager:
             if not self.store.transition(sandbox_id, SandboxState.RUNNING, SandboxState.PAUSING):
                 raise Conflict(f"sandbox {sandbox_id} is {rec.state.value}")
             try:
-                await self.runtime.pause(rec.runtime_id or rec.id)
+                rid = rec.runtime_id or rec.id
+                if memory:
+                    await self.runtime.pause(rid)
+                else:
+                    await self.runtime.pause(
+                        rid, memory=False, envd_token=rec.envd_token, strict=strict
+                    )
             except BaseException as exc:
                 self.store.transition(sandbox_id, SandboxState.PAUSING, SandboxState.RUNNING)
                 if isinstance(exc, Unsupported):
@@ -750,9 +822,10 @@ class SandboxManager:
                 SandboxState.PAUSED,
                 address=None,
                 end_at=min(rec.end_at, time.time()),
+                pause_mode=_pause_mode(memory),
             )
             await self._released(sandbox_id)
-            self.store.log(sandbox_id, "paused")
+            self.store.log(sandbox_id, "paused" if memory else "paused (filesystem only)")
 
     # -- timeouts --------------------------------------------------------------------------
 
@@ -811,10 +884,10 @@ class SandboxManager:
             # The deadline may have moved while we waited for the lock.
             if rec is None or rec.state is not SandboxState.RUNNING or rec.end_at > time.time():
                 return
-            auto_pause = rec.auto_pause
+            auto_pause, memory = rec.auto_pause, rec.auto_pause_memory
         if auto_pause:
             try:
-                await self.pause(sandbox_id)
+                await self.pause(sandbox_id, memory=memory, strict=False)
                 self.store.log(sandbox_id, "paused on timeout")
                 return
             except NotSupported as exc:

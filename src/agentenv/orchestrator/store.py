@@ -55,6 +55,12 @@ class SandboxRecord:
     envd_url: str | None = None
     runtime_id: str | None = None
     api_key_id: str | None = None
+    # False: an auto-pause (timeout with `auto_pause`) keeps only the disk (E2B's
+    # `autoPauseMemory: false`).
+    auto_pause_memory: bool = True
+    # What the last pause of a paused sandbox kept: "full" (memory and disk) or
+    # "filesystem" (disk only; the resume cold-boots); None while not paused.
+    pause_mode: str | None = None
     seq: int = 0
 
     @property
@@ -103,7 +109,9 @@ CREATE TABLE IF NOT EXISTS sandboxes (
     address TEXT,
     envd_url TEXT,
     runtime_id TEXT,
-    api_key_id TEXT
+    api_key_id TEXT,
+    auto_pause_memory INTEGER NOT NULL DEFAULT 1,
+    pause_mode TEXT
 );
 CREATE INDEX IF NOT EXISTS sandboxes_state ON sandboxes(state, end_at);
 CREATE TABLE IF NOT EXISTS sandbox_logs (
@@ -135,7 +143,13 @@ _COLUMNS = (
     "id", "template", "alias", "state", "started_at", "end_at", "cpu", "memory_mb", "disk_mb",
     "envd_version", "metadata", "env_vars", "envd_token", "traffic_token", "auto_pause",
     "auto_resume", "allow_internet", "network", "address", "envd_url", "runtime_id", "api_key_id",
+    "auto_pause_memory", "pause_mode",
 )  # fmt: skip
+# Columns added after the first schema: (name, declaration), added to older databases.
+_ADDED_COLUMNS = (
+    ("auto_pause_memory", "INTEGER NOT NULL DEFAULT 1"),
+    ("pause_mode", "TEXT"),
+)
 
 
 class Store:
@@ -150,6 +164,10 @@ class Store:
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.execute("PRAGMA busy_timeout=5000")
         self._db.executescript(_SCHEMA)
+        have = {row[1] for row in self._db.execute("PRAGMA table_info(sandboxes)")}
+        for name, decl in _ADDED_COLUMNS:
+            if name not in have:
+                self._db.execute(f"ALTER TABLE sandboxes ADD COLUMN {name} {decl}")
 
     def close(self) -> None:
         self._db.close()
@@ -222,6 +240,17 @@ class Store:
             f"SELECT * FROM sandboxes WHERE {' AND '.join(where)} ORDER BY seq {order}", args
         ).fetchall()
         return [_from_row(r) for r in rows]
+
+    def envd_tokens(self) -> list[tuple[str, str]]:
+        """(id, envd access token) of every live sandbox that has a token; two columns only,
+        so the proxy can match a signed URL against all of them cheaply (`proxy.signed`)."""
+        marks = ",".join("?" for _ in LIVE_STATES)
+        rows = self._db.execute(
+            f"SELECT id, envd_token FROM sandboxes WHERE envd_token IS NOT NULL "
+            f"AND state IN ({marks})",
+            [s.value for s in LIVE_STATES],
+        ).fetchall()
+        return [(str(r[0]), str(r[1])) for r in rows]
 
     def by_runtime_id(self, runtime_id: str) -> SandboxRecord | None:
         """The live row whose sandbox runs as `runtime_id`."""
@@ -329,7 +358,7 @@ class Store:
 
 
 _JSON_COLUMNS = {"metadata", "env_vars", "network"}
-_BOOL_COLUMNS = {"auto_pause", "auto_resume", "allow_internet"}
+_BOOL_COLUMNS = {"auto_pause", "auto_resume", "allow_internet", "auto_pause_memory"}
 
 
 def _encode(key: str, value: Any) -> Any:
@@ -370,5 +399,7 @@ def _from_row(row: sqlite3.Row) -> SandboxRecord:
         envd_url=row["envd_url"],
         runtime_id=row["runtime_id"],
         api_key_id=row["api_key_id"],
+        auto_pause_memory=bool(row["auto_pause_memory"]),
+        pause_mode=row["pause_mode"],
         seq=row["seq"],
     )

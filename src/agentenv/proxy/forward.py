@@ -12,7 +12,9 @@ import asyncio
 import contextlib
 import json
 import logging
+import re
 import secrets
+import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any, TypeVar
 
@@ -64,6 +66,43 @@ _UPSTREAM_TIMEOUT = httpx.Timeout(connect=5.0, read=None, write=None, pool=30.0)
 _UPSTREAM_LIMITS = httpx.Limits(
     max_connections=256, max_keepalive_connections=32, keepalive_expiry=60.0
 )
+# `network.maskRequestHost`: E2B's placeholder for the sandbox port the request is for.
+MASK_PORT_PLACEHOLDER = "${PORT}"
+# A Host value we can put into a WebSocket URI as is (name or [v6], optional port).
+_AUTHORITY_RE = re.compile(r"^(?:[A-Za-z0-9._-]+|\[[0-9A-Fa-f:.]+\])(?::\d{1,5})?$")
+
+
+def valid_authority(value: str) -> bool:
+    return len(value) <= 260 and _AUTHORITY_RE.match(value) is not None
+
+
+def _unverified_tls() -> ssl.SSLContext:
+    # `network.httpsPorts`: the guest's own server speaks TLS with whatever certificate it
+    # has (self-signed, usually); the hop is host → its own slot, so nothing is verified.
+    ctx = ssl.create_default_context()
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE
+    return ctx
+
+
+_UPSTREAM_TLS = _unverified_tls()
+
+
+def upstream_host(rec: SandboxRecord, port: int, incoming: str) -> tuple[str, str | None]:
+    """The Host header the guest sees, and the X-Forwarded-Host to add (or None).
+
+    As E2B's proxy: the client's own Host passes through, unless the sandbox was created
+    with `network.maskRequestHost`; then a request for any port but envd's carries the mask
+    (``${PORT}`` = that port) and the client's Host moves to X-Forwarded-Host."""
+    mask = rec.network.get("maskRequestHost")
+    if port == ENVD_PORT or not isinstance(mask, str) or not mask:
+        return incoming, None
+    return mask.replace(MASK_PORT_PLACEHOLDER, str(port)), incoming
+
+
+def _https_port(rec: SandboxRecord, port: int) -> bool:
+    ports = rec.network.get("httpsPorts") or ()
+    return port in ports
 
 
 T = TypeVar("T")
@@ -156,7 +195,11 @@ class SandboxProxy:
         if entry is not None and entry[0] == rec.address:
             return entry[1]
         client = httpx.AsyncClient(
-            timeout=_UPSTREAM_TIMEOUT, limits=_UPSTREAM_LIMITS, trust_env=False
+            timeout=_UPSTREAM_TIMEOUT,
+            limits=_UPSTREAM_LIMITS,
+            trust_env=False,
+            # Only used for `httpsPorts` (plain http elsewhere); see `_unverified_tls`.
+            verify=_UPSTREAM_TLS,
         )
         if entry is not None:
             # A resumed sandbox may sit on another slot; the old pool points nowhere.
@@ -199,15 +242,23 @@ class SandboxProxy:
         rec = await self._admit(target, headers, send)
         if rec is None:
             return
+        host, forwarded_host = upstream_host(rec, target.port, headers.get("host", ""))
         fwd: list[tuple[bytes, bytes]] = []
         for k, v in scope["headers"]:
             name = k.decode("latin-1").lower()
             if name in _HOP_BY_HOP or name in ROUTING_HEADERS:
                 continue
+            if forwarded_host is not None and name in ("host", "x-forwarded-host"):
+                continue
             fwd.append((k, v))
+        if forwarded_host is not None:
+            fwd.append((b"host", host.encode("latin-1")))
+            if forwarded_host:
+                fwd.append((b"x-forwarded-host", forwarded_host.encode("latin-1")))
         has_body = "content-length" in headers or "chunked" in headers.get("transfer-encoding", "")
         query = scope.get("query_string", b"")
-        url = f"http://{rec.address}:{target.port}{target.path}"
+        scheme = "https" if _https_port(rec, target.port) else "http"
+        url = f"{scheme}://{rec.address}:{target.port}{target.path}"
         if query:
             url += "?" + query.decode("latin-1")
         sent_up = 0
@@ -351,18 +402,31 @@ class SandboxProxy:
         if self._on_activity is not None:
             self._on_activity(rec)
         query = scope.get("query_string", b"")
-        url = f"ws://{rec.address}:{target.port}{target.path}"
+        https = _https_port(rec, target.port)
+        # The URI's authority becomes the Host header (the same one a plain HTTP request
+        # passes on); the socket goes to the slot address whatever it says.
+        host, forwarded_host = upstream_host(rec, target.port, headers.get("host", ""))
+        authority = host if valid_authority(host) else f"{rec.address}:{target.port}"
+        url = f"{'wss' if https else 'ws'}://{authority}{target.path}"
         if query:
             url += "?" + query.decode("latin-1")
         extra = [
             (k, v)
             for k, v in headers.items()
-            if k not in _HOP_BY_HOP and k not in ROUTING_HEADERS and k not in _WS_OWN_HEADERS
+            if k not in _HOP_BY_HOP
+            and k not in ROUTING_HEADERS
+            and k not in _WS_OWN_HEADERS
+            and not (forwarded_host is not None and k == "x-forwarded-host")
         ]
+        if forwarded_host:
+            extra.append(("x-forwarded-host", forwarded_host))
         subprotocols = [s.strip() for s in headers.get("sec-websocket-protocol", "").split(",")]
         try:
             upstream = await ws_connect(
                 url,
+                host=rec.address,
+                port=target.port,
+                ssl=_UPSTREAM_TLS if https else None,
                 additional_headers=extra,
                 subprotocols=[Subprotocol(s) for s in subprotocols if s] or None,
                 open_timeout=10,

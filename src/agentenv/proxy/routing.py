@@ -1,9 +1,13 @@
 """Single-port routing: decide whether a request is for the control plane or a sandbox.
 
-Order (see docs e2b-protocol §1.4): a known control-plane route wins even when sandbox headers
-are present (SDK 2.10 leaks them on connect); then the ``e2b-sandbox-id``/``e2b-sandbox-port``
-headers, where ``GET /health`` and ``/metrics`` with a sandbox id go to the sandbox; then a
-``{port}-{sandboxID}.{domain}`` host; then a ``/proxy/{id}/{port}/…`` path.
+Order (see docs e2b-protocol §1.4): a ``{port}-{sandboxID}.{domain}`` host under the server's
+own domain (`--domain`) names a sandbox whatever the path; then a known control-plane route
+wins even when sandbox headers are present (SDK 2.10 leaks them on connect); then the
+``e2b-sandbox-id``/``e2b-sandbox-port`` headers, where ``GET /health`` and ``/metrics`` with a
+sandbox id go to the sandbox; then a ``{port}-{sandboxID}.`` host under any domain; then a
+``/proxy/{id}/{port}/…`` path; last a signed ``/files`` URL that names no sandbox (what
+``download_url()``/``upload_url()`` build from ``E2B_SANDBOX_URL``), which the caller resolves
+by its signature (`proxy.signed`).
 """
 
 from __future__ import annotations
@@ -47,6 +51,9 @@ _CONTROL_PATTERNS: tuple[tuple[frozenset[str], re.Pattern[str]], ...] = tuple(
 )
 _SERVER_ONLY_PATHS = frozenset(("/health", "/metrics"))
 _HOST_RE = re.compile(r"^(\d{1,5})-([a-z0-9]+)\.")
+_DOMAIN_HOST_RE = re.compile(r"^(\d{1,5})-([a-z0-9]+)\.(.+?)(?::\d{1,5})?$")
+# envd's file transfer path; the only one a signed URL without a sandbox id can name.
+FILES_PATH = "/files"
 _PROXY_PATH_RE = re.compile(r"^/proxy/([a-z0-9]+)/(\d{1,5})(/.*)?$")
 
 
@@ -69,7 +76,13 @@ class BadRoute:
     message: str
 
 
-Route = Control | Sandbox | BadRoute
+@dataclass(frozen=True)
+class SignedFiles:
+    """A ``/files`` request that names no sandbox but carries a signature: the sandbox is the
+    one whose envd token made it (`proxy.signed.SignedUrls`)."""
+
+
+Route = Control | Sandbox | SignedFiles | BadRoute
 
 CONTROL = Control()
 
@@ -88,8 +101,19 @@ def normalise_path(path: str) -> str:
     return path
 
 
-def route(method: str, path: str, headers: dict[str, str]) -> Route:
-    """``headers`` has lowercase names; ``path`` is already normalised."""
+def route(
+    method: str,
+    path: str,
+    headers: dict[str, str],
+    *,
+    domain: str | None = None,
+    signed: bool = False,
+) -> Route:
+    """``headers`` has lowercase names; ``path`` is already normalised; ``domain`` is the
+    server's sandbox domain; ``signed``: the query string has a ``signature``."""
+    host = headers.get("host", "")
+    if domain and (target := _domain_host(host, path, domain)) is not None:
+        return target
     if is_control_route(method, path):
         return CONTROL
     sandbox_id = next((headers[h] for h in SANDBOX_ID_HEADERS if headers.get(h)), None)
@@ -99,20 +123,38 @@ def route(method: str, path: str, headers: dict[str, str]) -> Route:
         if port is None:
             return BadRoute(400, f"invalid sandbox port {raw_port!r}")
         return Sandbox(sandbox_id, port, _strip_sdk_prefix(path, port))
-    if path in _SERVER_ONLY_PATHS:
-        return CONTROL
-    host = headers.get("host", "")
+    # A sandbox host is the data plane even for /health: a user app may serve that path.
     if m := _HOST_RE.match(host):
         port = _parse_port(m.group(1))
         if port is None:
             return BadRoute(400, f"invalid sandbox port in host {host!r}")
         return Sandbox(m.group(2), port, path)
+    if path in _SERVER_ONLY_PATHS:
+        return CONTROL
     if m := _PROXY_PATH_RE.match(path):
         port = _parse_port(m.group(2))
         if port is None:
             return BadRoute(400, f"invalid sandbox port {m.group(2)!r}")
         return Sandbox(m.group(1), port, m.group(3) or "/")
+    if path == FILES_PATH:
+        if signed:
+            return SignedFiles()
+        return BadRoute(
+            404,
+            f"route not found: {method} {path} names no sandbox: send the e2b-sandbox-id "
+            "header, or use the sandbox's host ({port}-{sandboxID}.{domain})",
+        )
     return BadRoute(404, f"route not found: {method} {path}")
+
+
+def _domain_host(host: str, path: str, domain: str) -> Route | None:
+    m = _DOMAIN_HOST_RE.match(host.lower())
+    if m is None or m.group(3) != domain.lower().rstrip("."):
+        return None
+    port = _parse_port(m.group(1))
+    if port is None:
+        return BadRoute(400, f"invalid sandbox port in host {host!r}")
+    return Sandbox(m.group(2), port, path)
 
 
 def _strip_sdk_prefix(path: str, port: int) -> str:

@@ -5,12 +5,14 @@
 - `templates.ensure_template_snapshot`: boot a template once and capture it (cached).
 - `restore.restore`: a new guest from a snapshot (private copy-on-write RAM, fresh upper);
   `identity.identify` then gives it its hostname, clock and RNG seed.
-- `capture.capture`: a running guest into a snapshot, optionally keeping it running.
-- `pause.pause` / `pause.resume`: a sandbox out of and back into a QEMU, state in its workdir.
+- `capture.capture`: a running guest into a snapshot, optionally keeping it running;
+  `capture.capture_disk`: its disk only (a filesystem-only snapshot, whose creates boot).
+- `pause.pause` / `pause.resume`: a sandbox out of and back into a QEMU, state in its workdir;
+  `pause.pause_disk`: its disk only, resumed by a cold boot (`machine.boot`).
 - `fork.fork`: one capture, N restored children.
 """
 
-from agentenv.snapshot.capture import Capture, capture
+from agentenv.snapshot.capture import Capture, capture, capture_disk
 from agentenv.snapshot.errors import (
     CaptureFailed,
     IncompatibleSnapshot,
@@ -21,10 +23,11 @@ from agentenv.snapshot.errors import (
     SnapshotNotFound,
 )
 from agentenv.snapshot.fork import ForkResult, ForkTarget, fork
+from agentenv.snapshot.guestsync import GuestSyncFailed
 from agentenv.snapshot.identity import identify
-from agentenv.snapshot.machine import GuestImage, Machine, MemoryMode
+from agentenv.snapshot.machine import GuestImage, Machine, MemoryMode, boot
 from agentenv.snapshot.model import Snapshot
-from agentenv.snapshot.pause import PausedState, pause, paused_state, resume
+from agentenv.snapshot.pause import PausedState, pause, pause_disk, paused_state, resume
 from agentenv.snapshot.repository import SnapshotRepository, SnapshotStore
 from agentenv.snapshot.restore import release, restore
 from agentenv.snapshot.templates import (
@@ -40,6 +43,7 @@ __all__ = [
     "ForkResult",
     "ForkTarget",
     "GuestImage",
+    "GuestSyncFailed",
     "IncompatibleSnapshot",
     "InvalidSnapshotName",
     "Machine",
@@ -52,12 +56,15 @@ __all__ = [
     "SnapshotNotFound",
     "SnapshotRepository",
     "SnapshotStore",
+    "boot",
     "capture",
+    "capture_disk",
     "ensure_template_snapshot",
     "find_template_snapshot",
     "fork",
     "identify",
     "pause",
+    "pause_disk",
     "paused_state",
     "release",
     "repository",

@@ -12,6 +12,10 @@ continues on a new upper over it) and its RAM and device state saved:
   shared file and saving that one's device state, so clones of this snapshot map its memory
   copy-on-write like any other. Measured alternatives: `pmemsave` writes ROM shadows and
   every zero page; restoring clones straight from the stream gives them no shared pages.
+
+`capture_disk` is the filesystem-only kind (E2B's `memory: false`): the guest's disk is
+synced and the guest stopped only for the seal (`guestsync`); no RAM or device state is
+saved, and creates from it cold-boot over its top layer.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from pathlib import Path
 from agentenv.faults import crash_point
 from agentenv.guest.envd import ENVD_VERSION
 from agentenv.snapshot.errors import CaptureFailed
+from agentenv.snapshot.guestsync import guest_sync
 from agentenv.snapshot.machine import (
     GuestImage,
     Machine,
@@ -157,6 +162,66 @@ async def capture(
         stopped_s,
         total,
     )
+    return Capture(snap, stopped_s, total)
+
+
+async def capture_disk(
+    machine: Machine,
+    repo: SnapshotStore,
+    layers: LayerStore,
+    image: GuestImage,
+    *,
+    names: Sequence[str] = (),
+    envd_token: str | None = None,
+) -> Capture:
+    """A filesystem-only snapshot of a running guest, which keeps running on a new upper.
+    `envd_token` is the guest's envd token (for the sync); raises `GuestSyncFailed` while
+    envd does not answer, the guest untouched."""
+    from agentenv.snapshot.repository import check_name
+
+    for n in names:
+        check_name(n)
+    t0 = time.monotonic()
+    await guest_sync(machine.envd_url, envd_token)
+    vm = machine.vm
+    staging = await asyncio.to_thread(repo.stage)
+    try:
+        try:
+            # `stop` flushes QEMU's block layer, so the sealed file is complete.
+            await vm.pause()
+            try:
+                sealed = await vm.seal_disk("vda", _next_upper(machine.workdir))
+            finally:
+                if vm.exit_code is None:
+                    await vm.resume()
+        except VMMError as exc:
+            raise CaptureFailed(f"{machine.name}: capture failed: {exc}") from exc
+        stopped_s = time.monotonic() - t0
+        digest = await asyncio.to_thread(layers.add, sealed)
+        chain = await asyncio.to_thread(layers.chain, digest)
+        draft = Snapshot(
+            id="",
+            layers=list(reversed(chain)),
+            vcpus=machine.vcpus,
+            memory_mb=machine.memory_mb,
+            balloon=machine.balloon,
+            tools_image=str(image.tools_image),
+            accel=image.accel.name,
+            qemu_version=image.qemu_version,
+            device_set=DEVICE_SET,
+            envd_version=ENVD_VERSION,
+            memory_bytes=0,
+            state_bytes=0,
+            names=list(names),
+            source=machine.name,
+            memory=False,
+        )
+        snap = await asyncio.to_thread(repo.commit, staging, draft)
+    except BaseException:
+        await asyncio.to_thread(repo.discard, staging)
+        raise
+    total = time.monotonic() - t0
+    log.info("captured the disk of %s as %s in %.3fs", machine.name, snap.id[:12], total)
     return Capture(snap, stopped_s, total)
 
 

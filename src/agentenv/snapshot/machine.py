@@ -171,6 +171,60 @@ def new_vm(
     )
 
 
+async def boot(
+    image: GuestImage,
+    *,
+    name: str,
+    workdir: Path,
+    vcpus: int,
+    memory_mb: int,
+    upper: Path,
+    slot: Slot,
+    timeout_s: float,
+    on_spawn: Callable[[], None] | None = None,
+) -> Machine:
+    """Cold-boot a guest over the disk `upper` (a filesystem-only resume, a create from a
+    filesystem-only snapshot): a fresh kernel with hostname `name`, RAM in a new shared
+    `<workdir>/memory` (`MemoryMode.OWN`, so a later pause writes device state only), the
+    current tools layer. Returns once envd answers; on failure its QEMU is gone.
+    `on_spawn` runs once QEMU runs, before the guest is up."""
+    mem = workdir / MEMORY
+    # Whatever RAM image was there belongs to a guest that no longer exists.
+    await asyncio.to_thread(mem.unlink, True)
+    vm = new_vm(
+        image,
+        name=name,
+        workdir=workdir,
+        vcpus=vcpus,
+        memory_mb=memory_mb,
+        mem_file=mem,
+        shared=True,
+        upper=upper,
+        tools_image=image.tools_image,
+        slot=slot,
+        incoming=False,
+    )
+    machine = Machine(
+        name=name,
+        workdir=workdir,
+        vcpus=vcpus,
+        memory_mb=memory_mb,
+        slot=slot,
+        vm=vm,
+        memory=MemoryMode.OWN,
+        tools_image=image.tools_image,
+    )
+    await vm.start()
+    try:
+        if on_spawn is not None:
+            on_spawn()
+        await wait_envd(machine.envd_url, vm, timeout_s, poll_s=0.1)
+    except BaseException:
+        await vm.kill()
+        raise
+    return machine
+
+
 async def stream_to_memory_file(
     image: GuestImage,
     *,

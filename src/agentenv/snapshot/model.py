@@ -13,7 +13,8 @@ class Snapshot:
 
     `layers` are layer-store digests bottom → top; a restored guest gets a fresh upper over
     the top one. `tools_image` is the read-only tools disk the guest had mounted: its page
-    cache is part of the RAM image, so a restore must attach the very same file.
+    cache is part of the RAM image, so a restore must attach the very same file (a
+    filesystem-only snapshot has no RAM image: its creates boot with the current one).
     """
 
     id: str
@@ -43,6 +44,9 @@ class Snapshot:
     deleted: bool = False
     # `vmm.qemu.DEVICE_SET` of the guest that was captured ("1": before the field existed).
     device_set: str = "1"
+    # False: a filesystem-only snapshot (E2B's `memory: false`): layers only, no RAM image or
+    # device state; a create from it cold-boots over a fresh upper on its top layer.
+    memory: bool = True
 
     @property
     def top_layer(self) -> str:

@@ -13,6 +13,20 @@ would only lengthen its chain). Its RAM is saved the cheapest way its memory mod
   it), so the resume after it is as cheap as any later one. Until the record says "state"
   the stream is the truth: a conversion cut short leaves only `*.cv` files, removed by the
   next attempt or by a resume.
+
+A filesystem-only pause (`pause_disk`, E2B's `memory: false`) keeps only the disk: the guest's
+page cache is synced through envd, QMP `stop` flushes QEMU's block layer (`guestsync`), the
+record (kind "disk") is written and QEMU ends; the memory file goes. Its resume cold-boots
+over the kept upper (`machine.boot`): files stay, processes do not. A resume that asks for no
+memory (`resume(..., memory=False)`) first turns a memory pause into a disk one (record
+first, then the RAM files), so from there on nothing can load that RAM over a disk a booted
+guest has changed.
+
+Crash safety: a disk pause writes its record while the stopped QEMU still exists (a crash
+before it leaves a running sandbox to adopt, after it a paused one). A cold-boot resume
+keeps the record until envd answers and only then removes it: a crash while the guest boots
+leaves it paused over a disk that is as after a power cut (journal recovery at the next
+boot), a crash after it a running sandbox.
 """
 
 from __future__ import annotations
@@ -20,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import shutil
 import time
@@ -29,12 +44,14 @@ from pathlib import Path
 from agentenv.faults import crash_point
 from agentenv.network import Slot
 from agentenv.snapshot.errors import RestoreFailed, ResumedButLost, SnapshotError
+from agentenv.snapshot.guestsync import GuestSyncFailed, guest_sync
 from agentenv.snapshot.machine import (
     MEMORY,
     RESTORE_HEALTH_TIMEOUT_S,
     GuestImage,
     Machine,
     MemoryMode,
+    boot,
     new_vm,
     stream_to_memory_file,
     wait_envd,
@@ -50,6 +67,10 @@ STATE = "state"
 CONVERT = "convert"
 CV_SUFFIX = ".cv"
 STREAM = "stream"
+# The kind of a filesystem-only pause: no RAM saved, the resume boots.
+DISK = "disk"
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -61,7 +82,8 @@ class PausedState:
     tools_image: str
     accel: str
     qemu_version: str
-    # "state": device state over the sandbox's own memory file; "stream": RAM + state.
+    # "state": device state over the sandbox's own memory file; "stream": RAM + state;
+    # "disk": nothing of the RAM (a filesystem-only pause, resumed by a cold boot).
     kind: str
     upper: str  # file name of the writable disk in the workdir
     paused_at: float
@@ -133,6 +155,87 @@ async def pause(machine: Machine, repo: SnapshotStore, image: GuestImage) -> Pau
     return record
 
 
+async def pause_disk(
+    machine: Machine,
+    repo: SnapshotStore,
+    image: GuestImage,
+    *,
+    envd_token: str | None,
+    strict: bool = True,
+) -> PausedState:
+    """A filesystem-only pause: sync the guest's disk, stop it, record, end its QEMU and drop
+    its RAM. `strict`: a guest whose envd cannot sync is not paused (`GuestSyncFailed`, it
+    runs on); otherwise it is paused anyway with what its disk holds at the stop."""
+    vm = machine.vm
+    workdir = machine.workdir
+    try:
+        await guest_sync(machine.envd_url, envd_token)
+    except GuestSyncFailed as exc:
+        if strict:
+            raise
+        log.warning("%s: pausing without a guest sync: %s", machine.name, exc)
+    try:
+        # Drains and flushes QEMU's block layer (see `guestsync`): the upper is complete.
+        await vm.pause()
+    except VMMError as exc:
+        if vm.exit_code is None:
+            with contextlib.suppress(Exception):
+                await vm.resume()
+        raise SnapshotError(f"{machine.name}: pause failed: {exc}") from exc
+    crash_point("fspause:stopped")
+    record = PausedState(
+        name=machine.name,
+        vcpus=machine.vcpus,
+        memory_mb=machine.memory_mb,
+        balloon=machine.balloon,
+        tools_image=str(image.tools_image),
+        accel=image.accel.name,
+        qemu_version=image.qemu_version,
+        kind=DISK,
+        upper=vm.disk_path("vda").name,
+        paused_at=time.time(),
+        device_set=DEVICE_SET,
+    )
+    try:
+        await asyncio.to_thread(_write_record, workdir, record)
+    except BaseException:
+        await asyncio.to_thread((workdir / (PAUSED + ".tmp")).unlink, True)
+        if vm.exit_code is None:
+            with contextlib.suppress(Exception):
+                await vm.resume()
+        raise
+    crash_point("fspause:recorded")
+    await vm.kill()
+    await asyncio.to_thread(drop_memory, workdir)
+    # A template clone mapped its snapshot's memory; nothing of this sandbox does now.
+    await asyncio.to_thread(repo.unref_holder, machine.name)
+    return record
+
+
+def drop_memory(workdir: Path) -> None:
+    """Remove the RAM files of a sandbox whose record no longer needs them (kind "disk")."""
+    _clear_conversion(workdir)
+    for name in (MEMORY, STATE, STREAM):
+        (workdir / name).unlink(missing_ok=True)
+
+
+def tidy(workdir: Path, repo: SnapshotStore) -> None:
+    """What a crash may have left of a disk pause (or of a resume that dropped the memory)
+    after its record was written: its RAM files and its hold on a snapshot's memory."""
+    record = paused_state(workdir)
+    if record is not None and record.kind == DISK:
+        drop_memory(workdir)
+        repo.unref_holder(record.name)
+
+
+def _without_memory(workdir: Path, record: PausedState) -> PausedState:
+    """Turn a memory pause into a disk pause: the record first, then the RAM it named."""
+    disk = PausedState(**{**asdict(record), "kind": DISK})
+    _write_record(workdir, disk)
+    drop_memory(workdir)
+    return disk
+
+
 def _check(record: PausedState, image: GuestImage) -> None:
     check_compatible(
         f"paused sandbox {record.name}",
@@ -198,27 +301,35 @@ async def resume(
     image: GuestImage,
     slot: Slot,
     *,
+    memory: bool = True,
     health_timeout_s: float = RESTORE_HEALTH_TIMEOUT_S,
+    boot_timeout_s: float = 120.0,
 ) -> Machine:
     """Bring back the sandbox paused in `workdir`, on `slot` (any slot: the guest side of
-    every slot is identical). Returns once envd answers; on failure it stays paused."""
+    every slot is identical). Returns once envd answers; on failure it stays paused.
+    `memory=False`, or a filesystem-only pause, cold-boots it over its disk (its saved RAM,
+    if any, is dropped first: see the module doc)."""
     record = await asyncio.to_thread(paused_state, workdir)
     if record is None:
         raise RestoreFailed(f"{workdir.name} is not paused")
+    if record.kind != DISK and not memory:
+        record = await asyncio.to_thread(_without_memory, workdir, record)
+    if record.kind == DISK:
+        return await _boot(workdir, image, slot, record, boot_timeout_s)
     _check(record, image)
-    memory = workdir / MEMORY
+    ram = workdir / MEMORY
     source = workdir / (STATE if record.kind == "state" else STREAM)
     await asyncio.to_thread(_clear_conversion, workdir)
     if record.kind == "stream":
         # Whatever a failed earlier resume left; the stream refills it completely.
-        memory.unlink(missing_ok=True)
+        ram.unlink(missing_ok=True)
     vm = new_vm(
         image,
         name=record.name,
         workdir=workdir,
         vcpus=record.vcpus,
         memory_mb=record.memory_mb,
-        mem_file=memory,
+        mem_file=ram,
         shared=True,
         upper=workdir / record.upper,
         tools_image=Path(record.tools_image),
@@ -264,4 +375,32 @@ async def resume(
             "state no longer matches its disk"
         ) from exc
     source.unlink(missing_ok=True)
+    return machine
+
+
+async def _boot(
+    workdir: Path, image: GuestImage, slot: Slot, record: PausedState, timeout_s: float
+) -> Machine:
+    """The resume of a disk pause: a cold boot over the kept upper, the record removed only
+    once envd answers (see the module doc)."""
+    try:
+        machine = await boot(
+            image,
+            name=record.name,
+            workdir=workdir,
+            vcpus=record.vcpus,
+            memory_mb=record.memory_mb,
+            upper=workdir / record.upper,
+            slot=slot,
+            timeout_s=timeout_s,
+            on_spawn=lambda: crash_point("coldboot:booting"),
+        )
+    except VMMError as exc:
+        raise RestoreFailed(f"{record.name}: booting it from its disk failed: {exc}") from exc
+    try:
+        await asyncio.to_thread((workdir / PAUSED).unlink)
+    except BaseException:
+        await machine.vm.kill()
+        raise
+    crash_point("coldboot:running")
     return machine

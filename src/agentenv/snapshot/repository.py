@@ -164,25 +164,31 @@ class SnapshotRepository:
         shutil.rmtree(staging, ignore_errors=True)
 
     def commit(self, staging: Path, draft: Snapshot) -> Snapshot:
-        """Make the staged `memory` + `state` a snapshot with `draft`'s metadata (its `id` and
-        sizes are filled in here; its names and holders are taken in the same step, so `gc`
-        never sees it unclaimed). The staging directory is consumed."""
+        """Make the staged `memory` + `state` (none for `draft.memory=False`) a snapshot with
+        `draft`'s metadata (its `id` and sizes are filled in here; its names and holders are
+        taken in the same step, so `gc` never sees it unclaimed). The staging directory is
+        consumed."""
         memory, state = staging / MEMORY, staging / STATE
-        for f in (memory, state):
+        # A filesystem-only snapshot is its layers alone (no RAM image, no device state).
+        files = (memory, state) if draft.memory else ()
+        for f in files:
             if not f.is_file():
                 raise SnapshotError(f"staged snapshot {staging} has no {f.name}")
         for name in draft.names:
             check_name(name)
         for digest in draft.layers:
             self.layers.path(digest)
-        h = hashlib.sha256(b"agentenv-snapshot-v1\0")
-        h.update(file_digest(state).encode())
-        h.update(sparse_digest(memory).encode())
+        if draft.memory:
+            h = hashlib.sha256(b"agentenv-snapshot-v1\0")
+            h.update(file_digest(state).encode())
+            h.update(sparse_digest(memory).encode())
+        else:
+            h = hashlib.sha256(b"agentenv-snapshot-disk-v1\0")
         shape = [draft.layers, draft.vcpus, draft.memory_mb, draft.tools_image]
         h.update(json.dumps(shape).encode())
         snap_id = h.hexdigest()[:32]
-        memory.chmod(0o444)
-        state.chmod(0o444)
+        for f in files:
+            f.chmod(0o444)
         final = self.root / snap_id
         with self._locked() as snaps:
             existing = snaps.get(snap_id)
@@ -196,8 +202,8 @@ class SnapshotRepository:
                         **draft.to_dict(),
                         "id": snap_id,
                         "names": [],
-                        "memory_bytes": allocated_bytes(memory),
-                        "state_bytes": state.stat().st_size,
+                        "memory_bytes": allocated_bytes(memory) if draft.memory else 0,
+                        "state_bytes": state.stat().st_size if draft.memory else 0,
                     }
                 )
                 for digest in snap.layers[-1:]:

@@ -83,6 +83,8 @@ async def prepare(
     """Everything of a restore that does not need the state: the part a warm pool does ahead
     of time. On failure nothing it made is left."""
     snap = await asyncio.to_thread(repo.get, ref)
+    if not snap.memory:
+        raise RestoreFailed(f"snapshot {ref!r} holds no memory: sandboxes boot from it")
     check_compatible(
         f"snapshot {snap.names[0] if snap.names else snap.id[:12]}",
         image,

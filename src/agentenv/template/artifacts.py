@@ -107,10 +107,10 @@ def kernel_cmdline(artifacts: GuestArtifacts, accel: str, extra: list[str] | Non
     return " ".join(args)
 
 
-def guest_args(
-    settings: Settings, hostname: str | None = None, dns: str | None = None
-) -> list[str]:
-    """``agentenv.*`` kernel arguments that configure the guest's network and hostname."""
+def guest_args(settings: Settings, hostname: str | None = None) -> list[str]:
+    """``agentenv.*`` kernel arguments that configure the guest's network and hostname. The
+    guest's resolver is its gateway (`network.dns`), the same in every slot and on every
+    host, so what a snapshot captured keeps working wherever it is restored."""
     net = settings.network
     args = [
         f"agentenv.ip={net.guest_ip}/{net.guest_cidr.prefixlen}",
@@ -118,7 +118,5 @@ def guest_args(
     ]
     if hostname:
         args.append(f"agentenv.hostname={hostname}")
-    servers = dns or ",".join(settings.dns)
-    if servers:
-        args.append(f"agentenv.dns={servers}")
+    args.append(f"agentenv.dns={net.gateway_ip}")
     return args

@@ -1,0 +1,32 @@
+"""Checks on the ingress half of a create's `network`: `maskRequestHost` and `httpsPorts`
+(the proxy applies them, `proxy.forward`); `allowPublicTraffic` needs none."""
+
+from __future__ import annotations
+
+from agentenv.proxy.forward import MASK_PORT_PLACEHOLDER, valid_authority
+from agentenv.proxy.routing import ENVD_PORT
+
+
+class BadIngress(ValueError):
+    """A 400: the message names the field."""
+
+
+def check_ingress(network: dict[str, object]) -> None:
+    mask = network.get("maskRequestHost")
+    if mask is not None:
+        # E2B takes a host with an optional port, ASCII only; "${PORT}" may stand anywhere.
+        sample = str(mask).replace(MASK_PORT_PLACEHOLDER, "1")
+        if not valid_authority(sample):
+            raise BadIngress(
+                f"network.maskRequestHost {mask!r} is not a valid host[:port] "
+                f"(ASCII letters, digits, '.', '-', '_', and {MASK_PORT_PLACEHOLDER})"
+            )
+    ports = network.get("httpsPorts")
+    if isinstance(ports, list):
+        for port in ports:
+            if not isinstance(port, int) or not 1 <= port <= 65535:
+                raise BadIngress(f"network.httpsPorts: {port!r} is not a port number")
+            if port == ENVD_PORT:
+                raise BadIngress(
+                    f"network.httpsPorts: {ENVD_PORT} is envd's port, which speaks plain HTTP"
+                )

@@ -1,0 +1,313 @@
+"""Read-only block layers for an image, one per prefix of its layer list, keyed by chain id.
+
+The chain id of layers ``L1..Ln`` is OCI's ChainID: ``ChainID(L1) = DiffID(L1)``,
+``ChainID(L1..Ln) = sha256(ChainID(L1..Ln-1) + " " + DiffID(Ln))``. The block layer of a
+chain is an ext4 filesystem holding the merged tree of ``L1..Ln``, stored in the
+`LayerStore` as a qcow2 whose backing file is the block layer of ``L1..Ln-1``; it holds only
+the clusters that applying ``Ln`` changed. Two images whose first k layers are the same have
+the same first k chain ids, so they share those qcow2 files on disk and, since every sandbox
+of either reads them, in the host page cache.
+
+How a layer is written (no NBD on this host kernel, no guestfish):
+
+* the bottom layer: a sparse raw file, ``mkfs.ext4``, loop-mounted, the layer applied with
+  `agentenv.oci.unpack`, unmounted, ``qemu-img convert`` to qcow2 (zero clusters dropped);
+* every other layer: ``qemu-img create -b <parent>`` makes an empty overlay, which
+  ``qemu-storage-daemon`` exports through FUSE as a raw file; that file is loop-mounted (the
+  kernel's ext4 does the writes, so owners, devices and xattrs are native), the layer is
+  applied, and unmounting + stopping the daemon leaves exactly the changed clusters in the
+  overlay. If the layer may not fit, the overlay is made larger than its parent and the
+  mounted filesystem is grown with ``resize2fs``.
+
+Each chain is built under a per-chain file lock, in a scratch dir under ``oci/tmp``, and
+only recorded (``oci/chains/<hex>.json``, held in the store as ``oci-chain:<chain id>``)
+once it is complete, so a crash leaves at most scratch files (removed by the next build).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from agentenv.filelock import file_lock
+from agentenv.oci.cache import CHAIN_HOLDER, ImageCache
+from agentenv.oci.errors import DigestMismatch, OciError
+from agentenv.oci.unpack import LayerStats, apply_layer, scan_layer
+from agentenv.storage.errors import StorageError
+from agentenv.template.progress import ProgressFn, report
+
+MIB = 1024 * 1024
+MIN_FS_BYTES = 1024 * MIB
+FS_ROUND = 256 * MIB
+# Per-entry allowance for inodes, directory blocks and block rounding.
+ENTRY_OVERHEAD = 4096
+FS_LABEL = "rootfs"
+BYTES_PER_INODE = 8192
+# Room above the content for ext4's journal and metadata.
+FS_SLACK = 64 * MIB
+BUILD_LOCK_TIMEOUT_S = 3600.0
+CMD_TIMEOUT_S = 1800.0
+QSD_STOP_S = 30.0
+
+
+def chain_ids(diff_ids: list[str] | tuple[str, ...]) -> list[str]:
+    out: list[str] = []
+    for diff_id in diff_ids:
+        if not out:
+            out.append(diff_id)
+        else:
+            out.append("sha256:" + hashlib.sha256(f"{out[-1]} {diff_id}".encode()).hexdigest())
+    return out
+
+
+@dataclass(frozen=True)
+class ChainLayer:
+    chain_id: str
+    diff_id: str
+    parent: str | None  # the chain id below, None for the bottom layer
+    layer: str  # the layer store digest of the qcow2
+    virtual_size: int  # bytes of the ext4 filesystem
+    used_bytes: int  # bytes the filesystem uses once the chain is applied
+    stored_bytes: int  # bytes the qcow2 takes on disk (this layer alone)
+    build_s: float
+
+    @property
+    def size_mb(self) -> int:
+        return -(-self.virtual_size // MIB)
+
+
+def _run(args: list[str], what: str) -> str:
+    try:
+        proc = subprocess.run(
+            args, capture_output=True, text=True, timeout=CMD_TIMEOUT_S, check=False
+        )
+    except FileNotFoundError:
+        raise OciError(f"{what}: {args[0]} is not installed") from None
+    except subprocess.TimeoutExpired:
+        raise OciError(f"{what}: {args[0]} timed out after {CMD_TIMEOUT_S:.0f}s") from None
+    if proc.returncode != 0:
+        tail = (proc.stderr.strip() or proc.stdout.strip() or "no output").splitlines()[-1]
+        raise OciError(f"{what}: {' '.join(args[:2])} failed: {tail}")
+    return proc.stdout
+
+
+def _round_up(n: int) -> int:
+    return -(-n // FS_ROUND) * FS_ROUND
+
+
+def fs_size_for(used: int, stats: LayerStats, current: int) -> int:
+    """The filesystem size a layer needs on top of `used` bytes (never below `current`)."""
+    need = used + stats.file_bytes + stats.entries * ENTRY_OVERHEAD + FS_SLACK
+    if current and need * 5 // 4 <= current:
+        return current
+    return max(current, MIN_FS_BYTES, _round_up(need * 3 // 2))
+
+
+@contextlib.contextmanager
+def _loop_mounted(image: Path, mountpoint: Path, what: str, *, grow: bool = False) -> Iterator[str]:
+    """`image` on a loop device, mounted at `mountpoint`; yields the loop device. `grow`
+    first extends the filesystem to the whole device (offline: online resizing refuses some
+    layouts, and the filesystem is not in use yet)."""
+    device = _run(["losetup", "--find", "--show", str(image)], what).strip()
+    try:
+        if grow:
+            # resize2fs wants a checked filesystem; -p only fixes what is safe to fix.
+            _run(["e2fsck", "-f", "-p", device], what)
+            _run(["resize2fs", device], what)
+        mountpoint.mkdir(exist_ok=True)
+        # noinit_itable: the kernel's lazy inode table init would otherwise write zeros
+        # into the layer in the background.
+        _run(["mount", "-t", "ext4", "-o", "noinit_itable", device, str(mountpoint)], what)
+        try:
+            yield device
+        finally:
+            _run(["umount", str(mountpoint)], what)
+    finally:
+        subprocess.run(["losetup", "-d", device], capture_output=True, check=False, timeout=60)
+
+
+@contextlib.contextmanager
+def _fuse_export(qcow2: Path, export: Path, what: str) -> Iterator[None]:
+    """`qcow2` writable as a raw file at `export`, served by qemu-storage-daemon."""
+    export.touch()
+    pidfile = export.with_suffix(".pid")
+    _run(
+        [
+            "qemu-storage-daemon",
+            "--blockdev",
+            f"driver=file,node-name=file,filename={qcow2},cache.direct=off",
+            "--blockdev",
+            "driver=qcow2,node-name=disk,file=file,detect-zeroes=on",
+            "--export",
+            f"type=fuse,id=exp,node-name=disk,mountpoint={export},writable=on",
+            "--daemonize",
+            "--pidfile",
+            str(pidfile),
+        ],
+        what,
+    )
+    pid = int(pidfile.read_text().strip())
+    try:
+        yield
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + QSD_STOP_S
+        while time.monotonic() < deadline and _alive(pid):
+            time.sleep(0.05)
+        if _alive(pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            raise OciError(f"{what}: qemu-storage-daemon {pid} did not stop; layer discarded")
+        # The daemon unmounts its FUSE export on exit; a killed one leaves it mounted.
+        subprocess.run(["umount", "-l", str(export)], capture_output=True, check=False)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False
+
+
+def _used_bytes(mountpoint: Path) -> int:
+    st = os.statvfs(mountpoint)
+    return (st.f_blocks - st.f_bfree) * st.f_frsize
+
+
+def _stored_bytes(path: Path) -> int:
+    return path.stat().st_blocks * 512
+
+
+class ChainBuilder:
+    def __init__(self, cache: ImageCache) -> None:
+        self.cache = cache
+        self.tmp = cache.root / "tmp"
+
+    def get(self, chain_id: str) -> ChainLayer | None:
+        """The recorded block layer of `chain_id`, if its qcow2 is still in the store."""
+        path = self.cache.chain_record(chain_id)
+        if not path.is_file():
+            return None
+        layer = ChainLayer(**json.loads(path.read_text()))
+        try:
+            self.cache.layers.path(layer.layer)
+        except StorageError:
+            return None
+        return layer
+
+    async def ensure(
+        self,
+        layers: list[tuple[Path, str]],
+        progress: ProgressFn | None = None,
+    ) -> list[ChainLayer]:
+        """Block layers for every prefix of `layers` ((blob path, diffID), bottom first)."""
+        ids = chain_ids([d for _, d in layers])
+        out: list[ChainLayer] = []
+        for i, ((blob, diff_id), chain_id) in enumerate(zip(layers, ids, strict=True)):
+            found = self.get(chain_id)
+            if found is None:
+                async with file_lock(
+                    self.cache.lock_path(chain_id),
+                    name=f"the block layer build lock of {chain_id}",
+                    timeout_s=BUILD_LOCK_TIMEOUT_S,
+                    waiter=f"layer {i + 1} of {len(layers)}",
+                ):
+                    found = self.get(chain_id)
+                    if found is None:
+                        report(progress, f"block layer {i + 1}/{len(layers)} ({diff_id[:19]})")
+                        parent = out[-1] if out else None
+                        found = await asyncio.to_thread(
+                            self._build, blob, diff_id, chain_id, parent
+                        )
+            out.append(found)
+        await asyncio.to_thread(self.cache.touch, [f"chain:{c.chain_id}" for c in out])
+        return out
+
+    def _build(
+        self, blob: Path, diff_id: str, chain_id: str, parent: ChainLayer | None
+    ) -> ChainLayer:
+        what = f"block layer {chain_id}"
+        started = time.monotonic()
+        stats = scan_layer(blob, what)
+        if stats.diff_id != diff_id:
+            raise DigestMismatch(
+                f"{what}: layer {blob.name} uncompressed hashes to {stats.diff_id}, "
+                f"the image config says {diff_id}"
+            )
+        self.tmp.mkdir(parents=True, exist_ok=True)
+        scratch = self.tmp / f"{chain_id.split(':')[1][:16]}-{os.getpid()}"
+        shutil.rmtree(scratch, ignore_errors=True)
+        scratch.mkdir()
+        try:
+            mnt = scratch / "mnt"
+            qcow2 = scratch / "layer.qcow2"
+            if parent is None:
+                size = fs_size_for(0, stats, 0)
+                raw = scratch / "fs.raw"
+                with raw.open("wb") as fh:
+                    fh.truncate(size)
+                _run(
+                    [
+                        "mkfs.ext4", "-q", "-F", "-L", FS_LABEL, "-b", "4096", "-T", "default",
+                        "-i", str(BYTES_PER_INODE),
+                        "-E", "lazy_itable_init=0,lazy_journal_init=1", str(raw),
+                    ],
+                    what,
+                )  # fmt: skip
+                with _loop_mounted(raw, mnt, what):
+                    apply_layer(mnt, blob, diff_id=diff_id, what=what)
+                    used = _used_bytes(mnt)
+                _run(["qemu-img", "convert", "-O", "qcow2", str(raw), str(qcow2)], what)
+                raw.unlink()
+            else:
+                size = fs_size_for(parent.used_bytes, stats, parent.virtual_size)
+                backing = self.cache.layers.path(parent.layer)
+                _run(
+                    [
+                        "qemu-img", "create", "-q", "-f", "qcow2", "-F", "qcow2",
+                        "-b", str(backing), str(qcow2), str(size),
+                    ],
+                    what,
+                )  # fmt: skip
+                export = scratch / "disk.raw"
+                with (
+                    _fuse_export(qcow2, export, what),
+                    _loop_mounted(export, mnt, what, grow=size > parent.virtual_size),
+                ):
+                    apply_layer(mnt, blob, diff_id=diff_id, what=what)
+                    used = _used_bytes(mnt)
+            digest = self.cache.layers.add(qcow2)
+            self.cache.layers.ref(digest, CHAIN_HOLDER + chain_id)
+            stored = _stored_bytes(self.cache.layers.path(digest))
+            layer = ChainLayer(
+                chain_id=chain_id,
+                diff_id=diff_id,
+                parent=parent.chain_id if parent else None,
+                layer=digest,
+                virtual_size=size,
+                used_bytes=used,
+                stored_bytes=stored,
+                build_s=round(time.monotonic() - started, 3),
+            )
+            record = self.cache.chain_record(chain_id)
+            tmp = record.with_suffix(".tmp")
+            tmp.write_text(json.dumps(asdict(layer), indent=1))
+            os.replace(tmp, record)
+            self.cache.record(f"chain:{chain_id}", "chain", stored)
+            return layer
+        finally:
+            # Never recurse into a filesystem that failed to unmount.
+            if not any(os.path.ismount(p) for p in (scratch / "mnt", scratch / "disk.raw")):
+                shutil.rmtree(scratch, ignore_errors=True)
