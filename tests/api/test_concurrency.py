@@ -95,6 +95,10 @@ def test_max_sandboxes_answers_503_with_retry_after(home: Path) -> None:
                 Sandbox.create(template="base", timeout=300, retries=0, **_sdk_opts(srv))
             assert "503" in str(info.value)
             assert "2 of 2 sandboxes in use" in str(info.value)
+            # Refusals are counted as such, not as failed creates.
+            metrics = api.get("/metrics").text
+            assert 'agentenv_sandbox_create_refusals_total{status="503"} 2.0' in metrics
+            assert "agentenv_sandbox_create_failures_total 0.0" in metrics
 
             assert api.delete(f"/sandboxes/{ids.pop()}").status_code == 204
             resp = api.post("/v2/sandboxes", json={"templateID": "base", "timeout": 300})

@@ -81,6 +81,13 @@ class Metrics:
             "Sandbox creations that failed and were torn down",
             registry=self.registry,
         )
+        # A refusal made nothing and is the caller's signal to retry: not a failure.
+        self.create_refusals = Counter(
+            "agentenv_sandbox_create_refusals",
+            "Sandbox creations refused before anything was made (no capacity, disk full)",
+            ["status"],
+            registry=self.registry,
+        )
         self.proxy_bytes = Counter(
             "agentenv_proxy_bytes",
             "Bytes relayed by the data-plane proxy",

@@ -437,7 +437,11 @@ class SandboxManager:
                 ):
                     raise CreateFailed(f"sandbox {rec.id} left 'creating' unexpectedly")
             except BaseException as exc:
-                self.metrics.create_failures.inc()
+                if isinstance(exc, Unavailable | InsufficientStorage):
+                    status = "503" if isinstance(exc, Unavailable) else "507"
+                    self.metrics.create_refusals.labels(status).inc()
+                else:
+                    self.metrics.create_failures.inc()
                 await self._teardown_failed_create(rec, placement, exc)
                 if isinstance(exc, TemplateUnavailable):
                     raise TemplateNotFound(spec.template) from exc

@@ -26,7 +26,7 @@ import logging
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from agentenv.faults import crash_point
@@ -117,22 +117,9 @@ async def capture(
             raise CaptureFailed(f"{machine.name}: capture failed: {exc}") from exc
         # The re-homed guest maps the snapshot's memory from the moment it exists.
         rehomed = [machine.name] if keep_running and machine.memory is MemoryMode.OWN else []
-        digest = await asyncio.to_thread(layers.add, sealed)
-        chain = await asyncio.to_thread(layers.chain, digest)
-        draft = Snapshot(
-            id="",
-            layers=list(reversed(chain)),
-            vcpus=machine.vcpus,
-            memory_mb=machine.memory_mb,
-            balloon=machine.balloon,
-            tools_image=str(machine.tools_image),
-            accel=image.accel.name,
-            qemu_version=image.qemu_version,
-            device_set=DEVICE_SET,
-            envd_version=ENVD_VERSION,
-            memory_bytes=0,
-            state_bytes=0,
-            names=list(names),
+        draft = await _draft(machine, image, layers, sealed, names, machine.tools_image)
+        draft = replace(
+            draft,
             parent=machine.snapshot_id,
             source=source or machine.name,
             build_key=build_key,
@@ -163,6 +150,35 @@ async def capture(
         total,
     )
     return Capture(snap, stopped_s, total)
+
+
+async def _draft(
+    machine: Machine,
+    image: GuestImage,
+    layers: LayerStore,
+    sealed: Path,
+    names: Sequence[str],
+    tools_image: Path,
+) -> Snapshot:
+    """The snapshot record of a capture whose disk was sealed into `sealed` (added to the
+    layer store here); the caller fills in what its kind of capture adds."""
+    digest = await asyncio.to_thread(layers.add, sealed)
+    chain = await asyncio.to_thread(layers.chain, digest)
+    return Snapshot(
+        id="",
+        layers=list(reversed(chain)),
+        vcpus=machine.vcpus,
+        memory_mb=machine.memory_mb,
+        balloon=machine.balloon,
+        tools_image=str(tools_image),
+        accel=image.accel.name,
+        qemu_version=image.qemu_version,
+        device_set=DEVICE_SET,
+        envd_version=ENVD_VERSION,
+        memory_bytes=0,
+        state_bytes=0,
+        names=list(names),
+    )
 
 
 async def capture_disk(
@@ -197,25 +213,9 @@ async def capture_disk(
         except VMMError as exc:
             raise CaptureFailed(f"{machine.name}: capture failed: {exc}") from exc
         stopped_s = time.monotonic() - t0
-        digest = await asyncio.to_thread(layers.add, sealed)
-        chain = await asyncio.to_thread(layers.chain, digest)
-        draft = Snapshot(
-            id="",
-            layers=list(reversed(chain)),
-            vcpus=machine.vcpus,
-            memory_mb=machine.memory_mb,
-            balloon=machine.balloon,
-            tools_image=str(image.tools_image),
-            accel=image.accel.name,
-            qemu_version=image.qemu_version,
-            device_set=DEVICE_SET,
-            envd_version=ENVD_VERSION,
-            memory_bytes=0,
-            state_bytes=0,
-            names=list(names),
-            source=machine.name,
-            memory=False,
-        )
+        # Creates from it cold-boot with whatever tools disk the host has then.
+        draft = await _draft(machine, image, layers, sealed, names, image.tools_image)
+        draft = replace(draft, source=machine.name, memory=False)
         snap = await asyncio.to_thread(repo.commit, staging, draft)
     except BaseException:
         await asyncio.to_thread(repo.discard, staging)

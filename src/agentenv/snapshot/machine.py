@@ -182,12 +182,13 @@ async def boot(
     slot: Slot,
     timeout_s: float,
     on_spawn: Callable[[], None] | None = None,
+    hostname: str = "",
 ) -> Machine:
     """Cold-boot a guest over the disk `upper` (a filesystem-only resume, a create from a
-    filesystem-only snapshot): a fresh kernel with hostname `name`, RAM in a new shared
-    `<workdir>/memory` (`MemoryMode.OWN`, so a later pause writes device state only), the
-    current tools layer. Returns once envd answers; on failure its QEMU is gone.
-    `on_spawn` runs once QEMU runs, before the guest is up."""
+    filesystem-only snapshot, a template build): a fresh kernel with `hostname` (else
+    `name`), RAM in a new shared `<workdir>/memory` (`MemoryMode.OWN`, so a later pause
+    writes device state only), the current tools layer. Returns once envd answers; on
+    failure its QEMU is gone. `on_spawn` runs once QEMU runs, before the guest is up."""
     mem = workdir / MEMORY
     # Whatever RAM image was there belongs to a guest that no longer exists.
     await asyncio.to_thread(mem.unlink, True)
@@ -203,6 +204,7 @@ async def boot(
         tools_image=image.tools_image,
         slot=slot,
         incoming=False,
+        hostname=hostname,
     )
     machine = Machine(
         name=name,

@@ -124,28 +124,12 @@ async def pause(machine: Machine, repo: SnapshotStore, image: GuestImage) -> Pau
             raise SnapshotError(f"{machine.name}: pause failed: {exc}") from exc
         raise
     crash_point("pause:saved")
-    record = PausedState(
-        name=machine.name,
-        vcpus=machine.vcpus,
-        memory_mb=machine.memory_mb,
-        balloon=machine.balloon,
-        tools_image=str(machine.tools_image),
-        accel=image.accel.name,
-        qemu_version=image.qemu_version,
-        kind=kind,
-        upper=vm.disk_path("vda").name,
-        paused_at=time.time(),
-        device_set=DEVICE_SET,
-    )
+    # The tools disk the guest has mounted: its memory resumes only with that same file.
+    record = _record(machine, image, kind, machine.tools_image)
     try:
-        await asyncio.to_thread(_write_record, workdir, record)
+        await _write_or_run_on(machine, record)
     except BaseException:
-        # E.g. a full disk: the guest runs on, as if the pause had not been asked for.
         await asyncio.to_thread(target.unlink, True)
-        await asyncio.to_thread((workdir / (PAUSED + ".tmp")).unlink, True)
-        if vm.exit_code is None:
-            with contextlib.suppress(Exception):
-                await vm.resume()
         raise
     crash_point("pause:recorded")
     await vm.kill()
@@ -153,6 +137,35 @@ async def pause(machine: Machine, repo: SnapshotStore, image: GuestImage) -> Pau
         # The stream holds all of the guest's RAM: it no longer needs the snapshot's file.
         await asyncio.to_thread(repo.unref_holder, machine.name)
     return record
+
+
+def _record(machine: Machine, image: GuestImage, kind: str, tools_image: Path) -> PausedState:
+    return PausedState(
+        name=machine.name,
+        vcpus=machine.vcpus,
+        memory_mb=machine.memory_mb,
+        balloon=machine.balloon,
+        tools_image=str(tools_image),
+        accel=image.accel.name,
+        qemu_version=image.qemu_version,
+        kind=kind,
+        upper=machine.vm.disk_path("vda").name,
+        paused_at=time.time(),
+        device_set=DEVICE_SET,
+    )
+
+
+async def _write_or_run_on(machine: Machine, record: PausedState) -> None:
+    """Write the pause record; if that fails (e.g. a full disk) the guest runs on, as if the
+    pause had not been asked for."""
+    try:
+        await asyncio.to_thread(_write_record, machine.workdir, record)
+    except BaseException:
+        await asyncio.to_thread((machine.workdir / (PAUSED + ".tmp")).unlink, True)
+        if machine.vm.exit_code is None:
+            with contextlib.suppress(Exception):
+                await machine.vm.resume()
+        raise
 
 
 async def pause_disk(
@@ -183,27 +196,9 @@ async def pause_disk(
                 await vm.resume()
         raise SnapshotError(f"{machine.name}: pause failed: {exc}") from exc
     crash_point("fspause:stopped")
-    record = PausedState(
-        name=machine.name,
-        vcpus=machine.vcpus,
-        memory_mb=machine.memory_mb,
-        balloon=machine.balloon,
-        tools_image=str(image.tools_image),
-        accel=image.accel.name,
-        qemu_version=image.qemu_version,
-        kind=DISK,
-        upper=vm.disk_path("vda").name,
-        paused_at=time.time(),
-        device_set=DEVICE_SET,
-    )
-    try:
-        await asyncio.to_thread(_write_record, workdir, record)
-    except BaseException:
-        await asyncio.to_thread((workdir / (PAUSED + ".tmp")).unlink, True)
-        if vm.exit_code is None:
-            with contextlib.suppress(Exception):
-                await vm.resume()
-        raise
+    # A cold boot mounts whatever tools disk the host has then.
+    record = _record(machine, image, DISK, image.tools_image)
+    await _write_or_run_on(machine, record)
     crash_point("fspause:recorded")
     await vm.kill()
     await asyncio.to_thread(drop_memory, workdir)

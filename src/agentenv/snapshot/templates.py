@@ -23,8 +23,7 @@ from agentenv.filelock import file_lock
 from agentenv.network import create_slot, destroy_slot
 from agentenv.snapshot.capture import capture
 from agentenv.snapshot.errors import SnapshotNotFound
-from agentenv.snapshot.machine import MEMORY, ROOTFS, GuestImage, Machine, MemoryMode, new_vm
-from agentenv.snapshot.machine import wait_envd as _wait_envd
+from agentenv.snapshot.machine import ROOTFS, GuestImage, boot
 from agentenv.snapshot.model import Snapshot
 from agentenv.snapshot.repository import SnapshotRepository
 from agentenv.storage import LayerStore, create_upper
@@ -141,33 +140,19 @@ async def _build(
         await asyncio.to_thread(layers.ref, top_layer, vm_name)
         upper = workdir / ROOTFS
         await create_upper(await asyncio.to_thread(layers.path, top_layer), upper, None)
-        vm = new_vm(
+        machine = await boot(
             image,
             name=vm_name,
             workdir=workdir,
             vcpus=cpu,
             memory_mb=memory_mb,
-            mem_file=workdir / MEMORY,
-            shared=True,
             upper=upper,
-            tools_image=image.tools_image,
             slot=slot,
-            incoming=False,
+            timeout_s=settings.boot_timeout_s,
             hostname=template,
         )
-        machine = Machine(
-            name=vm_name,
-            workdir=workdir,
-            vcpus=cpu,
-            memory_mb=memory_mb,
-            slot=slot,
-            vm=vm,
-            memory=MemoryMode.OWN,
-            tools_image=image.tools_image,
-        )
-        await vm.start()
+        vm = machine.vm
         try:
-            await _wait_envd(machine.envd_url, vm, settings.boot_timeout_s, poll_s=0.1)
             crash_point("template:booted")
             cap = await capture(
                 machine,
