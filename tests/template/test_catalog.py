@@ -65,3 +65,34 @@ def test_unknown_fields_from_newer_versions_are_ignored(settings: Settings) -> N
     entry = {"name": "base", "layers": [D1], "size_mb": 10, "created_at": 1.0, "future": 1}
     settings.templates_file.write_text(json.dumps({"version": 2, "templates": [entry]}))
     assert TemplateCatalog(settings).get("base").size_mb == 10
+
+
+def test_image_defaults_round_trip_and_old_catalogs_read(settings: Settings) -> None:
+    cat = TemplateCatalog(settings)
+    tpl = Template(
+        name="img", layers=[D1, D2], size_mb=1024, source="127.0.0.1:5000/app@sha256:" + D1,
+        env={"PATH": "/bin", "EQ": "a=b"}, workdir="/app", user="user",
+        entrypoint=["python3"], cmd=["-m", "http.server"], exposed_ports=["8080/tcp"],
+    )  # fmt: skip
+    cat.put(tpl)
+    got = TemplateCatalog(settings).get("img")
+    assert got == tpl and got.has_defaults
+    # A catalog written before the defaults existed: no defaults, envd's own apply.
+    settings.templates_file.write_text(
+        json.dumps({"version": 1, "templates": [
+            {"name": "base", "layers": [D1], "size_mb": 1024, "created_at": 1.0,
+             "build_key": "k", "snapshot": None}]})
+    )  # fmt: skip
+    old = TemplateCatalog(settings).get("base")
+    assert (old.env, old.workdir, old.user, old.cmd) == ({}, None, None, [])
+    assert not old.has_defaults
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [{"env": {"A": 1}}, {"workdir": "relative"}, {"user": ""}, {"cmd": "sh -c x"},
+     {"exposed_ports": [8080]}],
+)  # fmt: skip
+def test_image_defaults_are_checked(bad: dict[str, object]) -> None:
+    with pytest.raises(CatalogError):
+        Template(name="img", layers=[D1], size_mb=1024, **bad)  # type: ignore[arg-type]

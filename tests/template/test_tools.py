@@ -22,7 +22,8 @@ def test_runtime_runs_in_an_empty_chroot(settings: Settings, tmp_path: Path) -> 
     assert sorted(p.name for p in tmp_path.iterdir()) == [".agentenv"]
     code = (
         "import sys, os, ssl, json, sqlite3, ctypes, asyncio, hashlib, uvicorn, starlette;"
-        "import agentenv.guest.init, agentenv.guest.envd;"
+        # envd's whole app: its native extensions (pyqwest links libgcc_s) load too.
+        "import agentenv.guest.init, agentenv.guest.envd, agentenv.guest.envd.app;"
         "print(sys.prefix, sys.flags.isolated, 'PYTHONHOME' in os.environ,"
         " all(p.startswith('/.agentenv/') for p in sys.path))"
     )

@@ -59,12 +59,15 @@ class AgentenvApp:
     async def startup(self) -> None:
         if not self._started:
             await self.manager.start()
+            await self.control.state.builds.start()
             self._started = True
 
     async def shutdown(self) -> None:
         if self._started:
             self._started = False
             await self.proxy.close()
+            # Builds first: each kills its build sandbox while the manager still runs.
+            await self.control.state.builds.close()
             await self.manager.close()
 
     async def _resolve(self, sandbox_id: str) -> SandboxRecord | None:

@@ -38,6 +38,7 @@ from agentenv.api.models import (
     SnapshotBody,
     TimeoutBody,
 )
+from agentenv.api.templates import mount_templates
 from agentenv.network.egress import BadTarget, Egress
 from agentenv.orchestrator.errors import BadRequest, Conflict, OrchestratorError, SandboxNotFound
 from agentenv.orchestrator.runtime import TemplateSource, TemplateUnavailable
@@ -101,6 +102,8 @@ def build_control_app(ctx: ControlContext) -> FastAPI:
     )
     app.state.ctx = ctx
     mgr = ctx.manager
+    # First, so `DELETE /templates/tags` is not taken for a template id.
+    mount_templates(app, ctx)
 
     @app.exception_handler(OrchestratorError)
     async def _orch(_: Request, exc: OrchestratorError) -> JSONResponse:

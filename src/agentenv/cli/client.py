@@ -676,5 +676,8 @@ async def _shell(target: Target, sandbox_id: str, token: str | None) -> int:
                 await asyncio.gather(*tasks, return_exceptions=True)
 
 
+# `aenv build` and `aenv template logs` register themselves on the apps above.
+from agentenv.cli import build as _build  # noqa: E402, F401
+
 if __name__ == "__main__":
     client_app()

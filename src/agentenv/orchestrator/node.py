@@ -77,6 +77,7 @@ from agentenv.storage import (
     create_upper,
     info,
 )
+from agentenv.template.catalog import Template
 from agentenv.vmm import registry as vm_registry
 from agentenv.vmm.accel import AccelChoice, detect
 from agentenv.vmm.base import BootSource, Drive, MachineSpec, NetIface, VMStatus
@@ -109,6 +110,24 @@ GROW_FS = (
 GROW_TIMEOUT_S = 120.0
 # An adopted guest's envd answers at once unless the guest is broken.
 ADOPT_HEALTH_TIMEOUT_S = 30.0
+
+
+@dataclass(frozen=True)
+class TemplateDefaults:
+    """What a template sets for commands in its sandboxes (an image's Env, User, WorkingDir;
+    `template.catalog.Template`); empty for `base`, whose defaults are envd's."""
+
+    env: dict[str, str] = field(default_factory=dict)
+    user: str | None = None
+    workdir: str | None = None
+
+    @classmethod
+    def of(cls, tpl: Template) -> TemplateDefaults:
+        return cls(dict(tpl.env), tpl.user, tpl.workdir)
+
+    @property
+    def any(self) -> bool:
+        return bool(self.env) or self.user is not None or self.workdir is not None
 
 
 def new_sandbox_id() -> str:
@@ -546,7 +565,7 @@ class Node:
 
     def _validate(
         self, template: str, cpu: int, memory_mb: int, disk_size_mb: int | None
-    ) -> tuple[str, Path, int, int]:
+    ) -> tuple[str, Path, int, int, TemplateDefaults]:
         s = self.settings
         if not 1 <= cpu <= s.max_cpu:
             raise CpuOutOfRange(f"cpu must be between 1 and {s.max_cpu}, got {cpu}")
@@ -575,7 +594,7 @@ class Node:
             raise DiskTooSmallForTemplate(
                 f"disk of {disk_size_mb} MB is smaller than template {template!r} ({base_mb} MB)"
             )
-        return top, top_path, disk_size_mb or base_mb, base_mb
+        return top, top_path, disk_size_mb or base_mb, base_mb, TemplateDefaults.of(tpl)
 
     async def create(
         self,
@@ -593,13 +612,14 @@ class Node:
         named = await asyncio.to_thread(self._named_snapshot, template)
         if named is not None:
             return await self._create_from_snapshot(named, template, egress)
-        top, top_path, disk_mb, base_mb = await asyncio.to_thread(
+        top, top_path, disk_mb, base_mb, defaults = await asyncio.to_thread(
             self._validate, template, cpu, memory_mb, disk_size_mb
         )
         async with self.admission.start(f"a create of {template!r}", memory_mb):
             return await self._create(
-                template, cpu, memory_mb, disk_size_mb, top, top_path, disk_mb, base_mb, egress
-            )
+                template, cpu, memory_mb, disk_size_mb, top, top_path, disk_mb, base_mb, egress,
+                defaults,
+            )  # fmt: skip
 
     async def _create(
         self,
@@ -612,8 +632,11 @@ class Node:
         disk_mb: int,
         base_mb: int,
         egress: Egress,
+        defaults: TemplateDefaults | None = None,
     ) -> SandboxHandle:
-        """`create` once the input is valid and the start admitted."""
+        """`create` once the input is valid and the start admitted. `defaults` (the
+        template's env, user and workdir for commands) reach envd before anyone else's
+        `/init`, on a restore and on a cold boot alike."""
         if self._boot is None or self._accel is None:
             raise SandboxError("node is not started")
         snap = None
@@ -652,11 +675,14 @@ class Node:
                 await self.pool.set_egress(slot, egress)
 
             upper = workdir / ROOTFS
-            await self._write_meta(workdir, template, cpu, memory_mb, disk_mb, top, egress)
+            await self._write_meta(
+                workdir, template, cpu, memory_mb, disk_mb, top, egress, defaults
+            )
             if snap is not None:
                 handle = await self._restore(
-                    snap.id, sandbox_id, template, workdir, slot, top, prepared=warm
-                )
+                    snap.id, sandbox_id, template, workdir, slot, top, prepared=warm,
+                    defaults=defaults,
+                )  # fmt: skip
                 handle.egress = egress
                 undo.append(lambda: self._release(handle))
                 if disk_mb > base_mb:
@@ -720,6 +746,8 @@ class Node:
                     tools_image=self._boot.tools_image,
                 )
             await self._wait_healthy(handle)
+            if defaults is not None and defaults.any:
+                await self._apply_defaults(handle, defaults)
             now = time.monotonic()
             handle.boot_s = now - t0
             handle.spawn_to_healthy_s = now - (vm.started_at or t0)
@@ -840,6 +868,7 @@ class Node:
         disk_mb: int,
         top: str,
         egress: Egress,
+        defaults: TemplateDefaults | None = None,
     ) -> None:
         meta = {
             "template": template,
@@ -849,6 +878,11 @@ class Node:
             "top_layer": top,
             "egress": egress.to_json(),
         }
+        if defaults is not None and defaults.any:
+            # A boot from this disk later (filesystem-only resume) needs them again, also if
+            # the template has been replaced or deleted by then.
+            meta["defaults"] = {"env": defaults.env, "user": defaults.user,
+                                "workdir": defaults.workdir}  # fmt: skip
         await asyncio.to_thread(_replace_json, workdir / META, meta)
 
     async def _restore(
@@ -861,6 +895,7 @@ class Node:
         top: str,
         origin: str = "restore",
         prepared: Prepared | None = None,
+        defaults: TemplateDefaults | None = None,
     ) -> SandboxHandle:
         """Restore `ref` as `sandbox_id` (into `prepared`, a warm pool's guest spawned for
         it, if given) and give it its hostname; cleans up after itself."""
@@ -876,17 +911,36 @@ class Node:
         token = (await asyncio.to_thread(self.repo.get, ref)).envd_token
         try:
             # The caller (the control plane) sets the sandbox's own token next.
+            d = defaults or TemplateDefaults()
             await snaps.identify(
                 machine.envd_url,
                 hostname=sandbox_id,
                 current_token=token,
                 access_token="" if token else None,
+                env_vars=d.env or None,
+                default_user=d.user,
+                default_workdir=d.workdir,
             )
         except BaseException:
             await self._release(handle)
             raise
         handle.spawn_to_healthy_s = time.monotonic() - t0
         return handle
+
+    async def _apply_defaults(self, handle: SandboxHandle, defaults: TemplateDefaults) -> None:
+        """A cold-booted guest's envd starts with envd's own defaults: give it the
+        template's (a restored one gets them with its identity, `_restore`)."""
+        try:
+            async with EnvdClient(handle.envd_url) as envd:
+                await envd.init(
+                    env_vars=defaults.env or None,
+                    default_user=defaults.user,
+                    default_workdir=defaults.workdir,
+                )
+        except (EnvdError, httpx.HTTPError) as exc:
+            raise BootFailed(
+                f"sandbox {handle.id}: envd refused the template's defaults: {exc}"
+            ) from exc
 
     async def update_egress(self, sandbox_id: str, egress: Egress) -> None:
         """Replace a sandbox's egress policy: at once while it runs (on its slot), from its
@@ -1188,6 +1242,12 @@ class Node:
             False,
             booted,
         )
+        defaults = _defaults_of(meta)
+        if booted and defaults is not None:
+            try:
+                await self._apply_defaults(sb, defaults)
+            except BootFailed as exc:
+                log.warning("sandbox %s resumed without its template defaults: %s", sb.id, exc)
         sb.spawn_to_healthy_s = sb.boot_s = time.monotonic() - t0
         return sb
 
@@ -1298,8 +1358,9 @@ class Node:
         handles = []
         for child in res.children:
             top = res.capture.snapshot.top_layer
+            inherited = await asyncio.to_thread(_meta_defaults, sb.workdir)
             await self._write_meta(
-                child.workdir, sb.template, sb.cpu, sb.memory_mb, 0, top, sb.egress
+                child.workdir, sb.template, sb.cpu, sb.memory_mb, 0, top, sb.egress, inherited
             )
             h = self._handle(child, sb.template, top)
             h.origin = "fork"
@@ -1307,6 +1368,21 @@ class Node:
             self._sandboxes[child.name] = h
             handles.append(h)
         return handles
+
+
+def _defaults_of(meta: dict[str, object]) -> TemplateDefaults | None:
+    """The template defaults a sandbox's ``sandbox.json`` recorded at create, if any."""
+    d = meta.get("defaults")
+    if not isinstance(d, dict):
+        return None
+    return TemplateDefaults(dict(d.get("env") or {}), d.get("user"), d.get("workdir"))
+
+
+def _meta_defaults(workdir: Path) -> TemplateDefaults | None:
+    try:
+        return _defaults_of(json.loads((workdir / META).read_text()))
+    except (OSError, ValueError):
+        return None
 
 
 def _replace_json(path: Path, value: object) -> None:

@@ -21,6 +21,7 @@ async def identify(
     env_vars: Mapping[str, str] | None = None,
     access_token: str | None = None,
     default_user: str | None = None,
+    default_workdir: str | None = None,
     current_token: str | None = None,
 ) -> None:
     """`current_token` is the token the captured guest's envd already has (a capture of a
@@ -32,4 +33,5 @@ async def identify(
             env_vars=env_vars,
             access_token=access_token,
             default_user=default_user,
+            default_workdir=default_workdir,
         )

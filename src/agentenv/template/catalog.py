@@ -43,6 +43,15 @@ class Template:
     build_key: str = ""  # hash of the inputs it was built from; "" when imported
     # Memory snapshot of a booted template (filled in by the snapshot work).
     snapshot: dict[str, Any] | None = None
+    # Defaults for commands in its sandboxes (an image's config, `template.image`); a
+    # catalog written before these existed reads as "none": envd's own defaults.
+    source: str = ""  # the image reference, pinned to its manifest digest
+    env: dict[str, str] = field(default_factory=dict)
+    workdir: str | None = None
+    user: str | None = None
+    entrypoint: list[str] = field(default_factory=list)
+    cmd: list[str] = field(default_factory=list)
+    exposed_ports: list[str] = field(default_factory=list)  # "8080/tcp"
 
     def __post_init__(self) -> None:
         validate_name(self.name)
@@ -51,6 +60,27 @@ class Template:
                 raise CatalogError(f"template {self.name!r}: {d!r} is not a layer digest")
         if self.size_mb <= 0:
             raise CatalogError(f"template {self.name!r}: size_mb must be positive")
+        if not isinstance(self.env, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in self.env.items()
+        ):
+            raise CatalogError(f"template {self.name!r}: env must map strings to strings")
+        for what, value in (("workdir", self.workdir), ("user", self.user)):
+            if value is not None and (not isinstance(value, str) or not value):
+                raise CatalogError(f"template {self.name!r}: {what} must be a non-empty string")
+        if self.workdir is not None and not self.workdir.startswith("/"):
+            raise CatalogError(f"template {self.name!r}: workdir {self.workdir!r} is not absolute")
+        for what, items in (
+            ("entrypoint", self.entrypoint),
+            ("cmd", self.cmd),
+            ("exposed_ports", self.exposed_ports),
+        ):
+            if not isinstance(items, list) or not all(isinstance(x, str) for x in items):
+                raise CatalogError(f"template {self.name!r}: {what} must be a list of strings")
+
+    @property
+    def has_defaults(self) -> bool:
+        """Whether a sandbox of it needs envd `/init` with the template's defaults."""
+        return bool(self.env) or self.workdir is not None or self.user is not None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

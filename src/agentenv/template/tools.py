@@ -71,6 +71,8 @@ RUNTIME_PACKAGES = [
     "e2fsprogs",
     "libext2fs2",
     "libcom-err2",
+    # libgcc_s for the wheels' native extensions (Rust ones link it); see `populate_tree`.
+    "libgcc-s1",
 ]
 STDLIB_SKIP = {
     "test",
@@ -172,6 +174,25 @@ def copy_shared_libs(objects: list[Path], dest: Path) -> None:
         raise BuildError("ldd did not report the dynamic loader ld-linux-x86-64.so.2")
 
 
+def add_missing_libs(objects: list[Path], dest: Path, inside: Path) -> None:
+    """Copy into `dest` what the objects link against (per ldd) that neither `dest` nor the
+    objects' own bundled libraries (paths under `inside`, e.g. a wheel's ``*.libs``) have."""
+    for obj in objects:
+        if not obj.is_file() or obj.is_symlink():
+            continue
+        out = run(["ldd", obj])
+        for line in out.splitlines():
+            if "not found" in line:
+                raise BuildError(f"{obj.name}: {line.strip()}")
+            m = re.match(r"\s*(\S+)\s+=>\s+(/\S+)", line)
+            if not m:
+                continue
+            name, path = m.group(1), Path(m.group(2))
+            if (dest / name).exists() or path.resolve().is_relative_to(inside.resolve()):
+                continue
+            shutil.copy2(path.resolve(), dest / name)
+
+
 def ensure_pydeps(settings: Settings, progress: ProgressFn | None = None) -> Path:
     """envd's pip requirements installed for the guest (``<artifact>/site-packages``)."""
     reqs = requirements_text()
@@ -264,6 +285,10 @@ def populate_tree(tree: Path, runtime: Path, pydeps: Path) -> None:
     shutil.copytree(runtime, tree / "python", symlinks=True)
     site = tree / "python" / "site-packages"
     shutil.copytree(pydeps, site, symlinks=True)
+    # The wheels' native extensions link against system libraries too (libgcc_s for Rust
+    # ones, glibc's libdl/libpthread stubs). A Debian rootfs has them, a busybox or musl
+    # image does not: ship them with the runtime.
+    add_missing_libs(sorted(site.rglob("*.so*")), tree / "python" / "lib", tree)
     pkg = site / "agentenv"
     pkg.mkdir()
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc")

@@ -1,0 +1,526 @@
+"""Runs template builds: one build sandbox per build, the steps through its envd, a disk
+snapshot per filesystem step (the step cache), then the start command, the ready check
+and a memory snapshot named after the template (a create from it is a restore with the
+start command already running).
+
+A build is an asyncio task owned by `Builder`; its record on disk says where it is, so a
+server that restarts marks a build it finds `building` as failed (and kills its sandbox)
+instead of leaving it stuck.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import os
+import shlex
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from agentenv.build.guest import run_streamed, upload_file
+from agentenv.build.spec import BuildSpec, Step, chain_key
+from agentenv.build.state import BuildRecord, BuildState, TemplateRecord
+from agentenv.config import Settings
+from agentenv.orchestrator.errors import SandboxNotFound
+from agentenv.orchestrator.sandboxes import CreateSpec, SandboxManager
+from agentenv.orchestrator.store import SandboxRecord
+from agentenv.snapshot.errors import SnapshotError
+from agentenv.snapshot.repository import SnapshotRepository
+from agentenv.storage.layers import LayerStore
+from agentenv.template.catalog import TemplateCatalog, TemplateNotFound
+
+log = logging.getLogger("agentenv.build")
+
+# The build sandbox outlives no build: it is killed at the end, this is the backstop.
+BUILD_SANDBOX_TIMEOUT_S = 6 * 3600
+STEP_TIMEOUT_S = float(os.environ.get("AGENTENV_BUILD_STEP_TIMEOUT_S", "3600"))
+READY_TIMEOUT_S = float(os.environ.get("AGENTENV_BUILD_READY_TIMEOUT_S", "300"))
+READY_POLL_S = 1.0
+# E2B's sandbox defaults, also where a build starts: steps run as `user` in its home.
+DEFAULT_USER = "user"
+DEFAULT_WORKDIR = "/home/user"
+# Build metadata on the build sandbox, so it can be told apart in listings.
+BUILD_METADATA = "agentenv.build"
+START_LOG = "/tmp/.agentenv-start.log"
+TAIL_LINES = 20
+
+
+class StepFailed(Exception):
+    def __init__(self, step: str, message: str) -> None:
+        super().__init__(message)
+        self.step = step
+        self.message = message
+
+
+@dataclass
+class Context:
+    """What ENV/ARG/USER/WORKDIR steps leave for the steps after them."""
+
+    envs: dict[str, str] = field(default_factory=dict)
+    user: str = DEFAULT_USER
+    workdir: str = DEFAULT_WORKDIR
+
+    def apply(self, step: Step) -> None:
+        if step.type in ("ENV", "ARG"):
+            for i in range(0, len(step.args), 2):
+                self.envs[step.args[i]] = step.args[i + 1]
+        elif step.type == "USER":
+            self.user = step.args[0]
+        elif step.type == "WORKDIR":
+            self.workdir = _join(self.workdir, step.args[0])
+
+
+def _join(base: str, path: str) -> str:
+    return os.path.normpath(path if path.startswith("/") else os.path.join(base, path))
+
+
+def cache_name(key: str) -> str:
+    """A snapshot name for a step key (snapshot names allow 63 characters)."""
+    return f"build-cache-{key[:40]}"
+
+
+def final_name(key: str) -> str:
+    return f"build-final-{key[:40]}"
+
+
+def describe(step: Step) -> str:
+    if step.type == "RUN":
+        text = step.args[0] + (f" (as {step.args[1]})" if len(step.args) > 1 else "")
+    elif step.type in ("ENV", "ARG"):
+        text = " ".join(f"{step.args[i]}={step.args[i + 1]}" for i in range(0, len(step.args), 2))
+    else:
+        text = " ".join(a for a in step.args if a)
+    return f"{step.type} {text}"
+
+
+def copy_script(src: str, dest: str, owner: str, mode: str, staging: str) -> str:
+    """The shell that puts an uploaded COPY archive in place with the SDK's meaning: paths in
+    the archive are relative to the build context; a directory source copies its contents
+    into `dest`, a file goes into `dest/` when `dest` ends with `/` (or is a directory) and
+    becomes `dest` otherwise; several matches (a glob) need `dest` to be a directory."""
+    q = shlex.quote
+    src_rel = src
+    while src_rel.startswith("./"):
+        src_rel = src_rel[2:]
+    src_rel = src_rel.lstrip("/") or "."
+    lines = [
+        "set -e",
+        f"S={q(staging)}",
+        f"D={q(dest)}",
+        'rm -rf "$S.d" && mkdir -p "$S.d"',
+        'tar -xzf "$S" -C "$S.d" 2>/dev/null || tar -xf "$S" -C "$S.d"',
+        'cd "$S.d"',
+        f"set -- {src_rel}" if any(c in src_rel for c in "*?[") else f"set -- {q(src_rel)}",
+        'if [ "$#" -eq 1 ] && [ ! -e "$1" ]; then echo "COPY: no file matches $1" >&2; exit 1; fi',
+        'many=0; [ "$#" -gt 1 ] && many=1',
+        'case "$D" in */) dir=1 ;; *) dir=0 ;; esac',
+        '[ -d "$D" ] && dir=1',
+        'made=""',
+        'for f in "$@"; do',
+        '  if [ -d "$f" ] && [ "$many" -eq 0 ]; then',
+        '    mkdir -p "$D"; cp -a "$f"/. "$D"/; made="$made $D"',
+        '  elif [ "$dir" -eq 1 ] || [ "$many" -eq 1 ]; then',
+        '    mkdir -p "$D"; b=$(basename "$f"); cp -a "$f" "$D/$b"; made="$made $D/$b"',
+        "  else",
+        '    mkdir -p "$(dirname "$D")"; cp -a "$f" "$D"; made="$made $D"',
+        "  fi",
+        "done",
+    ]
+    if owner:
+        lines.append(f'for m in $made; do chown -R {q(owner)} "$m"; done')
+    if mode:
+        lines.append(f'for m in $made; do chmod -R {q(mode)} "$m"; done')
+    lines.append('cd / && rm -rf "$S" "$S.d"')
+    return "\n".join(lines)
+
+
+class Builder:
+    def __init__(self, manager: SandboxManager, settings: Settings, state: BuildState) -> None:
+        self.manager = manager
+        self.settings = settings
+        self.state = state
+        self.layers = LayerStore(settings.layers_dir)
+        self.repo = SnapshotRepository(settings.home / "snapshots", self.layers)
+        self.catalog = TemplateCatalog(settings)
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        # No keep-alive: a killed build sandbox's slot address goes to the next sandbox, and
+        # a pooled connection to the old VM there would break the next build's first call.
+        self._http = httpx.AsyncClient(
+            trust_env=False,
+            timeout=httpx.Timeout(30.0),
+            limits=httpx.Limits(max_keepalive_connections=0),
+        )
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Builds a previous server left unfinished failed with it; their sandboxes go."""
+        for rec in self.state.builds():
+            if rec.status not in ("building", "waiting") or rec.build_id in self._tasks:
+                continue
+            if rec.status == "waiting" and rec.spec is None:
+                continue  # requested, never started: the client may still start it
+            rec.status = "error"
+            rec.finished_at = time.time()
+            rec.reason = {"message": "the build was interrupted by a server restart"}
+            self.state.put_build(rec)
+            self.state.log(rec.build_id, rec.reason["message"], "error")
+            await self._kill(rec.sandbox_id, "build interrupted")
+
+    async def close(self) -> None:
+        tasks = list(self._tasks.values())
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+        await self._http.aclose()
+
+    def running(self, build_id: str) -> bool:
+        return build_id in self._tasks
+
+    def submit(self, rec: BuildRecord, spec: BuildSpec, api_key_id: str | None) -> None:
+        rec.status = "building"
+        rec.spec = spec.to_json()
+        self.state.put_build(rec)
+        task = asyncio.create_task(self._run(rec, spec, api_key_id), name=f"build-{rec.build_id}")
+        self._tasks[rec.build_id] = task
+        task.add_done_callback(lambda _: self._tasks.pop(rec.build_id, None))
+
+    async def _kill(self, sandbox_id: str | None, reason: str) -> None:
+        if sandbox_id is None:
+            return
+        with contextlib.suppress(SandboxNotFound):
+            await asyncio.shield(self.manager.kill(sandbox_id, reason=reason))
+
+    # -- one build -------------------------------------------------------------------------
+
+    async def _run(self, rec: BuildRecord, spec: BuildSpec, api_key_id: str | None) -> None:
+        started = time.monotonic()
+        bid = rec.build_id
+        try:
+            snapshot_id = await self._build(rec, spec, api_key_id)
+        except asyncio.CancelledError:
+            self._finish(rec, "error", {"message": "the build was cancelled: server shutdown"})
+            raise
+        except StepFailed as exc:
+            tail = [line.wire() for line in self.state.logs(bid)[-TAIL_LINES:]]
+            self.state.log(bid, exc.message, "error", exc.step)
+            self._finish(
+                rec, "error", {"message": exc.message, "step": exc.step, "logEntries": tail}
+            )
+        except Exception as exc:
+            log.exception("build %s failed", bid)
+            msg = f"build failed: {type(exc).__name__}: {exc}"
+            self.state.log(bid, msg, "error")
+            self._finish(rec, "error", {"message": msg})
+        else:
+            rec.snapshot_id = snapshot_id
+            self.state.log(bid, f"Build finished in {time.monotonic() - started:.1f}s")
+            self._finish(rec, "ready", None)
+            self._publish(rec)
+        finally:
+            await self._kill(rec.sandbox_id, "build finished")
+
+    def _finish(self, rec: BuildRecord, status: str, reason: dict[str, Any] | None) -> None:
+        rec.status = status
+        rec.reason = reason
+        rec.finished_at = time.time()
+        self.state.put_build(rec)
+
+    def _publish(self, rec: BuildRecord) -> None:
+        tpl = self.state.template(rec.template_id)
+        if tpl is None:
+            return
+        for tag in rec.tags:
+            tpl.tags[tag] = rec.build_id
+        tpl.updated_at = time.time()
+        self.state.put_template(tpl)
+
+    def _log(self, rec: BuildRecord, step: str | None) -> Callable[[str, str], None]:
+        def emit(line: str, stream: str) -> None:
+            self.state.log(rec.build_id, line, "info" if stream == "stdout" else "warn", step)
+
+        return emit
+
+    async def _base_identity(self, rec: BuildRecord, spec: BuildSpec) -> tuple[str, str, Context]:
+        """The template a build sandbox starts from, what identifies its contents, and the
+        context its steps start in: an image's config (Env, User, WorkingDir) where it says,
+        E2B's defaults elsewhere."""
+        if spec.from_image:
+            name = await self._import_image(rec, spec)
+        else:
+            assert spec.from_template is not None
+            name = spec.from_template
+        try:
+            snap = await asyncio.to_thread(self.repo.get, name)
+        except SnapshotError:
+            pass
+        else:
+            return name, f"snapshot:{snap.id}", Context()
+        try:
+            tpl = await asyncio.to_thread(self.catalog.get, name)
+        except TemplateNotFound:
+            raise StepFailed("base", f"base template {name!r} not found") from None
+        ctx = Context(
+            envs=dict(tpl.env),
+            user=tpl.user or DEFAULT_USER,
+            workdir=tpl.workdir or DEFAULT_WORKDIR,
+        )
+        return name, f"layers:{','.join(tpl.layers)}", ctx
+
+    async def _import_image(self, rec: BuildRecord, spec: BuildSpec) -> str:
+        from agentenv.template.image import import_image  # written alongside; lazy on purpose
+
+        assert spec.from_image is not None
+        name = "image-" + hashlib.sha256(spec.from_image.encode()).hexdigest()[:24]
+        loop = asyncio.get_running_loop()
+        self.state.log(rec.build_id, f"Pulling image {spec.from_image}", step="base")
+
+        def note(message: str) -> None:
+            loop.call_soon_threadsafe(self.state.log, rec.build_id, message, "info", "base")
+
+        creds = None
+        if spec.credentials is not None:
+            creds = (spec.credentials.username, spec.credentials.password)
+        try:
+            tpl = await import_image(
+                self.settings, spec.from_image, name=name, credentials=creds, log=note
+            )
+        except Exception as exc:
+            raise StepFailed("base", f"image {spec.from_image}: {exc}") from exc
+        return str(getattr(tpl, "name", name))
+
+    async def _build(self, rec: BuildRecord, spec: BuildSpec, api_key_id: str | None) -> str:
+        bid = rec.build_id
+        n = len(spec.steps)
+        self.state.log(bid, f"Building template {rec.template_id} from {spec.base}", step="base")
+        base_name, base_id, ctx = await self._base_identity(rec, spec)
+        keys: list[str] = []
+        parent = chain_key("", {"base": base_id})
+        for step in spec.steps:
+            parent = chain_key(parent, step.identity())
+            keys.append(parent)
+        final = chain_key(
+            keys[-1] if keys else chain_key("", {"base": base_id}),
+            {
+                "start": spec.start_cmd,
+                "ready": spec.ready_cmd,
+                "cpu": rec.cpu,
+                "memory": rec.memory_mb,
+            },
+        )
+        # Docker's rule: a forced step invalidates itself and every step after it.
+        forced_from = 0 if spec.force else next((i for i, s in enumerate(spec.steps) if s.force), n)
+        usable = forced_from == n and not spec.force
+        if usable and await self._snapshot(final_name(final)) is not None:
+            for i, step in enumerate(spec.steps):
+                self.state.log(bid, f"CACHED [{i + 1}/{n}] {describe(step)}", step=str(i + 1))
+            snap = await self._snapshot(final_name(final))
+            assert snap is not None
+            await asyncio.to_thread(self.repo.add_name, snap, rec.template_id)
+            self.state.log(bid, "Template snapshot reused from the cache", step="finalize")
+            return snap
+        # The longest cached prefix: the last filesystem step before any forced one whose
+        # result is on disk.
+        resume_at, start_from = 0, base_name
+        for i in range(min(forced_from, n) - 1, -1, -1):
+            if spec.steps[i].type in ("RUN", "COPY") and await self._snapshot(cache_name(keys[i])):
+                resume_at, start_from = i + 1, cache_name(keys[i])
+                break
+        for i in range(resume_at):
+            ctx.apply(spec.steps[i])
+            self.state.log(bid, f"CACHED [{i + 1}/{n}] {describe(spec.steps[i])}", step=str(i + 1))
+        sandbox = await self._sandbox(rec, start_from, api_key_id)
+        for i in range(resume_at, n):
+            step = spec.steps[i]
+            label = str(i + 1)
+            self.state.log(bid, f"[{i + 1}/{n}] {describe(step)}", step=label)
+            t0 = time.monotonic()
+            if step.type == "RUN":
+                await self._run_step(rec, sandbox, step, ctx, label)
+            elif step.type == "COPY":
+                await self._copy_step(rec, sandbox, step, ctx, label)
+            else:
+                ctx.apply(step)
+                if step.type == "WORKDIR":
+                    await self._sh(rec, sandbox, f"mkdir -p {shlex.quote(ctx.workdir)}", label)
+                continue
+            if step.type in ("RUN", "COPY"):
+                await self._capture_disk(rec, sandbox, cache_name(keys[i]), label)
+            self.state.log(bid, f"step {label} done in {time.monotonic() - t0:.1f}s", step=label)
+        return await self._finalize(rec, spec, sandbox, ctx, final)
+
+    async def _snapshot(self, name: str) -> str | None:
+        try:
+            return (await asyncio.to_thread(self.repo.get, name)).id
+        except SnapshotError:
+            return None
+
+    async def _sandbox(
+        self, rec: BuildRecord, template: str, api_key_id: str | None
+    ) -> SandboxRecord:
+        self.state.log(rec.build_id, f"Starting the build sandbox from {template}", step="base")
+        t0 = time.monotonic()
+        spec = CreateSpec(
+            template=template,
+            timeout=BUILD_SANDBOX_TIMEOUT_S,
+            metadata={BUILD_METADATA: rec.build_id},
+            cpu=rec.cpu,
+            memory_mb=rec.memory_mb,
+        )
+        try:
+            sandbox = await self.manager.create(spec, api_key_id)
+        except Exception as exc:
+            raise StepFailed("base", f"the build sandbox did not start: {exc}") from exc
+        rec.sandbox_id = sandbox.id
+        self.state.put_build(rec)
+        self.state.log(
+            rec.build_id,
+            f"Build sandbox {sandbox.id} running after {time.monotonic() - t0:.1f}s",
+            step="base",
+        )
+        return sandbox
+
+    async def _sh(
+        self,
+        rec: BuildRecord,
+        sandbox: SandboxRecord,
+        cmd: str,
+        label: str,
+        *,
+        user: str = "root",
+        envs: dict[str, str] | None = None,
+        cwd: str | None = None,
+        quiet: bool = False,
+    ) -> int:
+        assert sandbox.envd_url is not None
+        emit = (lambda _l, _s: None) if quiet else self._log(rec, label)
+        return await run_streamed(
+            self._http,
+            sandbox.envd_url,
+            sandbox.envd_token,
+            cmd,
+            user=user,
+            on_line=emit,
+            envs=envs,
+            cwd=cwd,
+            timeout_s=STEP_TIMEOUT_S,
+        )
+
+    async def _run_step(
+        self, rec: BuildRecord, sandbox: SandboxRecord, step: Step, ctx: Context, label: str
+    ) -> None:
+        user = step.args[1] if len(step.args) > 1 and step.args[1] else ctx.user
+        code = await self._sh(
+            rec, sandbox, step.args[0], label, user=user, envs=ctx.envs, cwd=ctx.workdir
+        )
+        if code != 0:
+            raise StepFailed(label, f"step {label} ({describe(step)}) failed with exit code {code}")
+
+    async def _copy_step(
+        self, rec: BuildRecord, sandbox: SandboxRecord, step: Step, ctx: Context, label: str
+    ) -> None:
+        assert step.files_hash is not None and sandbox.envd_url is not None
+        local = self.state.files_path(step.files_hash)
+        if not local.exists():
+            raise StepFailed(label, f"step {label}: files {step.files_hash} were not uploaded")
+        staging = f"/tmp/.agentenv-copy-{step.files_hash[:16]}.tar"
+        await upload_file(self._http, sandbox.envd_url, sandbox.envd_token, local, staging)
+        dest = _join(ctx.workdir, step.args[1]) + ("/" if step.args[1].endswith("/") else "")
+        owner = step.args[2] if len(step.args) > 2 and step.args[2] else ctx.user
+        mode = step.args[3] if len(step.args) > 3 else ""
+        code = await self._sh(
+            rec, sandbox, copy_script(step.args[0], dest, owner, mode, staging), label
+        )
+        if code != 0:
+            raise StepFailed(label, f"step {label} ({describe(step)}) failed with exit code {code}")
+
+    async def _capture_disk(
+        self, rec: BuildRecord, sandbox: SandboxRecord, name: str, label: str
+    ) -> None:
+        try:
+            await self.manager.snapshot(sandbox.id, name, memory=False)
+        except Exception as exc:
+            # The cache is an optimisation: a step whose result could not be kept still counts.
+            self.state.log(rec.build_id, f"step {label} not cached: {exc}", "warn", label)
+
+    async def _finalize(
+        self, rec: BuildRecord, spec: BuildSpec, sandbox: SandboxRecord, ctx: Context, final: str
+    ) -> str:
+        bid = rec.build_id
+        assert sandbox.envd_url is not None
+        # The last USER/WORKDIR are the sandbox's defaults, as in E2B; envd keeps them in the
+        # snapshot's memory.
+        headers = {"X-Access-Token": sandbox.envd_token} if sandbox.envd_token else {}
+        resp = await self._http.post(
+            f"{sandbox.envd_url}/init",
+            json={"defaultUser": ctx.user, "defaultWorkdir": ctx.workdir},
+            headers=headers,
+        )
+        if resp.status_code >= 300:
+            raise StepFailed("finalize", f"envd /init answered {resp.status_code}")
+        if spec.start_cmd:
+            self.state.log(bid, f"Starting: {spec.start_cmd}", step="finalize")
+            # No terminal, so no hangup to survive: a plain background job outlives the
+            # shell (envd does not kill a finished command's process group). No `nohup`:
+            # a busybox image may not have it.
+            bg = f"/bin/sh -c {shlex.quote(spec.start_cmd)} > {START_LOG} 2>&1 < /dev/null &"
+            code = await self._sh(
+                rec, sandbox, bg, "finalize", user=ctx.user, envs=ctx.envs, cwd=ctx.workdir
+            )
+            if code != 0:
+                raise StepFailed("finalize", f"startCmd could not be started (exit {code})")
+        if spec.ready_cmd:
+            await self._wait_ready(rec, sandbox, spec.ready_cmd, ctx)
+        self.state.log(bid, "Capturing the template snapshot", step="finalize")
+        t0 = time.monotonic()
+        try:
+            info = await self.manager.snapshot(sandbox.id, final_name(final))
+        except Exception as exc:
+            raise StepFailed("finalize", f"the template snapshot failed: {exc}") from exc
+        await asyncio.to_thread(self.repo.add_name, info.snapshot_id, rec.template_id)
+        self.state.log(
+            bid,
+            f"Template snapshot {info.snapshot_id[:12]} in {time.monotonic() - t0:.1f}s",
+            step="finalize",
+        )
+        return info.snapshot_id
+
+    async def _wait_ready(
+        self, rec: BuildRecord, sandbox: SandboxRecord, ready_cmd: str, ctx: Context
+    ) -> None:
+        self.state.log(rec.build_id, f"Waiting for readyCmd: {ready_cmd}", step="finalize")
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while True:
+            code = await self._sh(
+                rec,
+                sandbox,
+                ready_cmd,
+                "finalize",
+                user=ctx.user,
+                envs=ctx.envs,
+                cwd=ctx.workdir,
+                quiet=True,
+            )
+            if code == 0:
+                self.state.log(rec.build_id, "readyCmd succeeded", step="finalize")
+                return
+            if time.monotonic() >= deadline:
+                break
+            await asyncio.sleep(READY_POLL_S)
+        await self._sh(rec, sandbox, f"tail -n {TAIL_LINES} {START_LOG} 2>/dev/null", "finalize")
+        raise StepFailed(
+            "finalize",
+            f"readyCmd {ready_cmd!r} did not succeed within {READY_TIMEOUT_S:.0f}s",
+        )
+
+
+def template_record(template_id: str) -> TemplateRecord:
+    now = time.time()
+    return TemplateRecord(template_id=template_id, name=template_id, created_at=now, updated_at=now)
