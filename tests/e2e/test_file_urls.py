@@ -5,27 +5,16 @@ the signature (`proxy.signed`), envd checks signature and expiry."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from urllib.parse import parse_qs, urlencode, urlsplit
 
 import httpx
 import pytest
-from api.conftest import REQUEST_TIMEOUT_S, stop_and_check
+from api.conftest import REQUEST_TIMEOUT_S
 from e2b import Sandbox
 
-from agentenv.api.devserver import ServerProcess, prepare_home
+from agentenv.api.devserver import ServerProcess
 
 pytestmark = pytest.mark.vm
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    home = prepare_home(tmp_path_factory.mktemp("file-urls-home"))
-    srv = ServerProcess(home, domain="sbx.test", ready_timeout_s=180).start()
-    try:
-        yield srv
-    finally:
-        stop_and_check(srv)
 
 
 def create(srv: ServerProcess) -> Sandbox:

@@ -10,15 +10,15 @@ import contextlib
 import json
 import subprocess
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import TypeVar
 
 import httpx
 import pytest
-from api.conftest import REQUEST_TIMEOUT_S, stop_and_check
+from api.conftest import REQUEST_TIMEOUT_S
 from e2b import Sandbox, SandboxQuery, SandboxState
 
-from agentenv.api.devserver import ServerProcess, prepare_home
+from agentenv.api.devserver import ServerProcess
 from agentenv.network.nft import EGRESS_TABLE
 from agentenv.vmm.registry import load_all
 
@@ -29,24 +29,6 @@ SLEEPER = "sleep 4321"
 RT = REQUEST_TIMEOUT_S
 FIND_SLEEPER = "pgrep -f 'sleep 432[1]' || true"
 BOOT_ID = "cat /proc/sys/kernel/random/boot_id"
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    home = prepare_home(tmp_path_factory.mktemp("fs-pause-home"))
-    srv = ServerProcess(home, domain="sbx.test", ready_timeout_s=180).start()
-    try:
-        yield srv
-    finally:
-        stop_and_check(srv)
-
-
-@pytest.fixture
-def api(server: ServerProcess) -> Iterator[httpx.Client]:
-    with httpx.Client(
-        base_url=server.url, headers={"X-API-Key": server.api_key}, timeout=REQUEST_TIMEOUT_S
-    ) as client:
-        yield client
 
 
 @pytest.fixture(autouse=True)

@@ -16,6 +16,7 @@ import re
 import secrets
 import time
 import uuid
+from collections.abc import Iterable
 from typing import Annotated, Any
 
 from fastapi import FastAPI, Query, Request, Response
@@ -84,6 +85,17 @@ def mount_templates(app: FastAPI, ctx: Any) -> TemplateBuilds:
         except ValueError:
             return None
 
+    async def object_of(request: Request, fields: Iterable[str]) -> dict[str, Any] | JSONResponse:
+        """The request's JSON object, or the 400 for a body that is not one or that carries
+        a field outside `fields` (named: never accepted and ignored)."""
+        body = await body_of(request)
+        if not isinstance(body, dict):
+            return _err(400, "request body must be a JSON object")
+        extra = sorted(set(body) - set(fields))
+        if extra:
+            return _err(400, f"{extra[0]}: unknown field")
+        return body
+
     async def auth(request: Request) -> Any:
         from agentenv.api.control import api_key
 
@@ -103,12 +115,9 @@ def mount_templates(app: FastAPI, ctx: Any) -> TemplateBuilds:
     async def request_build(request: Request) -> Response:
         key = await auth(request)
         del key
-        body = await body_of(request)
-        if not isinstance(body, dict):
-            return _err(400, "request body must be a JSON object")
-        extra = sorted(set(body) - set(_REQUEST_FIELDS))
-        if extra:
-            return _err(400, f"{extra[0]}: unknown field")
+        body = await object_of(request, _REQUEST_FIELDS)
+        if isinstance(body, JSONResponse):
+            return body
         if body.get("teamID") is not None:
             return _err(400, "teamID: teams are not supported by this server")
         if body.get("minFreeDiskMb"):
@@ -350,12 +359,9 @@ def mount_templates(app: FastAPI, ctx: Any) -> TemplateBuilds:
     @app.post("/templates/tags", status_code=201, tags=["tags"])
     async def assign_tags(request: Request) -> Response:
         await auth(request)
-        body = await body_of(request)
-        if not isinstance(body, dict):
-            return _err(400, "request body must be a JSON object")
-        extra = sorted(set(body) - {"target", "tags"})
-        if extra:
-            return _err(400, f"{extra[0]}: unknown field")
+        body = await object_of(request, {"target", "tags"})
+        if isinstance(body, JSONResponse):
+            return body
         target, tags = body.get("target"), body.get("tags")
         if not isinstance(target, str) or not isinstance(tags, list) or not tags:
             return _err(400, "target ('name:tag') and tags (a non-empty list) are required")
@@ -377,12 +383,9 @@ def mount_templates(app: FastAPI, ctx: Any) -> TemplateBuilds:
     @app.delete("/templates/tags", status_code=204, tags=["tags"])
     async def remove_tags(request: Request) -> Response:
         await auth(request)
-        body = await body_of(request)
-        if not isinstance(body, dict):
-            return _err(400, "request body must be a JSON object")
-        extra = sorted(set(body) - {"name", "tags"})
-        if extra:
-            return _err(400, f"{extra[0]}: unknown field")
+        body = await object_of(request, {"name", "tags"})
+        if isinstance(body, JSONResponse):
+            return body
         name, tags = body.get("name"), body.get("tags")
         if not isinstance(name, str) or not isinstance(tags, list):
             return _err(400, "name and tags are required")
