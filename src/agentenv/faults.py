@@ -29,6 +29,8 @@ POINTS = frozenset(
         "fork:captured",  # fork snapshot committed, no child restored
         "fork:child",  # first child restored, others not
         "template:booted",  # template build VM booted, not captured
+        "create:relocated",  # a create took a warm entry: moved into the sandboxes dir, no state
+        "create:restored",  # a create's guest runs, the control plane not told
     }
 )
 

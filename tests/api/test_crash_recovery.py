@@ -217,6 +217,80 @@ def test_dead_warm_entry_is_replaced_not_handed_out(home: Path, restore_env: Non
         _finish(srv)
 
 
+def test_sigkill_keeps_a_sandbox_made_from_a_warm_entry(home: Path, restore_env: None) -> None:
+    """A warm entry's workdir moves into the sandboxes dir when a create takes it, while its
+    QEMU runs on with the socket path it was started with: the next server must still
+    recognise that QEMU as the sandbox's, adopt it, and leave nothing running."""
+    srv = _start(home)
+    try:
+        Sandbox.create(timeout=TIMEOUT_S).kill()  # the shape joins the warm pool
+        warm_dir = str(home / "warm")
+
+        def warm_names() -> set[str]:
+            return {
+                r.name
+                for r in load_all(home / "run" / "vms")
+                if r.workdir.startswith(warm_dir) and r.pid is not None
+            }
+
+        deadline = time.monotonic() + 120
+        while not warm_names() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        ready = warm_names()
+        assert ready, "the warm pool never filled"
+        time.sleep(2)  # its QMP connected: the entry is ready, not only spawned
+        sbx = Sandbox.create(timeout=TIMEOUT_S)
+        rid = _runtime_id(sbx)
+        assert rid in ready, "the create did not take a warm entry"
+        sbx.files.write("/home/user/w.txt", "warm")
+        pid = _record(home, rid).pid
+        srv.crash()
+        srv = _start(home, srv.port)
+        again = Sandbox.connect(sbx.sandbox_id)
+        assert again.files.read("/home/user/w.txt") == "warm"
+        assert _record(home, rid).pid == pid, "the same QEMU runs on"
+        again.kill()
+    finally:
+        _finish(srv)
+
+
+@pytest.mark.parametrize("point", ["create:relocated", "create:restored"])
+def test_sigkill_mid_create_leaves_nothing(home: Path, restore_env: None, point: str) -> None:
+    """A create cut short (from a warm entry, or restored but not yet told to the control
+    plane) ends as if it never happened: no sandbox listed, no QEMU, slot or files left,
+    and the next create works."""
+    assert point in POINTS
+    srv = _start(home, AGENTENV_CRASH_AT=point)
+    try:
+        with _api(srv) as api:
+            if point == "create:relocated":
+                first = api.post("/v2/sandboxes", json={"templateID": "base"})
+                assert first.status_code == 201, first.text  # the shape joins the warm pool
+                assert api.delete(f"/sandboxes/{first.json()['sandboxID']}").is_success
+                warm_dir = str(home / "warm")
+                deadline = time.monotonic() + 120
+                while time.monotonic() < deadline and not [
+                    r
+                    for r in load_all(home / "run" / "vms")
+                    if r.workdir.startswith(warm_dir) and r.pid is not None
+                ]:
+                    time.sleep(0.2)
+                time.sleep(2)
+            with pytest.raises(httpx.TransportError):
+                api.post("/v2/sandboxes", json={"templateID": "base"})
+        _await_crash(srv)
+        srv = _start(home, srv.port)
+        with _api(srv) as api:
+            assert api.get("/v2/sandboxes").json() == []
+            # Its warm pool fills only for shapes created from, so nothing at all runs.
+            assert not qemu_processes(home, warm=True, converters=True)
+            resp = api.post("/v2/sandboxes", json={"templateID": "base"})
+            assert resp.status_code == 201, resp.text
+            assert api.delete(f"/sandboxes/{resp.json()['sandboxID']}").is_success
+    finally:
+        _finish(srv)
+
+
 def test_killed_converter_keeps_the_paused_sandbox(home: Path, restore_env: None) -> None:
     """The helper QEMU that converts a paused RAM stream dies: the stream is kept and the
     sandbox resumes from it."""

@@ -36,6 +36,7 @@ import httpx
 
 from agentenv import snapshot as snaps
 from agentenv.config import ENVD_PORT, Settings
+from agentenv.faults import crash_point
 from agentenv.guest.envd.client import EnvdClient, EnvdError
 from agentenv.network import OPEN, Egress, Slot, SlotPool, recover_slots, slot_for
 from agentenv.network.dns import DnsForwarder
@@ -663,6 +664,7 @@ class Node:
                 undo.append(lambda: asyncio.to_thread(unlink_relocated, warm_workdir))
                 # From here on it is an ordinary sandbox, in the sandboxes dir.
                 await relocate(prep, workdir)
+                crash_point("create:relocated")
 
             await asyncio.to_thread(self.layers.ref, top, sandbox_id)
             undo.append(lambda: asyncio.to_thread(self.layers.unref, top, sandbox_id))
@@ -690,6 +692,7 @@ class Node:
                 handle.boot_s = time.monotonic() - t0
                 self._sandboxes[sandbox_id] = handle
                 log.info("sandbox %s restored in %.2fs at %s", sandbox_id, handle.boot_s, slot)
+                crash_point("create:restored")
                 return handle
             try:
                 await create_upper(top_path, upper, disk_mb if disk_size_mb is not None else None)

@@ -150,6 +150,8 @@ class QemuVM:
         if len(str(sock)) > _MAX_SOCK_PATH:
             sock = _SOCK_FALLBACK_DIR / f"{name}.sock"
         self.qmp_socket = sock
+        # Where QEMU was told to listen; `relocate` moves the socket, not this.
+        self.launch_socket = sock
         self.cgroup = Cgroup(name) if cgroup else None
         self.registry = registry
         self.on_exit = on_exit
@@ -298,6 +300,7 @@ class QemuVM:
             name=self.name,
             workdir=str(self.workdir),
             qmp_socket=str(self.qmp_socket),
+            launch_socket=str(self.launch_socket),
             pid=pid,
             starttime=None if pid is None else vm_registry.proc_starttime(pid),
             spec=self.spec(),
@@ -350,6 +353,7 @@ class QemuVM:
             on_exit=on_exit,
         )
         vm.qmp_socket = Path(record.qmp_socket)
+        vm.launch_socket = Path(record.launch_socket or record.qmp_socket)
         vm._adopted_pid = pid
         try:
             fd = os.pidfd_open(pid)
@@ -412,6 +416,7 @@ class QemuVM:
         if self.qmp_socket.parent != self.workdir:
             self.qmp_socket.parent.mkdir(parents=True, exist_ok=True)
         self.qmp_socket.unlink(missing_ok=True)
+        self.launch_socket = self.qmp_socket
         try:
             # Written before the spawn: a server killed right after it still leaves a record
             # by which the next one finds this QEMU (its QMP socket path).

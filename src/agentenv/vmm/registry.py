@@ -32,6 +32,10 @@ class VMRecord:
     # Field 22 of /proc/<pid>/stat (clock ticks since boot): tells a reused PID apart.
     starttime: int | None = None
     spec: dict[str, Any] = field(default_factory=dict)
+    # The QMP socket path on QEMU's command line. A workdir moved while QEMU runs (a warm
+    # entry becoming a sandbox) changes `qmp_socket` but not the command line, and the
+    # command line is what tells this QEMU apart from a process that reused its PID.
+    launch_socket: str | None = None
 
 
 def record_path(directory: Path, name: str) -> Path:
@@ -115,7 +119,7 @@ def qemu_processes(mentioning: str) -> dict[int, str]:
 
 def live_pid(record: VMRecord) -> int | None:
     """The PID of the QEMU this record describes if it still runs, else None."""
-    marker = f"unix:{record.qmp_socket},"
+    marker = f"unix:{record.launch_socket or record.qmp_socket},"
     if record.pid is not None:
         start = proc_starttime(record.pid)
         if start is not None and start == record.starttime and marker in _cmdline(record.pid):
