@@ -49,11 +49,14 @@ KERNEL_BUILD_PACKAGES = [
     "make",
 ]
 
-# What the test suite runs besides Python (the E2B JS SDK leg, tests/e2e/test_js_sdk.py):
-# command -> the Debian package that provides it. Checked by command, not by package: a Node.js
+# What the test suite runs besides Python (the E2B JS SDK leg, tests/e2e/test_js_sdk.py; musl-gcc
+# for the musl image of tests/e2e/test_image_templates_sdk.py): command -> the Debian package
+# that provides it. Checked by command, not by package: a Node.js
 # from another source (one whose `nodejs` package bundles npm and conflicts with Debian's `npm`)
 # must not be replaced.
-TEST_COMMANDS = {"node": "nodejs", "npm": "npm"}
+TEST_COMMANDS = {"node": "nodejs", "npm": "npm", "musl-gcc": "musl-tools"}
+# What the benchmarks compare against (bench/templates.py: `skopeo copy` as the pull baseline).
+BENCH_COMMANDS = {"skopeo": "skopeo"}
 
 APT_ENV = {"DEBIAN_FRONTEND": "noninteractive"}
 
@@ -78,7 +81,17 @@ def ensure_host_packages(
 def ensure_test_commands(progress: ProgressFn | None = None) -> list[str]:
     """Install the package of each `TEST_COMMANDS` command not on PATH; return those installed."""
     report(progress, "checking test tools")
-    missing = list(dict.fromkeys(p for c, p in TEST_COMMANDS.items() if shutil.which(c) is None))
+    return _ensure_commands(TEST_COMMANDS, progress)
+
+
+def ensure_bench_commands(progress: ProgressFn | None = None) -> list[str]:
+    """The same for `BENCH_COMMANDS` (the benchmarks' baselines)."""
+    report(progress, "checking benchmark tools")
+    return _ensure_commands(BENCH_COMMANDS, progress)
+
+
+def _ensure_commands(commands: dict[str, str], progress: ProgressFn | None) -> list[str]:
+    missing = list(dict.fromkeys(p for c, p in commands.items() if shutil.which(c) is None))
     if missing:
         _apt_install(missing, progress)
     return missing

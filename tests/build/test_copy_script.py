@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import io
+import os
 import subprocess
 import tarfile
 from pathlib import Path
 
-from agentenv.build.builder import copy_script
+from agentenv.build.builder import copy_script, workdir_script
 
 
 def make_tar(path: Path, files: dict[str, str]) -> None:
@@ -46,3 +47,14 @@ def test_file_into_dir_or_as_name(tmp_path: Path) -> None:
 def test_glob_copies_each_match(tmp_path: Path) -> None:
     run(tmp_path, "*.txt", "many", {"a.txt": "1", "b.txt": "2"})
     assert sorted(p.name for p in (tmp_path / "many").iterdir()) == ["a.txt", "b.txt"]
+
+
+def test_workdir_is_made_for_the_current_user(tmp_path: Path) -> None:
+    target = tmp_path / "a b" / "app"
+    subprocess.run(["sh", "-c", workdir_script(str(target), "nobody")], check=True)
+    assert target.is_dir()
+    assert target.stat().st_uid == 65534
+    # An existing directory keeps its owner.
+    os.chown(target, 0, 0)
+    subprocess.run(["sh", "-c", workdir_script(str(target), "nobody:nogroup")], check=True)
+    assert target.stat().st_uid == 0

@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 from api.conftest import REQUEST_TIMEOUT_S, qemu_processes, stop_and_check
-from e2b import AsyncTemplate, BuildException, Sandbox, Template, wait_for_port
+from e2b import AsyncTemplate, BuildException, Sandbox, SandboxException, Template, wait_for_port
 from e2b.template.types import TemplateBuildStatus
 
 from agentenv.api.devserver import ServerProcess, prepare_home
@@ -204,6 +204,8 @@ def test_failing_step_reuses_cached_prefix(server: ServerProcess, context: Path)
     with api(server) as c:
         live = c.get("/v2/sandboxes").json()
         assert live == [], live
+        # Build sandboxes are not listed: the gauge says none is left.
+        assert "agentenv_build_sandboxes 0.0" in c.get("/metrics").text
 
 
 def test_ready_cmd_that_never_succeeds(server: ServerProcess) -> None:
@@ -213,7 +215,11 @@ def test_ready_cmd_that_never_succeeds(server: ServerProcess) -> None:
     assert status.status == TemplateBuildStatus.ERROR
     assert status.reason is not None and status.reason.step == "finalize"
     assert "readyCmd" in status.reason.message and "test -f /never" in status.reason.message
-    assert not Template.exists("never-ready")
+    # As E2B: the name exists from its build request on, but no ready build carries a tag.
+    assert Template.exists("never-ready")
+    assert not Template.exists("never-ready:default")
+    with pytest.raises(SandboxException, match=r"404.*tag 'default'"):
+        Sandbox.create("never-ready")
 
 
 def wait_for_line(info: Any, line: str) -> None:
@@ -255,4 +261,5 @@ def test_restart_fails_an_interrupted_build(server: ServerProcess) -> None:
     assert status.reason is not None and "interrupted" in status.reason.message
     with api(server) as c:
         assert c.get("/v2/sandboxes").json() == []
+        assert "agentenv_build_sandboxes 0.0" in c.get("/metrics").text
     assert not qemu_processes(server.home), "the build sandbox outlived the restart"

@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 
 from agentenv.config import Settings
-from agentenv.guest.init import Supervisor, ext4_size, parse_cmdline
+from agentenv.guest import init as guest_init
+from agentenv.guest.init import Supervisor, ext4_size, parse_cmdline, run_start_hooks
 from agentenv.template import tools
 
 UNIFIED = Path("/sys/fs/cgroup/unified")
@@ -41,6 +42,41 @@ def test_ext4_size_reads_the_superblock(tmp_path: Path) -> None:
     assert ext4_size(str(image)) == 80 << 20
     (tmp_path / "zero").write_bytes(b"\0" * 4096)
     assert ext4_size(str(tmp_path / "zero")) == 0
+
+
+def _hook(directory: Path, name: str, body: str, mode: int = 0o755) -> Path:
+    path = directory / name
+    path.write_text("#!/bin/sh\n" + body + "\n")
+    path.chmod(mode)
+    return path
+
+
+def test_start_hooks_run_in_order_with_logs_and_a_shared_budget(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    hooks, logs, trace = tmp_path / "start.d", tmp_path / "logs", tmp_path / "trace"
+    hooks.mkdir()
+    monkeypatch.setattr(guest_init, "LOG_DIR", logs)
+    _hook(hooks, "20-second", f"echo second >> {trace}; echo to-log; exit 3")
+    _hook(hooks, "10-first", f"echo first >> {trace}")
+    _hook(hooks, "30-slow", f"echo slow >> {trace}; exec sleep 30")
+    _hook(hooks, "40-late", f"echo late >> {trace}")
+    _hook(hooks, "15-not-executable", f"echo never >> {trace}", mode=0o644)
+    started = time.monotonic()
+    run_start_hooks(hooks, budget_s=3.0)
+    # The slow hook used up the budget: it was stopped there and the next one skipped.
+    assert 2.5 < time.monotonic() - started < 10
+    assert trace.read_text().split() == ["first", "second", "slow"]
+    assert (logs / "start-20-second.log").read_text() == "to-log\n"
+    console = capfd.readouterr().out
+    assert "start hook 10-first: ok" in console
+    assert "start hook 20-second: exit 3" in console
+    assert "start hook 30-slow: timed out" in console
+    assert "start hook 40-late: skipped" in console
+
+
+def test_start_hooks_without_a_directory_do_nothing(tmp_path: Path) -> None:
+    run_start_hooks(tmp_path / "absent", budget_s=1.0)  # must not raise
 
 
 def test_init_refuses_to_run_outside_pid_1() -> None:

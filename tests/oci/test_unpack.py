@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import stat
+import threading
 from pathlib import Path
 
 import pytest
@@ -165,3 +166,67 @@ def test_diff_id_mismatch_and_garbage(tmp_path: Path) -> None:
     truncated.write_bytes(blob.read_bytes()[:-20])
     with pytest.raises(LayerError):
         apply_layer(root, truncated)
+
+
+@pytest.mark.parametrize("compression", ["gzip", "zstd"])
+def test_in_process_decompression_when_the_zstd_cli_is_missing(
+    tmp_path: Path, compression: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from agentenv.oci import unpack
+
+    monkeypatch.setattr(unpack, "ZSTD_BIN", None)
+    root = tmp_path / "root"
+    root.mkdir()
+    _apply(tmp_path, root, base_layer(), compression)
+    assert (root / "usr/bin/tool").read_bytes() == b"#!/bin/sh\necho tool\n"
+
+
+def test_a_bad_gzip_checksum_fails_after_the_last_entry(tmp_path: Path) -> None:
+    # The tar parses to its end; only the decompressor's exit status says the data is bad.
+    blob, diff_id = _write(tmp_path, Layer().file("f", b"payload " * 100))
+    raw = bytearray(blob.read_bytes())
+    raw[-8] ^= 0xFF  # the CRC32 in the gzip trailer
+    blob.write_bytes(bytes(raw))
+    root = tmp_path / "root"
+    root.mkdir()
+    with pytest.raises(LayerError, match="layer archive"):
+        apply_layer(root, blob, diff_id=diff_id)
+    with pytest.raises(LayerError, match="layer archive"):
+        scan_layer(blob)
+    # Neither failure leaves its hashing thread behind.
+    assert not [t for t in threading.enumerate() if t.name == "layer-sha256"]
+
+
+def test_progress_reports_uncompressed_bytes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from agentenv.oci import unpack
+
+    monkeypatch.setattr(unpack, "PROGRESS_EVERY", 64 * 1024)
+    layer = Layer().file("a", os.urandom(3 * 1024 * 1024)).file("b", b"b" * 200_000)
+    blob, diff_id = _write(tmp_path, layer)
+    root = tmp_path / "root"
+    root.mkdir()
+    seen: list[int] = []
+    stats = apply_layer(root, blob, diff_id=diff_id, progress=seen.append)
+    assert len(seen) >= 3, seen
+    assert seen == sorted(set(seen))
+    assert seen[-1] == stats.uncompressed_bytes == len(layer.tar())
+    assert scan_layer(blob, hash=False).uncompressed_bytes == stats.uncompressed_bytes
+
+
+def test_a_directory_replaced_by_a_symlink_is_followed_afterwards(tmp_path: Path) -> None:
+    # Directories are remembered between entries; one that is replaced must be forgotten,
+    # so the entries below it go where the new symlink points (inside the root).
+    root = tmp_path / "root"
+    root.mkdir()
+    layer = (
+        Layer()
+        .dir("d").file("d/a", b"a").dir("elsewhere")
+        .symlink("d", "/elsewhere")
+        .file("d/b", b"b")
+    )  # fmt: skip
+    _apply(tmp_path, root, layer)
+    assert (root / "d").is_symlink()
+    assert (root / "elsewhere/b").read_bytes() == b"b"
+    assert not (root / "elsewhere/a").exists()

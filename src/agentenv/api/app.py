@@ -44,7 +44,7 @@ class AgentenvApp:
         self.domain = domain
         self.control = build_control_app(ControlContext(manager, keys, templates, domain))
         self.proxy = SandboxProxy(self._resolve, manager.metrics, manager.note_activity)
-        manager.metrics.watch_states(manager.store.count_by_state)
+        manager.metrics.watch_states(manager.store.count_by_state, manager.store.count_builds)
         # Pooled connections to a killed or paused sandbox's VM are dead: never reuse them.
         manager.on_release.append(self.proxy.drop)
         manager.metrics.watch_host_memory(manager.host_memory_all)

@@ -39,11 +39,24 @@ from agentenv.api.models import (
     TimeoutBody,
 )
 from agentenv.api.templates import mount_templates
+from agentenv.build.templates import is_internal_name, split_name
 from agentenv.network.egress import BadTarget, Egress
-from agentenv.orchestrator.errors import BadRequest, Conflict, OrchestratorError, SandboxNotFound
-from agentenv.orchestrator.runtime import TemplateSource, TemplateUnavailable
+from agentenv.orchestrator.errors import (
+    BadRequest,
+    Conflict,
+    OrchestratorError,
+    SandboxNotFound,
+    TemplateNotFound,
+)
+from agentenv.orchestrator.runtime import TemplateInfo, TemplateSource, TemplateUnavailable
 from agentenv.orchestrator.sandboxes import DEFAULT_TIMEOUT_S, CreateSpec, SandboxManager
-from agentenv.orchestrator.store import ApiKey, SandboxRecord, SandboxState
+from agentenv.orchestrator.store import (
+    BUILD_METADATA,
+    LIVE_STATES,
+    ApiKey,
+    SandboxRecord,
+    SandboxState,
+)
 
 log = logging.getLogger("agentenv.api")
 
@@ -103,7 +116,8 @@ def build_control_app(ctx: ControlContext) -> FastAPI:
     app.state.ctx = ctx
     mgr = ctx.manager
     # First, so `DELETE /templates/tags` is not taken for a template id.
-    mount_templates(app, ctx)
+    builds = mount_templates(app, ctx)
+    built = builds.built
 
     @app.exception_handler(OrchestratorError)
     async def _orch(_: Request, exc: OrchestratorError) -> JSONResponse:
@@ -164,6 +178,10 @@ def build_control_app(ctx: ControlContext) -> FastAPI:
             )
         network = body.network.model_dump(exclude_none=True) if body.network else {}
         _refuse_unenforced(body, network)
+        if BUILD_METADATA in body.metadata:
+            raise ApiError(400, f"metadata.{BUILD_METADATA}: reserved for template builds")
+        if built.internal(body.templateID):
+            raise TemplateNotFound(body.templateID)
         spec = CreateSpec(
             template=body.templateID,
             timeout=body.timeout or DEFAULT_TIMEOUT_S,
@@ -254,6 +272,7 @@ def build_control_app(ctx: ControlContext) -> FastAPI:
             (views.micros(r.started_at), r)
             for r in mgr.store.select(views.LISTED_STATES)
             if views.listed_state(r) in states
+            and views.user_sandbox(r)
             and all(r.metadata.get(k) == v for k, v in meta.items())
             and (template is None or template in (r.template, r.alias))
         ]
@@ -288,7 +307,7 @@ def build_control_app(ctx: ControlContext) -> FastAPI:
         recs = [
             r
             for r in mgr.store.select([SandboxState.RUNNING, SandboxState.PAUSING])
-            if all(r.metadata.get(k) == v for k, v in meta.items())
+            if views.user_sandbox(r) and all(r.metadata.get(k) == v for k, v in meta.items())
         ]
         # Newest first, as E2B's v1 list.
         recs.sort(key=lambda r: (-views.micros(r.started_at), r.id))
@@ -350,6 +369,10 @@ def build_control_app(ctx: ControlContext) -> FastAPI:
         sandbox_id: str, _: Auth, body: SnapshotBody | None = None
     ) -> JSONResponse:
         body = body or SnapshotBody()
+        if body.name is not None and is_internal_name(body.name):
+            raise ApiError(400, f"name {body.name!r}: build-cache-* and build-final-* are reserved")
+        if body.name is not None and builds.state.template(body.name) is not None:
+            raise ApiError(409, f"name {body.name!r} is a built template's")
         info = await mgr.snapshot(sandbox_id, body.name, memory=body.memory is not False)
         return JSONResponse({"snapshotID": info.snapshot_id, "names": info.names}, 201)
 
@@ -368,7 +391,8 @@ def build_control_app(ctx: ControlContext) -> FastAPI:
         rows = [
             s
             for s in sorted(mgr.snapshots(), key=lambda s: (s.created_at, s.snapshot_id))
-            if (runtime_id is None or s.source == runtime_id)
+            if not (s.names and all(map(is_internal_name, s.names)))
+            and (runtime_id is None or s.source == runtime_id)
             and (name is None or name in s.names or name == s.snapshot_id)
         ]
         start = _decode_offset(nextToken) if nextToken else 0
@@ -440,37 +464,93 @@ def build_control_app(ctx: ControlContext) -> FastAPI:
 
     @app.get("/templates", tags=["templates"])
     async def list_templates(_: Auth) -> JSONResponse:
-        return JSONResponse([views.template(t, mgr.envd_version) for t in ctx.templates.list()])
+        spawns = mgr.store.spawns()
+        rows = [
+            views.template(t, mgr.envd_version, spawns.get(t.name)) for t in ctx.templates.list()
+        ]
+        made = sorted(builds.state.templates(), key=lambda t: t.created_at)
+        rows += [builds.template_view(t, spawns) for t in made]
+        return JSONResponse(rows)
+
+    def visible(ref: str) -> TemplateInfo:
+        """A template users may see (not one of the builder's snapshots)."""
+        if built.internal(ref):
+            raise TemplateUnavailable(ref)
+        return built.get(ref)
 
     @app.get("/templates/aliases/{alias:path}", tags=["templates"])
     async def template_alias(alias: str, _: Auth) -> JSONResponse:
-        """E2B's alias check (`Template.exists`): 200 `TemplateAliasResponse` or 404."""
+        """E2B's alias check (`Template.exists`): 200 `TemplateAliasResponse` or 404. A
+        built template's name exists from its first build request on; `name:tag` only
+        while the tag names a ready build."""
+        name, tag = split_name(alias)
+        tpl = builds.state.template(name)
+        if tpl is not None:
+            if ":" in alias:
+                try:
+                    built.build_for(tpl, tag)
+                except TemplateUnavailable as exc:
+                    raise ApiError(404, str(exc)) from exc
+            return JSONResponse({"templateID": tpl.template_id, "public": False})
         try:
-            t = ctx.templates.get(alias)
+            t = visible(alias)
         except TemplateUnavailable as exc:
             raise ApiError(404, f"template '{alias}' not found") from exc
         return JSONResponse({"templateID": t.name, "public": False})
 
     @app.get("/templates/{template_id}", tags=["templates"])
-    async def get_template(template_id: str, _: Auth) -> JSONResponse:
-        try:
-            t = ctx.templates.get(template_id)
-        except TemplateUnavailable as exc:
-            raise ApiError(404, f"template {template_id!r} not found") from exc
-        body = views.template(t, mgr.envd_version)
-        body["builds"] = []
-        return JSONResponse(body)
+    async def get_template(
+        template_id: str,
+        _: Auth,
+        limit: Annotated[int, Query(ge=1, le=MAX_PAGE)] = MAX_PAGE,
+        nextToken: str | None = None,
+    ) -> JSONResponse:
+        """E2B's TemplateWithBuilds: builds newest first, `limit` a page (`x-next-token`)."""
+        tpl = builds.state.template(split_name(template_id)[0])
+        if tpl is None:
+            try:
+                t = visible(template_id)
+            except TemplateUnavailable as exc:
+                raise ApiError(404, f"template {template_id!r} not found") from exc
+            body = views.template(t, mgr.envd_version, mgr.store.spawns().get(t.name))
+            body["builds"] = []
+            return JSONResponse(body)
+        body = builds.template_view(tpl, mgr.store.spawns())
+        rows = builds.build_rows(tpl)
+        start = _decode_offset(nextToken) if nextToken else 0
+        body["builds"] = rows[start : start + limit]
+        more = start + limit < len(rows)
+        headers = {"x-next-token": _encode_offset(start + limit)} if more else {}
+        return JSONResponse(body, headers=headers)
 
     @app.delete("/templates/{template_id}", status_code=204, tags=["templates"])
     async def delete_template(template_id: str, _: Auth) -> Response:
-        in_use = [
-            r.id
-            for r in mgr.store.select([s for s in SandboxState if s is not SandboxState.GONE])
-            if template_id in (r.template, r.alias)
+        """E2B's rule: refused (400) while running or paused sandboxes use the template."""
+        tpl = builds.state.template(split_name(template_id)[0])
+        if tpl is not None:
+            refused = builds.refuse_delete(tpl)
+            if refused is not None:
+                return refused
+            await builds.delete_template(tpl)
+            return Response(status_code=204)
+        if built.internal(template_id):
+            raise ApiError(404, f"template {template_id!r} not found")
+        users = [
+            r
+            for r in mgr.store.select(LIVE_STATES)
+            if template_id in (r.template, r.alias) and views.user_sandbox(r)
         ]
-        if in_use:
+        if any(r.state is not SandboxState.PAUSED for r in users):
             raise ApiError(
-                409, f"template {template_id!r} is used by {len(in_use)} live sandbox(es)"
+                400,
+                f"cannot delete template '{template_id}' because there are running sandboxes "
+                "using it",
+            )
+        if users:
+            raise ApiError(
+                400,
+                f"cannot delete template '{template_id}' because there are paused sandboxes "
+                "using it",
             )
         if not ctx.templates.delete(template_id):
             raise ApiError(404, f"template {template_id!r} not found")

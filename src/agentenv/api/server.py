@@ -32,9 +32,14 @@ def envd_version() -> str:
 
 
 def build_runtime(settings: Settings) -> tuple[Runtime, TemplateSource]:
+    from agentenv.build.state import BuildState, builds_dir
+    from agentenv.build.templates import BuiltTemplates
     from agentenv.orchestrator.node_runtime import CatalogTemplates, NodeRuntime
 
-    return NodeRuntime(settings), CatalogTemplates(settings)
+    catalog = CatalogTemplates(settings)
+    # Built templates (`name:tag`) first, then the catalog and snapshots.
+    built = BuiltTemplates(catalog, BuildState(builds_dir(settings.home)), catalog.repo)
+    return NodeRuntime(settings), built
 
 
 def build_app(

@@ -3,12 +3,13 @@ app by `mount_templates`. The wire contract is in docs/template-build.md.
 
 A template's id is its name (so the older routes, `GET /templates/aliases/{alias}`,
 `GET`/`DELETE /templates/{id}`, and `Sandbox.create(name)` all see the same thing); build
-ids are UUIDs, as the SDK parses them.
+ids are UUIDs, as the SDK parses them. What `name:tag` resolves to is `build.templates`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import hmac
 import os
@@ -22,17 +23,38 @@ from typing import Annotated, Any
 from fastapi import FastAPI, Query, Request, Response
 from fastapi.responses import JSONResponse
 
+from agentenv.api import views
+from agentenv.api.build_progress import mount_build_progress
 from agentenv.build.builder import Builder, template_record
 from agentenv.build.spec import SpecError, parse
-from agentenv.build.state import LEVELS, BuildRecord, BuildState, LogLine
+from agentenv.build.state import (
+    LEVELS,
+    BuildRecord,
+    BuildState,
+    LogLine,
+    TemplateRecord,
+    builds_dir,
+)
+from agentenv.build.templates import (
+    DEFAULT_TAG,
+    NO_BUILD,
+    BadTag,
+    BuiltTemplates,
+    clean_tags,
+    image_template_name,
+    is_internal_name,
+    split_name,
+)
 from agentenv.config import Settings
 from agentenv.orchestrator.runtime import TemplateUnavailable
+from agentenv.orchestrator.store import BUILD_METADATA, LIVE_STATES, SandboxState
+from agentenv.snapshot.errors import SnapshotError
+from agentenv.snapshot.repository import SnapshotRepository
+from agentenv.storage import LayerStore
 from agentenv.template.catalog import TemplateCatalog, TemplateNotFound
 
 STATUS_PAGE = 100
-DEFAULT_TAG = "latest"
 _NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}$")
-_TAG_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _HASH_RE = re.compile(r"^[A-Za-z0-9]{1,128}$")
 _REQUEST_FIELDS = ("name", "alias", "tags", "cpuCount", "memoryMB", "minFreeDiskMb", "teamID")
 
@@ -47,7 +69,15 @@ class TemplateBuilds:
     def __init__(self, ctx: Any, settings: Settings) -> None:
         self.ctx = ctx
         self.settings = settings
-        self.state = BuildState(settings.home / "template-builds")
+        built = ctx.templates
+        if not isinstance(built, BuiltTemplates):
+            # A context not made by `server.build_runtime`: the same wrapping, so the API
+            # and the sandbox manager resolve `name:tag` alike.
+            repo = SnapshotRepository(settings.home / "snapshots", LayerStore(settings.layers_dir))
+            built = BuiltTemplates(built, BuildState(builds_dir(settings.home)), repo)
+            ctx.templates = ctx.manager.templates = built
+        self.built: BuiltTemplates = built
+        self.state = built.state
         self.builder = Builder(ctx.manager, settings, self.state)
         self.catalog = TemplateCatalog(settings)
         # Upload links are signed, not authenticated: the SDK sends no API key with them.
@@ -63,15 +93,129 @@ class TemplateBuilds:
         msg = f"{template_id}\n{files_hash}\n{expires}".encode()
         return hmac.new(self._secret, msg, hashlib.sha256).hexdigest()
 
+    # -- built templates as E2B shows them -------------------------------------------------
+
+    def template_view(
+        self, tpl: TemplateRecord, spawns: dict[str, tuple[int, float]]
+    ) -> dict[str, Any]:
+        """E2B's `Template`: the shape, disk and envd of the ready build the default tag
+        names (zeros and the nil buildID if none), the status of the newest build asked to
+        carry the default tag."""
+        default: BuildRecord | None = None
+        with contextlib.suppress(TemplateUnavailable):
+            default = self.built.build_for(tpl, None)
+        snap = self.built.snapshot_of(default) if default is not None else None
+        newest = next(
+            (
+                b
+                for b in (self.state.build(bid) for bid in reversed(tpl.builds))
+                if b is not None and DEFAULT_TAG in b.tags
+            ),
+            None,
+        )
+        return views.built_template(
+            tpl.template_id,
+            build_id=default.build_id if default is not None and snap is not None else NO_BUILD,
+            snapshot=snap,
+            disk_mb=self.built.size_mb(snap) if snap is not None else 0,
+            created_at=tpl.created_at,
+            updated_at=tpl.updated_at,
+            spawns=spawns.get(tpl.template_id),
+            build_count=len(tpl.builds),
+            build_status=newest.status if newest is not None else "waiting",
+        )
+
+    def build_rows(self, tpl: TemplateRecord) -> list[dict[str, Any]]:
+        """E2B's `TemplateBuild`s, newest first."""
+        rows = []
+        for bid in reversed(tpl.builds):
+            rec = self.state.build(bid)
+            if rec is None:
+                continue
+            snap = self.built.snapshot_of(rec) if rec.status == "ready" else None
+            rows.append(
+                views.template_build(
+                    rec,
+                    snap,
+                    disk_mb=self.built.size_mb(snap) if snap is not None else None,
+                    cpu=rec.cpu or self.settings.default_cpu,
+                    memory_mb=rec.memory_mb or self.settings.default_memory_mb,
+                )
+            )
+        return rows
+
+    # -- delete ----------------------------------------------------------------------------
+
+    def refuse_delete(self, tpl: TemplateRecord) -> JSONResponse | None:
+        """E2B's rule: not while running or paused sandboxes use it; ours too: not while one
+        of its builds runs (its sandbox would capture into a template that is gone)."""
+        users = [
+            r
+            for r in self.ctx.manager.store.select(LIVE_STATES)
+            if r.template == tpl.template_id and BUILD_METADATA not in r.metadata
+        ]
+        name = tpl.template_id
+        if any(r.state is not SandboxState.PAUSED for r in users):
+            return _err(
+                400, f"cannot delete template '{name}' because there are running sandboxes using it"
+            )
+        if users:
+            return _err(
+                400, f"cannot delete template '{name}' because there are paused sandboxes using it"
+            )
+        if any(self.builder.running(bid) for bid in tpl.builds):
+            return _err(409, f"cannot delete template '{name}' while one of its builds runs")
+        return None
+
+    async def delete_template(self, tpl: TemplateRecord) -> None:
+        """Drops the template (no create resolves it from here on), then what only it held:
+        the snapshots of its builds that no other template's build uses, and the image it
+        was built from if no other template's build and no sandbox uses that. What still
+        runs from any of it keeps its own disk layers and memory mapping (the layer store
+        and the snapshot holders protect them); the step cache stays."""
+        self.state.drop_template(tpl.template_id)
+        others = [
+            b
+            for t in self.state.templates()
+            for b in (self.state.build(bid) for bid in t.builds)
+            if b is not None
+        ]
+        mine = [b for b in (self.state.build(bid) for bid in tpl.builds) if b is not None]
+        kept = {b.snapshot_id for b in others}
+        snapshots = {b.snapshot_id for b in mine if b.snapshot_id and b.snapshot_id not in kept}
+        theirs = {_image_of(b) for b in others}
+        live = {r.template for r in self.ctx.manager.store.select(LIVE_STATES)}
+        images = {i for b in mine if (i := _image_of(b)) and i not in theirs and i not in live}
+        ours = {b.snapshot_id for b in mine if b.snapshot_id}
+        await asyncio.to_thread(self._release, tpl.template_id, ours, snapshots, images)
+        for b in mine:
+            self.state.drop_build(b.build_id)
+
+    def _release(self, name: str, ours: set[str], snapshots: set[str], images: set[str]) -> None:
+        from agentenv.template.image import remove_template  # the OCI stack, only if needed
+
+        repo = self.built.repo
+        with contextlib.suppress(SnapshotError):
+            # Builds before tags resolved through the records named their snapshot too; the
+            # name would go on resolving, to the catalog's snapshot path, if left.
+            if repo.get(name).id in ours:
+                repo.remove_name(name)
+        for sid in snapshots:
+            with contextlib.suppress(SnapshotError):
+                repo.delete(sid)
+        for image in images:
+            with contextlib.suppress(TemplateNotFound):
+                remove_template(self.settings, image)
+
+
+def _image_of(rec: BuildRecord) -> str | None:
+    ref = (rec.spec or {}).get("fromImage")
+    return image_template_name(ref) if isinstance(ref, str) else None
+
 
 def _settings_of(ctx: Any) -> Settings:
     found = getattr(ctx.templates, "settings", None)
     return found if isinstance(found, Settings) else Settings.from_env()
-
-
-def split_name(raw: str) -> tuple[str, str | None]:
-    name, sep, tag = raw.partition(":")
-    return name, (tag if sep else None)
 
 
 def mount_templates(app: FastAPI, ctx: Any) -> TemplateBuilds:
@@ -128,15 +272,16 @@ def mount_templates(app: FastAPI, ctx: Any) -> TemplateBuilds:
         name, tag = split_name(raw)
         if not _NAME_RE.match(name):
             return _err(400, f"name {name!r}: use 1-63 of a-z 0-9 . _ -, starting alphanumeric")
+        if is_internal_name(name):
+            return _err(400, f"name {name!r}: build-cache-* and build-final-* are the builder's")
         tags_raw = body.get("tags") or []
         if not isinstance(tags_raw, list) or not all(isinstance(t, str) for t in tags_raw):
             return _err(400, "tags: must be a list of strings")
-        tags = ([tag] if tag else []) + [t for t in tags_raw if t != tag]
-        if not tags:
-            tags = [DEFAULT_TAG]
-        bad = [t for t in tags if not _TAG_RE.match(t)]
-        if bad:
-            return _err(400, f"tags: {bad[0]!r} is not a valid tag")
+        try:
+            # E2B: the name's tag first, then `tags`; none at all means the default tag.
+            tags = clean_tags(([tag] if tag else []) + tags_raw) or [DEFAULT_TAG]
+        except BadTag as exc:
+            return _err(400, f"tags: {exc}")
         cpu, memory = body.get("cpuCount"), body.get("memoryMB")
         for field_name, value in (("cpuCount", cpu), ("memoryMB", memory)):
             if value is not None and (not isinstance(value, int) or value < 1):
@@ -235,9 +380,11 @@ def mount_templates(app: FastAPI, ctx: Any) -> TemplateBuilds:
                 )
         if spec.from_template:
             try:
-                builds.ctx.templates.get(spec.from_template)
-            except TemplateUnavailable:
-                return _err(400, f"fromTemplate: template {spec.from_template!r} not found")
+                if builds.built.internal(spec.from_template):
+                    raise TemplateUnavailable(spec.from_template)
+                builds.built.get(spec.from_template)
+            except TemplateUnavailable as exc:
+                return _err(400, f"fromTemplate: template {spec.from_template!r} not found ({exc})")
         builds.builder.submit(found, spec, key.id)
         return Response(status_code=202)
 
@@ -358,30 +505,38 @@ def mount_templates(app: FastAPI, ctx: Any) -> TemplateBuilds:
 
     @app.post("/templates/tags", status_code=201, tags=["tags"])
     async def assign_tags(request: Request) -> Response:
+        """E2B's: the build `target` (`name` = `name:default`) names gets `tags` too; a tag
+        that named another build moves."""
         await auth(request)
         body = await object_of(request, {"target", "tags"})
         if isinstance(body, JSONResponse):
             return body
         target, tags = body.get("target"), body.get("tags")
-        if not isinstance(target, str) or not isinstance(tags, list) or not tags:
-            return _err(400, "target ('name:tag') and tags (a non-empty list) are required")
+        if not isinstance(target, str) or not isinstance(tags, list):
+            return _err(400, "target ('name:tag') and tags (a list) are required")
+        if not tags or not all(isinstance(t, str) for t in tags):
+            return _err(400, "tags: at least one tag (a string) is required")
+        try:
+            tags = clean_tags(tags)
+        except BadTag as exc:
+            return _err(400, f"tags: {exc}")
         name, tag = split_name(target)
         tpl = state.template(name)
         if tpl is None:
-            return _err(404, f"template {name!r} not found")
-        bid = tpl.tags.get(tag or DEFAULT_TAG)
-        if bid is None:
-            return _err(404, f"template {name!r} has no tag {tag or DEFAULT_TAG!r}")
-        bad = [t for t in tags if not isinstance(t, str) or not _TAG_RE.match(t)]
-        if bad:
-            return _err(400, f"tags: {bad[0]!r} is not a valid tag")
+            return _err(404, f"template '{name}' not found")
+        try:
+            bid = builds.built.build_for(tpl, tag).build_id
+        except TemplateUnavailable:
+            return _err(404, f"Template '{target}' with tag '{tag or DEFAULT_TAG}' not found")
         for t in tags:
             tpl.tags[t] = bid
+        tpl.updated_at = time.time()
         state.put_template(tpl)
         return JSONResponse({"tags": tags, "buildID": bid}, status_code=201)
 
     @app.delete("/templates/tags", status_code=204, tags=["tags"])
     async def remove_tags(request: Request) -> Response:
+        """E2B's: tags the template does not have are no error; `default` cannot go."""
         await auth(request)
         body = await object_of(request, {"name", "tags"})
         if isinstance(body, JSONResponse):
@@ -389,15 +544,27 @@ def mount_templates(app: FastAPI, ctx: Any) -> TemplateBuilds:
         name, tags = body.get("name"), body.get("tags")
         if not isinstance(name, str) or not isinstance(tags, list):
             return _err(400, "name and tags are required")
-        tpl = state.template(split_name(name)[0])
+        if not all(isinstance(t, str) for t in tags):
+            return _err(400, "tags: must be a list of strings")
+        try:
+            tags = clean_tags(tags)
+        except BadTag as exc:
+            return _err(400, f"tags: {exc}")
+        if not tags:
+            return _err(400, "tags: at least one tag is required")
+        if DEFAULT_TAG in tags:
+            return _err(400, f"Cannot delete the '{DEFAULT_TAG}' tag")
+        base, tag = split_name(name)
+        if tag is not None:
+            return _err(400, "name: give the template's name without a tag (tags go in 'tags')")
+        tpl = state.template(base)
         if tpl is None:
-            return _err(404, f"template {name!r} not found")
-        missing = [t for t in tags if t not in tpl.tags]
-        if missing:
-            return _err(404, f"template {tpl.name!r} has no tag {missing[0]!r}")
+            return _err(404, f"template '{name}' not found")
         for t in tags:
             tpl.tags.pop(t, None)
+        tpl.updated_at = time.time()
         state.put_template(tpl)
         return Response(status_code=204)
 
+    mount_build_progress(app, builds)
     return builds

@@ -5,9 +5,11 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from agentenv.build.state import BuildRecord
 from agentenv.orchestrator.memory import HostMemory
 from agentenv.orchestrator.runtime import TemplateInfo
-from agentenv.orchestrator.store import LogLine, SandboxRecord, SandboxState
+from agentenv.orchestrator.store import BUILD_METADATA, LogLine, SandboxRecord, SandboxState
+from agentenv.snapshot.model import Snapshot
 
 CLIENT_ID = "agentenv"
 
@@ -49,6 +51,12 @@ def iso_micros(us: int) -> str:
 
 def listed_state(rec: SandboxRecord) -> str | None:
     return _LISTED_STATE.get(rec.state)
+
+
+def user_sandbox(rec: SandboxRecord) -> bool:
+    """Not a template build's sandbox: those are the server's, left out of sandbox lists
+    (still addressable by id, which only the build log shows)."""
+    return BUILD_METADATA not in rec.metadata
 
 
 def sandbox(rec: SandboxRecord, domain: str | None) -> dict[str, Any]:
@@ -109,7 +117,16 @@ def host_memory(body: dict[str, Any], mem: HostMemory | None) -> dict[str, Any]:
     return body
 
 
-def template(t: TemplateInfo, envd_version: str) -> dict[str, Any]:
+def _spawned(spawns: tuple[int, float] | None) -> dict[str, Any]:
+    """E2B's spawnCount and lastSpawnedAt from `Store.spawns`."""
+    count, last = spawns if spawns is not None else (0, None)
+    return {"spawnCount": count, "lastSpawnedAt": iso(last) if last is not None else None}
+
+
+def template(
+    t: TemplateInfo, envd_version: str, spawns: tuple[int, float] | None = None
+) -> dict[str, Any]:
+    """A catalog template or snapshot in E2B's Template shape (one implicit build)."""
     return {
         "templateID": t.name,
         "buildID": t.name,
@@ -122,12 +139,66 @@ def template(t: TemplateInfo, envd_version: str) -> dict[str, Any]:
         "createdAt": iso(t.created_at),
         "updatedAt": iso(t.updated_at),
         "createdBy": None,
-        "lastSpawnedAt": None,
-        "spawnCount": 0,
+        **_spawned(spawns),
         "buildCount": 1,
         "envdVersion": envd_version,
         "buildStatus": "ready",
     }
+
+
+def built_template(
+    name: str,
+    *,
+    build_id: str,
+    snapshot: Snapshot | None,
+    disk_mb: int,
+    created_at: float,
+    updated_at: float,
+    spawns: tuple[int, float] | None,
+    build_count: int,
+    build_status: str,
+) -> dict[str, Any]:
+    """A template of the build API in E2B's Template shape: shape, disk and envd version
+    are those of `snapshot` (its default tag's build), zero/empty when there is none, as
+    E2B's list shows a template without a ready default build."""
+    return {
+        "templateID": name,
+        "buildID": build_id,
+        "cpuCount": snapshot.vcpus if snapshot is not None else 0,
+        "memoryMB": snapshot.memory_mb if snapshot is not None else 0,
+        "diskSizeMB": disk_mb,
+        "public": False,
+        "aliases": [name],
+        "names": [name],
+        "createdAt": iso(created_at),
+        "updatedAt": iso(updated_at),
+        "createdBy": None,
+        **_spawned(spawns),
+        "buildCount": build_count,
+        "envdVersion": snapshot.envd_version if snapshot is not None else "",
+        "buildStatus": build_status,
+    }
+
+
+def template_build(
+    rec: BuildRecord, snapshot: Snapshot | None, *, disk_mb: int | None, cpu: int, memory_mb: int
+) -> dict[str, Any]:
+    """E2B's TemplateBuild; a ready build's shape is its snapshot's, another's the shape its
+    build sandbox was asked for."""
+    body: dict[str, Any] = {
+        "buildID": rec.build_id,
+        "status": rec.status,
+        "createdAt": iso(rec.created_at),
+        "updatedAt": iso(rec.finished_at or rec.created_at),
+        "cpuCount": snapshot.vcpus if snapshot is not None else cpu,
+        "memoryMB": snapshot.memory_mb if snapshot is not None else memory_mb,
+    }
+    if rec.finished_at is not None:
+        body["finishedAt"] = iso(rec.finished_at)
+    if snapshot is not None:
+        body["diskSizeMB"] = disk_mb
+        body["envdVersion"] = snapshot.envd_version
+    return body
 
 
 def logs_v1(lines: list[LogLine]) -> dict[str, Any]:

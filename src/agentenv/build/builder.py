@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import logging
 import os
 import shlex
@@ -24,12 +23,15 @@ from typing import Any
 import httpx
 
 from agentenv.build.guest import run_streamed, upload_file
+from agentenv.build.progress import BuildProgress, receiver
 from agentenv.build.spec import BuildSpec, Step, chain_key
 from agentenv.build.state import BuildRecord, BuildState, TemplateRecord
+from agentenv.build.templates import image_template_name
 from agentenv.config import Settings
 from agentenv.orchestrator.errors import SandboxNotFound
+from agentenv.orchestrator.runtime import TemplateUnavailable
 from agentenv.orchestrator.sandboxes import CreateSpec, SandboxManager
-from agentenv.orchestrator.store import SandboxRecord
+from agentenv.orchestrator.store import BUILD_METADATA, SandboxRecord
 from agentenv.snapshot.errors import SnapshotError
 from agentenv.snapshot.repository import SnapshotRepository
 from agentenv.storage.layers import LayerStore
@@ -45,8 +47,6 @@ READY_POLL_S = 1.0
 # E2B's sandbox defaults, also where a build starts: steps run as `user` in its home.
 DEFAULT_USER = "user"
 DEFAULT_WORKDIR = "/home/user"
-# Build metadata on the build sandbox, so it can be told apart in listings.
-BUILD_METADATA = "agentenv.build"
 START_LOG = "/tmp/.agentenv-start.log"
 TAIL_LINES = 20
 
@@ -87,6 +87,15 @@ def cache_name(key: str) -> str:
 
 def final_name(key: str) -> str:
     return f"build-final-{key[:40]}"
+
+
+def workdir_script(path: str, user: str) -> str:
+    """WORKDIR makes a missing directory owned by the current USER, as E2B's (which runs
+    `mkdir -p` as that user) leaves it; made as root and handed over, so a path the user
+    could not create (`/app`) works too instead of failing the build."""
+    owner = user if ":" in user else f"{user}:"  # USER may name the group too
+    d, o = shlex.quote(path), shlex.quote(owner)
+    return f"[ -d {d} ] || {{ mkdir -p {d} && chown {o} {d}; }}"
 
 
 def describe(step: Step) -> str:
@@ -149,6 +158,9 @@ class Builder:
         self.repo = SnapshotRepository(settings.home / "snapshots", self.layers)
         self.catalog = TemplateCatalog(settings)
         self._tasks: dict[str, asyncio.Task[None]] = {}
+        # Image pulls of running builds, per build id (the progress route reads them); kept
+        # until the build ends, so a client that polls late still sees every layer complete.
+        self.pulls: dict[str, BuildProgress] = {}
         # No keep-alive: a killed build sandbox's slot address goes to the next sandbox, and
         # a pooled connection to the old VM there would break the next build's first call.
         self._http = httpx.AsyncClient(
@@ -190,7 +202,11 @@ class Builder:
         self.state.put_build(rec)
         task = asyncio.create_task(self._run(rec, spec, api_key_id), name=f"build-{rec.build_id}")
         self._tasks[rec.build_id] = task
-        task.add_done_callback(lambda _: self._tasks.pop(rec.build_id, None))
+        task.add_done_callback(lambda _: self._forget(rec.build_id))
+
+    def _forget(self, build_id: str) -> None:
+        self._tasks.pop(build_id, None)
+        self.pulls.pop(build_id, None)
 
     async def _kill(self, sandbox_id: str | None, reason: str) -> None:
         if sandbox_id is None:
@@ -204,7 +220,12 @@ class Builder:
         started = time.monotonic()
         bid = rec.build_id
         try:
-            snapshot_id = await self._build(rec, spec, api_key_id)
+            try:
+                snapshot_id = await self._build(rec, spec, api_key_id)
+            finally:
+                # Before the record says the build is over: a client that sees `error` (or
+                # `ready`) finds the build sandbox, its disk and its QEMU gone already.
+                await self._kill(rec.sandbox_id, "build finished")
         except asyncio.CancelledError:
             self._finish(rec, "error", {"message": "the build was cancelled: server shutdown"})
             raise
@@ -224,8 +245,6 @@ class Builder:
             self.state.log(bid, f"Build finished in {time.monotonic() - started:.1f}s")
             self._finish(rec, "ready", None)
             self._publish(rec)
-        finally:
-            await self._kill(rec.sandbox_id, "build finished")
 
     def _finish(self, rec: BuildRecord, status: str, reason: dict[str, Any] | None) -> None:
         rec.status = status
@@ -257,6 +276,11 @@ class Builder:
         else:
             assert spec.from_template is not None
             name = spec.from_template
+            try:
+                # A built template's `name[:tag]` is the snapshot of the build it names.
+                name = self.manager.templates.get(name).ref or name
+            except TemplateUnavailable as exc:
+                raise StepFailed("base", f"base template {name!r} not found: {exc}") from None
         try:
             snap = await asyncio.to_thread(self.repo.get, name)
         except SnapshotError:
@@ -278,7 +302,7 @@ class Builder:
         from agentenv.template.image import import_image  # written alongside; lazy on purpose
 
         assert spec.from_image is not None
-        name = "image-" + hashlib.sha256(spec.from_image.encode()).hexdigest()[:24]
+        name = image_template_name(spec.from_image)
         loop = asyncio.get_running_loop()
         self.state.log(rec.build_id, f"Pulling image {spec.from_image}", step="base")
 
@@ -288,9 +312,16 @@ class Builder:
         creds = None
         if spec.credentials is not None:
             creds = (spec.credentials.username, spec.credentials.password)
+        tracker = BuildProgress(spec.from_image)
+        self.pulls[rec.build_id] = tracker
         try:
             tpl = await import_image(
-                self.settings, spec.from_image, name=name, credentials=creds, log=note
+                self.settings,
+                spec.from_image,
+                name=name,
+                credentials=creds,
+                log=note,
+                layer_progress=receiver(tracker, loop, note),
             )
         except Exception as exc:
             raise StepFailed("base", f"image {spec.from_image}: {exc}") from exc
@@ -323,7 +354,6 @@ class Builder:
                 self.state.log(bid, f"CACHED [{i + 1}/{n}] {describe(step)}", step=str(i + 1))
             snap = await self._snapshot(final_name(final))
             assert snap is not None
-            await asyncio.to_thread(self.repo.add_name, snap, rec.template_id)
             self.state.log(bid, "Template snapshot reused from the cache", step="finalize")
             return snap
         # The longest cached prefix: the last filesystem step before any forced one whose
@@ -349,7 +379,7 @@ class Builder:
             else:
                 ctx.apply(step)
                 if step.type == "WORKDIR":
-                    await self._sh(rec, sandbox, f"mkdir -p {shlex.quote(ctx.workdir)}", label)
+                    await self._sh(rec, sandbox, workdir_script(ctx.workdir, ctx.user), label)
                 continue
             if step.type in ("RUN", "COPY"):
                 await self._capture_disk(rec, sandbox, cache_name(keys[i]), label)
@@ -484,7 +514,6 @@ class Builder:
             info = await self.manager.snapshot(sandbox.id, final_name(final))
         except Exception as exc:
             raise StepFailed("finalize", f"the template snapshot failed: {exc}") from exc
-        await asyncio.to_thread(self.repo.add_name, info.snapshot_id, rec.template_id)
         self.state.log(
             bid,
             f"Template snapshot {info.snapshot_id[:12]} in {time.monotonic() - t0:.1f}s",

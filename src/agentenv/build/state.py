@@ -68,6 +68,10 @@ class LogLine:
         return body
 
 
+def builds_dir(home: Path) -> Path:
+    return home / "template-builds"
+
+
 def _write(path: Path, data: object) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(data, indent=1, sort_keys=True))

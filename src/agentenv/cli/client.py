@@ -206,12 +206,14 @@ def auth(
 
 @template_app.command("ls")
 def template_ls() -> None:
-    """List templates."""
+    """List templates: the catalog's and those built with `aenv build` / the E2B SDK (for
+    these, the build `name` resolves to and the status of the newest such build)."""
     rows = _guard(lambda: _api().call("GET", "/templates").json())
     _emit(
         rows,
-        [("NAME", "templateID"), ("DISK MB", "diskSizeMB"), ("CPU", "cpuCount"),
-         ("MEMORY MB", "memoryMB"), ("CREATED", "createdAt")],
+        [("NAME", "templateID"), ("STATUS", "buildStatus"), ("BUILDS", "buildCount"),
+         ("DISK MB", "diskSizeMB"), ("CPU", "cpuCount"), ("MEMORY MB", "memoryMB"),
+         ("SPAWNS", "spawnCount"), ("CREATED", "createdAt")],
     )  # fmt: skip
 
 

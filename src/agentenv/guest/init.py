@@ -32,6 +32,11 @@ ROOT_DEVICE = "vda"
 GROW_THRESHOLD = 16 << 20
 LOG_DIR = Path("/run/agentenv")
 MARKER = "agentenv: envd started"
+# A template's own services (the `docker` template's dockerd): executables run in name order
+# before envd starts, so envd answering means they are up and a template snapshot holds them
+# running. One budget for all of them; a hook past it is left running and envd starts anyway.
+START_DIR = Path("/etc/agentenv/start.d")
+START_BUDGET_S = 90.0
 
 MS_NOSUID = 0x2
 MS_NODEV = 0x4
@@ -250,6 +255,42 @@ def set_clock() -> None:
         busybox("hwclock", "-s", "-u")
 
 
+def run_start_hooks(directory: Path = START_DIR, budget_s: float = START_BUDGET_S) -> None:
+    """Run each executable in ``directory`` (name order) to completion, output in
+    ``/run/agentenv/start-<name>.log``. A hook starts its daemon in the background and returns
+    once it is ready; whatever it leaves running becomes PID 1's child and is reaped."""
+    try:
+        hooks = sorted(p for p in directory.iterdir() if p.is_file() and os.access(p, os.X_OK))
+    except OSError:
+        return
+    deadline = time.monotonic() + budget_s
+    LOG_DIR.mkdir(parents=True, exist_ok=True)
+    for hook in hooks:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            log(f"start hook {hook.name}: skipped, the {budget_s:.0f}s budget is spent")
+            continue
+        started = time.monotonic()
+        try:
+            with open(LOG_DIR / f"start-{hook.name}.log", "ab") as out:
+                proc = subprocess.run(
+                    [str(hook)],
+                    env=ENVD_ENV,
+                    stdin=subprocess.DEVNULL,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    timeout=left,
+                    start_new_session=True,
+                    check=False,
+                )
+            outcome = "ok" if proc.returncode == 0 else f"exit {proc.returncode}"
+        except subprocess.TimeoutExpired:
+            outcome = "timed out"
+        except OSError as exc:
+            outcome = f"failed: {exc}"
+        log(f"start hook {hook.name}: {outcome} in {time.monotonic() - started:.1f}s")
+
+
 class Supervisor:
     """Runs envd, restarts it with backoff when it exits, and reaps every other child."""
 
@@ -387,6 +428,7 @@ def main() -> None:
     set_hostname(opts)
     setup_network(opts)
     write_resolv_conf(opts)
+    run_start_hooks()
     argv = [
         PYTHON,
         "-m",

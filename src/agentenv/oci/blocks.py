@@ -19,6 +19,11 @@ How a layer is written (no NBD on this host kernel, no guestfish):
   overlay. If the layer may not fit, the overlay is made larger than its parent and the
   mounted filesystem is grown with ``resize2fs``.
 
+Before a layer is written it is scanned (entries and bytes, for the filesystem size); the
+scan of the next layer runs while the current one is written, and the diffID is checked by
+the apply itself (it hashes the stream it reads), so each layer is decompressed twice but
+only the first scan is on the critical path.
+
 Each chain is built under a per-chain file lock, in a scratch dir under ``oci/tmp``, and
 only recorded (``oci/chains/<hex>.json``, held in the store as ``oci-chain:<chain id>``)
 once it is complete, so a crash leaves at most scratch files (removed by the next build).
@@ -28,6 +33,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
+import errno
 import hashlib
 import json
 import os
@@ -35,13 +42,14 @@ import shutil
 import signal
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from agentenv.filelock import file_lock
 from agentenv.oci.cache import CHAIN_HOLDER, ImageCache
-from agentenv.oci.errors import DigestMismatch, OciError
+from agentenv.oci.errors import OciError
+from agentenv.oci.progress import CONVERT, LayerProgress, LayerProgressFn
 from agentenv.oci.unpack import LayerStats, apply_layer, scan_layer
 from agentenv.storage.errors import StorageError
 from agentenv.template.progress import ProgressFn, report
@@ -58,6 +66,9 @@ FS_SLACK = 64 * MIB
 BUILD_LOCK_TIMEOUT_S = 3600.0
 CMD_TIMEOUT_S = 1800.0
 QSD_STOP_S = 30.0
+# Below this much free space on a filesystem a failed layer build is put down to a full disk.
+LOW_SPACE_BYTES = 64 * MIB
+_libc = ctypes.CDLL(None, use_errno=True)
 
 
 def chain_ids(diff_ids: list[str] | tuple[str, ...]) -> list[str]:
@@ -128,12 +139,54 @@ def _loop_mounted(image: Path, mountpoint: Path, what: str, *, grow: bool = Fals
         # noinit_itable: the kernel's lazy inode table init would otherwise write zeros
         # into the layer in the background.
         _run(["mount", "-t", "ext4", "-o", "noinit_itable", device, str(mountpoint)], what)
+        # Opened before anything is written: syncfs reports the writeback errors seen since.
+        fd = os.open(mountpoint, os.O_RDONLY | os.O_DIRECTORY)
         try:
             yield device
+            _check_written(fd, device, what)
         finally:
+            os.close(fd)
             _run(["umount", str(mountpoint)], what)
     finally:
         subprocess.run(["losetup", "-d", device], capture_output=True, check=False, timeout=60)
+
+
+def _check_written(fd: int, device: str, what: str) -> None:
+    """Raise if any write into the mounted layer was lost. A loop device over a full host
+    filesystem fails its writes in the background (the kernel logs them, the writer's
+    ``write()`` had already succeeded and ``umount`` still succeeds), which would leave a
+    layer with holes in it: flush now and look at what the flush and ext4 report."""
+    if _libc.syncfs(fd) != 0:
+        err = ctypes.get_errno()
+        raise OciError(f"{what}: writing the filesystem failed: {os.strerror(err)}")
+    try:
+        count = int(Path(f"/sys/fs/ext4/{Path(device).name}/errors_count").read_text())
+    except (OSError, ValueError):
+        count = 0
+    if count:
+        raise OciError(f"{what}: ext4 recorded {count} errors while the layer was written")
+
+
+def space_hint(paths: list[Path]) -> str | None:
+    """ "<path> is full (N MB free)" for the first of `paths` whose filesystem is nearly full."""
+    for path in paths:
+        try:
+            st = os.statvfs(path)
+        except OSError:
+            continue
+        free = st.f_bavail * st.f_frsize
+        if free < LOW_SPACE_BYTES:
+            return f"the host filesystem of {path} is full ({free // MIB} MB free)"
+    return None
+
+
+def with_space_hint(exc: BaseException, paths: list[Path]) -> OciError | None:
+    """An `OciError` naming a full host disk as the cause of `exc`, if one is (or `exc` is
+    ENOSPC); None otherwise."""
+    hint = space_hint(paths)
+    if hint is None and isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+        hint = "no space left on the host disk"
+    return OciError(f"{exc}; {hint}") if hint else None
 
 
 @contextlib.contextmanager
@@ -211,41 +264,80 @@ class ChainBuilder:
         self,
         layers: list[tuple[Path, str]],
         progress: ProgressFn | None = None,
+        layer_progress: LayerProgressFn | None = None,
     ) -> list[ChainLayer]:
-        """Block layers for every prefix of `layers` ((blob path, diffID), bottom first)."""
+        """Block layers for every prefix of `layers` ((blob path, diffID), bottom first).
+        `layer_progress` gets CONVERT reports (uncompressed bytes applied) per layer; the
+        blob's digest is its cache file name."""
         ids = chain_ids([d for _, d in layers])
+        n = len(layers)
         out: list[ChainLayer] = []
-        for i, ((blob, diff_id), chain_id) in enumerate(zip(layers, ids, strict=True)):
-            found = self.get(chain_id)
-            if found is None:
-                async with file_lock(
-                    self.cache.lock_path(chain_id),
-                    name=f"the block layer build lock of {chain_id}",
-                    timeout_s=BUILD_LOCK_TIMEOUT_S,
-                    waiter=f"layer {i + 1} of {len(layers)}",
-                ):
-                    found = self.get(chain_id)
-                    if found is None:
-                        report(progress, f"block layer {i + 1}/{len(layers)} ({diff_id[:19]})")
-                        parent = out[-1] if out else None
-                        found = await asyncio.to_thread(
-                            self._build, blob, diff_id, chain_id, parent
-                        )
-            out.append(found)
+        scans: dict[int, asyncio.Future[LayerStats]] = {}
+
+        def scan(i: int) -> None:
+            # Started early so it overlaps the build of the layer below.
+            if i < n and i not in scans and self.get(ids[i]) is None:
+                scans[i] = asyncio.ensure_future(
+                    asyncio.to_thread(scan_layer, layers[i][0], f"layer {i + 1}", hash=False)
+                )
+
+        def reporter(i: int, total: int) -> Callable[[int], None]:
+            digest = "sha256:" + layers[i][0].name
+
+            def fn(done: int) -> None:
+                if layer_progress is not None:
+                    layer_progress(LayerProgress(CONVERT, i, n, digest, done, total))
+
+            return fn
+
+        try:
+            for i, ((blob, diff_id), chain_id) in enumerate(zip(layers, ids, strict=True)):
+                found = self.get(chain_id)
+                if found is None:
+                    async with file_lock(
+                        self.cache.lock_path(chain_id),
+                        name=f"the block layer build lock of {chain_id}",
+                        timeout_s=BUILD_LOCK_TIMEOUT_S,
+                        waiter=f"layer {i + 1} of {len(layers)}",
+                    ):
+                        found = self.get(chain_id)
+                        if found is None:
+                            report(progress, f"block layer {i + 1}/{n} ({diff_id[:19]})")
+                            scan(i)
+                            stats = await scans.pop(i)
+                            scan(i + 1)
+                            parent = out[-1] if out else None
+                            found = await asyncio.to_thread(
+                                self._build, blob, diff_id, chain_id, parent, stats,
+                                reporter(i, stats.uncompressed_bytes),
+                            )  # fmt: skip
+                            # (the apply reported this layer's last bytes)
+                            out.append(found)
+                            continue
+                if layer_progress is not None:
+                    digest = "sha256:" + blob.name
+                    layer_progress(LayerProgress(CONVERT, i, n, digest, 1, 1, cached=True))
+                out.append(found)
+        finally:
+            # A scan started for a layer that is no longer built (an error above) still
+            # runs in its thread: wait for it rather than leave it reading behind us.
+            await asyncio.gather(*scans.values(), return_exceptions=True)
         await asyncio.to_thread(self.cache.touch, [f"chain:{c.chain_id}" for c in out])
         return out
 
     def _build(
-        self, blob: Path, diff_id: str, chain_id: str, parent: ChainLayer | None
+        self,
+        blob: Path,
+        diff_id: str,
+        chain_id: str,
+        parent: ChainLayer | None,
+        stats: LayerStats | None = None,
+        progress: Callable[[int], None] | None = None,
     ) -> ChainLayer:
         what = f"block layer {chain_id}"
         started = time.monotonic()
-        stats = scan_layer(blob, what)
-        if stats.diff_id != diff_id:
-            raise DigestMismatch(
-                f"{what}: layer {blob.name} uncompressed hashes to {stats.diff_id}, "
-                f"the image config says {diff_id}"
-            )
+        if stats is None:
+            stats = scan_layer(blob, what, hash=False)
         self.tmp.mkdir(parents=True, exist_ok=True)
         scratch = self.tmp / f"{chain_id.split(':')[1][:16]}-{os.getpid()}"
         shutil.rmtree(scratch, ignore_errors=True)
@@ -267,10 +359,11 @@ class ChainBuilder:
                     what,
                 )  # fmt: skip
                 with _loop_mounted(raw, mnt, what):
-                    apply_layer(mnt, blob, diff_id=diff_id, what=what)
+                    apply_layer(mnt, blob, diff_id=diff_id, what=what, progress=progress)
                     used = _used_bytes(mnt)
-                _run(["qemu-img", "convert", "-O", "qcow2", str(raw), str(qcow2)], what)
-                raw.unlink()
+                # The store converts a raw image to qcow2 itself (zero clusters dropped),
+                # straight into its own file: no intermediate qcow2 to copy in.
+                image = raw
             else:
                 size = fs_size_for(parent.used_bytes, stats, parent.virtual_size)
                 backing = self.cache.layers.path(parent.layer)
@@ -286,9 +379,10 @@ class ChainBuilder:
                     _fuse_export(qcow2, export, what),
                     _loop_mounted(export, mnt, what, grow=size > parent.virtual_size),
                 ):
-                    apply_layer(mnt, blob, diff_id=diff_id, what=what)
+                    apply_layer(mnt, blob, diff_id=diff_id, what=what, progress=progress)
                     used = _used_bytes(mnt)
-            digest = self.cache.layers.add(qcow2)
+                image = qcow2
+            digest = self.cache.layers.add(image)
             self.cache.layers.ref(digest, CHAIN_HOLDER + chain_id)
             stored = _stored_bytes(self.cache.layers.path(digest))
             layer = ChainLayer(
@@ -307,6 +401,12 @@ class ChainBuilder:
             os.replace(tmp, record)
             self.cache.record(f"chain:{chain_id}", "chain", stored)
             return layer
+        except (OciError, OSError, StorageError) as exc:
+            # Asked before the scratch files go, while a full disk is still full.
+            named = with_space_hint(exc, [self.tmp, self.cache.layers.root])
+            if named is not None:
+                raise named from exc
+            raise
         finally:
             # Never recurse into a filesystem that failed to unmount.
             if not any(os.path.ismount(p) for p in (scratch / "mnt", scratch / "disk.raw")):

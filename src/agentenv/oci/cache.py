@@ -140,8 +140,12 @@ class ImageCache:
             after = json.dumps(doc, sort_keys=True)
             if after != before:
                 tmp = path.with_suffix(".tmp")
-                tmp.write_text(after)
-                os.replace(tmp, path)
+                try:
+                    tmp.write_text(after)
+                    os.replace(tmp, path)
+                except OSError:
+                    tmp.unlink(missing_ok=True)  # a full disk: keep the old index whole
+                    raise
 
     def record(self, key: str, kind: str, size: int) -> None:
         """Add or refresh an entry (used when a blob lands or a chain layer is built)."""

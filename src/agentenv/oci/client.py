@@ -228,7 +228,10 @@ class RegistryClient:
                 last = exc
                 continue
             if resp.status_code == 404:
-                last = ManifestUnknown(f"{what}: manifest unknown (the registry has no such tag)")
+                # docker-registry says MANIFEST_UNKNOWN for an unknown repository too.
+                last = ManifestUnknown(
+                    f"{what}: manifest unknown (the registry has no such repository or tag)"
+                )
                 continue
             if resp.status_code != 200:
                 last = RegistryError(f"{what}: {ep.base} answered {resp.status_code}")
@@ -315,6 +318,16 @@ class RegistryClient:
                     ) from None
                 await asyncio.sleep(0.2 * attempt)
                 continue
+            except asyncio.CancelledError:
+                # The pull gave up (another layer failed, or the build was cancelled): a
+                # partial file nobody is coming back for would only hold disk space.
+                partial.unlink(missing_ok=True)
+                raise
+            except OSError as exc:
+                # Our side failed (a full disk, most likely): nothing of it is worth resuming,
+                # and a kept partial file would hold on to the space.
+                partial.unlink(missing_ok=True)
+                raise OciError(f"{what}: writing {partial} failed: {exc}") from exc
             got = partial.stat().st_size
             if got != desc.size:
                 partial.unlink(missing_ok=True)

@@ -7,7 +7,8 @@ the manifest has, and writes ``oci/images/<manifest hex>.json``. While it runs, 
 has fetched is pinned by a ``pull:<pid>:<n>`` holder, so a concurrent `ImageCache.collect`
 cannot take a layer between its download and its use. With ``blocks=True`` the chain block
 layers are built too (`agentenv.oci.blocks`) and `PulledImage.layers` holds their layer store
-digests bottom→top, which is what a `Template` records.
+digests bottom→top, which is what a `Template` records. `layer_progress` gets per-layer
+download and conversion reports (`agentenv.oci.progress`), throttled.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from agentenv.oci.cache import ImageCache
 from agentenv.oci.client import ProgressFn, RegistryClient, RegistryConfig, Resolved
 from agentenv.oci.config import ImageConfig, parse_config
 from agentenv.oci.errors import DigestMismatch, OciError, PlatformNotFound
+from agentenv.oci.progress import DOWNLOAD, LayerProgress, LayerProgressFn, Throttle
 from agentenv.oci.reference import Reference, parse
 from agentenv.template.progress import ProgressFn as StepFn
 
@@ -55,10 +57,14 @@ def _store_small_blob(cache: ImageCache, digest: str, body: bytes) -> None:
     path = cache.blob_path(digest)
     if not path.is_file():
         fd, name = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(body)
-        os.chmod(name, 0o444)
-        os.replace(name, path)
+        try:
+            with os.fdopen(fd, "wb") as fh:
+                fh.write(body)
+            os.chmod(name, 0o444)
+            os.replace(name, path)
+        except OSError:
+            os.unlink(name)
+            raise
     cache.record(f"blob:{digest}", "blob", len(body))
 
 
@@ -72,6 +78,7 @@ async def pull(
     platform: mf.Platform = mf.LINUX_AMD64,
     progress: ProgressFn | None = None,
     steps: StepFn | None = None,
+    layer_progress: LayerProgressFn | None = None,
 ) -> PulledImage:
     reference = parse(ref) if isinstance(ref, str) else ref
     own = client is None
@@ -100,9 +107,33 @@ async def pull(
             )
         if not man.layers:
             raise OciError(f"{reference}: the image has no layers")
-        paths = await asyncio.gather(
-            *(rc.fetch_blob(resolved.reference, d, progress) for d in man.layers)
-        )
+        throttle = Throttle(layer_progress)
+        count = len(man.layers)
+
+        async def fetch(i: int, desc: mf.Descriptor) -> Path:
+            fetched = False
+
+            def on_bytes(digest: str, done: int, total: int) -> None:
+                nonlocal fetched
+                fetched = True
+                if progress is not None:
+                    progress(digest, done, total)
+                throttle(LayerProgress(DOWNLOAD, i, count, desc.digest, done, total))
+
+            path = await rc.fetch_blob(resolved.reference, desc, on_bytes)
+            if not fetched:  # in the cache already
+                size = desc.size
+                throttle(LayerProgress(DOWNLOAD, i, count, desc.digest, size, size, cached=True))
+            return path
+
+        # A task group, not gather: when one layer fails, the downloads of the others are
+        # cancelled and waited for before the client closes (each drops its partial file).
+        try:
+            async with asyncio.TaskGroup() as tg:
+                fetches = [tg.create_task(fetch(i, d)) for i, d in enumerate(man.layers)]
+        except BaseExceptionGroup as group:
+            raise group.exceptions[0] from None  # the first failure, as gather would
+        paths = [f.result() for f in fetches]
         ids = chain_ids(image_config.diff_ids)
         pull_s = time.monotonic() - started
         chains: list[ChainLayer] = []
@@ -110,7 +141,7 @@ async def pull(
         if blocks:
             t0 = time.monotonic()
             chains = await ChainBuilder(cache).ensure(
-                list(zip(paths, image_config.diff_ids, strict=True)), steps
+                list(zip(paths, image_config.diff_ids, strict=True)), steps, throttle
             )
             block_s = time.monotonic() - t0
         record = {
@@ -147,9 +178,13 @@ async def pull(
 
 def _write_atomic(path: Path, text: str) -> None:
     fd, name = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    with os.fdopen(fd, "w") as fh:
-        fh.write(text)
-    os.replace(name, path)
+    try:
+        with os.fdopen(fd, "w") as fh:
+            fh.write(text)
+        os.replace(name, path)
+    except OSError:
+        os.unlink(name)
+        raise
 
 
 def _keep_manifests(cache: ImageCache, resolved: Resolved, holder: str) -> None:

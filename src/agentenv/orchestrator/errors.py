@@ -36,8 +36,8 @@ class SandboxLost(SandboxNotFound):
 class TemplateNotFound(OrchestratorError):
     status = 404
 
-    def __init__(self, name: str) -> None:
-        super().__init__(f"template {name!r} not found")
+    def __init__(self, name: str, message: str | None = None) -> None:
+        super().__init__(message or f"template {name!r} not found")
         self.name = name
 
 

@@ -19,8 +19,14 @@ _LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 3, 5, 8, 13, 20, 30, 60, 120)
 
 
 class _StateCollector(Collector):
-    def __init__(self, counts: Callable[[], dict[str, int]]) -> None:
+    """Users' sandboxes by state, and apart from them the template build sandboxes (which
+    hold VMs, and capacity, like any other)."""
+
+    def __init__(
+        self, counts: Callable[[], dict[str, int]], builds: Callable[[], int] | None
+    ) -> None:
         self._counts = counts
+        self._builds = builds
 
     def collect(self) -> list[GaugeMetricFamily]:
         family = GaugeMetricFamily(
@@ -30,7 +36,16 @@ class _StateCollector(Collector):
         for state in SandboxState:
             if state is not SandboxState.GONE:
                 family.add_metric([state.value], counts.get(state.value, 0))
-        return [family]
+        out = [family]
+        if self._builds is not None:
+            out.append(
+                GaugeMetricFamily(
+                    "agentenv_build_sandboxes",
+                    "Template build sandboxes that hold a VM (not in agentenv_sandboxes)",
+                    value=self._builds(),
+                )
+            )
+        return out
 
 
 class _HostMemoryCollector(Collector):
@@ -101,8 +116,10 @@ class Metrics:
             registry=self.registry,
         )
 
-    def watch_states(self, counts: Callable[[], dict[str, int]]) -> None:
-        self.registry.register(_StateCollector(counts))
+    def watch_states(
+        self, counts: Callable[[], dict[str, int]], builds: Callable[[], int] | None = None
+    ) -> None:
+        self.registry.register(_StateCollector(counts, builds))
 
     def watch_host_memory(self, samples: Callable[[], dict[str, HostMemory]]) -> None:
         self.registry.register(_HostMemoryCollector(samples))

@@ -39,6 +39,10 @@ class TemplateUnavailable(RuntimeFailure):
     """The runtime has no template by that name."""
 
 
+class TagUnavailable(TemplateUnavailable):
+    """The template exists but the tag asked for names no ready build (E2B's message)."""
+
+
 class Lost(RuntimeFailure):
     """The sandbox is gone for good (its VM died, or ran and failed after a resume)."""
 
@@ -156,6 +160,12 @@ class TemplateInfo:
     updated_at: float
     cpu: int
     memory_mb: int
+    # What the runtime creates from when that is not the name asked for: a built template's
+    # `name:tag` resolves to the snapshot id of the build the tag names.
+    ref: str = ""
+    # The templateID its sandboxes report ("" = the name they were created with); a built
+    # template's is its name without the tag, as E2B reports the template, not the tag.
+    template_id: str = ""
 
 
 class TemplateSource(Protocol):

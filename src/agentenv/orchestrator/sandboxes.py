@@ -43,6 +43,7 @@ from agentenv.orchestrator.runtime import (
     Placement,
     Runtime,
     SnapshotInfo,
+    TagUnavailable,
     TemplateSource,
     TemplateUnavailable,
     Unsupported,
@@ -367,7 +368,8 @@ class SandboxManager:
         try:
             tpl = self.templates.get(spec.template)
         except TemplateUnavailable as exc:
-            raise TemplateNotFound(spec.template) from exc
+            tag = str(exc) if isinstance(exc, TagUnavailable) else None
+            raise TemplateNotFound(spec.template, tag) from exc
         cpu = spec.cpu or tpl.cpu or self.default_cpu
         memory = spec.memory_mb or tpl.memory_mb or self.default_memory_mb
         disk = spec.disk_mb or tpl.size_mb
@@ -382,7 +384,7 @@ class SandboxManager:
         now = time.time()
         rec = SandboxRecord(
             id=new_sandbox_id(),
-            template=spec.template,
+            template=tpl.template_id or spec.template,
             alias=tpl.name,
             state=SandboxState.CREATING,
             started_at=now,
@@ -419,7 +421,7 @@ class SandboxManager:
             placement: Placement | None = None
             try:
                 placement = await self.runtime.create(
-                    rec.template, cpu, memory, disk, egress=egress_of(rec)
+                    tpl.ref or rec.template, cpu, memory, disk, egress=egress_of(rec)
                 )
                 await self._init_envd(rec, placement)
                 # The sandbox's life (and its timeout) starts when it is usable, not when the

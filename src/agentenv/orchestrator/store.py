@@ -29,6 +29,12 @@ class SandboxState(StrEnum):
 
 # Live = still holds (or is about to hold) resources on a node.
 LIVE_STATES = frozenset(SandboxState) - {SandboxState.GONE}
+# Metadata key on a template build's sandbox (its value: the build id). Such a sandbox is
+# admitted, reaped and recovered like any other, but it is the server's, not a user's: the
+# sandbox lists and the user-facing counts leave it out.
+BUILD_METADATA = "agentenv.build"
+# SQL: the row is not a build sandbox.
+_NOT_BUILD = f"json_extract(metadata, '$.\"{BUILD_METADATA}\"') IS NULL"
 
 
 @dataclass
@@ -274,8 +280,30 @@ class Store:
         return float(row[0]) if row and row[0] is not None else None
 
     def count_by_state(self) -> dict[str, int]:
-        rows = self._db.execute("SELECT state, COUNT(*) FROM sandboxes GROUP BY state").fetchall()
+        """Users' sandboxes by state (template build sandboxes are `count_builds`)."""
+        rows = self._db.execute(
+            f"SELECT state, COUNT(*) FROM sandboxes WHERE {_NOT_BUILD} GROUP BY state"
+        ).fetchall()
         return {str(r[0]): int(r[1]) for r in rows}
+
+    def count_builds(self) -> int:
+        """Template build sandboxes that still hold (or are about to hold) a VM."""
+        marks = ",".join("?" for _ in LIVE_STATES)
+        row = self._db.execute(
+            f"SELECT COUNT(*) FROM sandboxes WHERE NOT ({_NOT_BUILD}) AND state IN ({marks})",
+            [s.value for s in LIVE_STATES],
+        ).fetchone()
+        return int(row[0])
+
+    def spawns(self) -> dict[str, tuple[int, float]]:
+        """templateID → (sandboxes that started from it, when the last one did), build
+        sandboxes and failed creates not counted: E2B's spawnCount and lastSpawnedAt. Rows
+        are never deleted, so this is the whole history of this data dir."""
+        rows = self._db.execute(
+            f"SELECT template, COUNT(*), MAX(started_at) FROM sandboxes WHERE {_NOT_BUILD} "
+            "AND runtime_id IS NOT NULL GROUP BY template"
+        ).fetchall()
+        return {str(r[0]): (int(r[1]), float(r[2])) for r in rows}
 
     # -- logs ------------------------------------------------------------------------------
 

@@ -48,10 +48,12 @@ from agentenv.oci.blocks import (
     _run,
     _stored_bytes,
     _used_bytes,
+    with_space_hint,
 )
 from agentenv.oci.cache import CHAIN_HOLDER, ImageCache
 from agentenv.oci.client import RegistryConfig
 from agentenv.oci.config import ImageConfig
+from agentenv.oci.progress import LayerProgressFn
 from agentenv.oci.pull import PulledImage, pull
 from agentenv.oci.reference import Reference, parse
 from agentenv.template import imagetree
@@ -92,14 +94,17 @@ async def import_image(
     name: str,
     credentials: tuple[str, str] | None = None,
     log: LogFn | None = None,
+    layer_progress: LayerProgressFn | None = None,
 ) -> Template:
-    """Pull `ref` and register it as template `name` (replacing one of that name)."""
+    """Pull `ref` and register it as template `name` (replacing one of that name).
+    `layer_progress` gets the pull's per-layer reports (only the import that starts a pull:
+    one that joins a pull under way sees its log lines, not its bytes)."""
     validate_name(name)
     say = log or _quiet
     reference = parse(ref)
     cache = ImageCache.for_settings(settings)
     t0 = time.monotonic()
-    pulled = await _pull_once(settings, cache, reference, credentials, say)
+    pulled = await _pull_once(settings, cache, reference, credentials, say, layer_progress)
     say(
         f"pulled {pulled.reference} ({len(pulled.layer_blobs)} layers, "
         f"{pulled.downloaded_bytes} bytes downloaded, {pulled.pull_s:.2f}s, "
@@ -122,13 +127,14 @@ async def _pull_once(
     reference: Reference,
     credentials: tuple[str, str] | None,
     say: LogFn,
+    layer_progress: LayerProgressFn | None = None,
 ) -> PulledImage:
     # Per event loop too: a task of another (closed) loop cannot be awaited here.
     loop = id(asyncio.get_running_loop())
     key = (loop, str(settings.home), str(reference), credentials[0] if credentials else "")
     task = _pulls.get(key)
     if task is None or task.done():
-        task = asyncio.ensure_future(_pull(cache, reference, credentials, say))
+        task = asyncio.ensure_future(_pull(cache, reference, credentials, say, layer_progress))
         _pulls[key] = task
         task.add_done_callback(lambda t: _pulls.pop(key, None) if _pulls.get(key) is t else None)
     else:
@@ -142,6 +148,7 @@ async def _pull(
     reference: Reference,
     credentials: tuple[str, str] | None,
     say: LogFn,
+    layer_progress: LayerProgressFn | None = None,
 ) -> PulledImage:
     creds: dict[str, Credentials] = {}
     if credentials is not None:
@@ -163,7 +170,14 @@ async def _pull(
         waiter=f"an import of {reference}",
     ):
         say(f"pulling {reference}")
-        return await pull(cache, reference, config=config, blocks=True, steps=steps)
+        return await pull(
+            cache,
+            reference,
+            config=config,
+            blocks=True,
+            steps=steps,
+            layer_progress=layer_progress,
+        )
 
 
 def _facts_path(cache: ImageCache, chain_id: str) -> Path:
@@ -249,6 +263,11 @@ def _build_top(
         os.replace(record.with_suffix(".tmp"), record)
         cache.record(f"chain:{chain_id}", "chain", layer.stored_bytes)
         return layer, facts
+    except Exception as exc:
+        named = with_space_hint(exc, [tmp, cache.layers.root])
+        if named is not None:
+            raise named from exc
+        raise
     finally:
         if not any(os.path.ismount(p) for p in (scratch / "mnt", scratch / "disk.raw")):
             shutil.rmtree(scratch, ignore_errors=True)

@@ -1,0 +1,61 @@
+"""A block layer build whose scratch filesystem fills up fails, naming the full disk, and
+leaves nothing behind. A loop device over a full filesystem loses its writes while `write()`
+and `umount` succeed, so without the `syncfs` check the layer would have holes."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from agentenv.oci.blocks import ChainBuilder
+from agentenv.oci.cache import ImageCache
+from agentenv.oci.errors import OciError
+from agentenv.storage.layers import LayerStore
+
+from .images import Layer
+
+MIB = 1024 * 1024
+
+
+def _sh(args: list[str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(args, capture_output=True, text=True, timeout=30, check=False)
+
+
+def _loops_into(path: Path) -> list[str]:
+    out = subprocess.run(
+        ["losetup", "--list", "--noheadings", "-O", "BACK-FILE"],
+        capture_output=True, text=True, timeout=30, check=False,
+    ).stdout  # fmt: skip
+    return [ln for ln in out.splitlines() if str(path) in ln]
+
+
+async def test_full_scratch_disk_fails_the_layer(tmp_path: Path) -> None:
+    unit = b"agentenv-fill-0123456789abcdef\n" * 4096
+    data, diff_id, _ = Layer().dir("d").file("d/big", unit * (64 * MIB // len(unit))).blob()
+    cache = ImageCache(tmp_path / "oci", LayerStore(tmp_path / "layers"))
+    cache.ensure_dirs()
+    blob = cache.blob_path("sha256:" + hashlib.sha256(data).hexdigest())
+    blob.write_bytes(data)
+    scratch = cache.root / "tmp"
+    scratch.mkdir()
+    mounted = await asyncio.to_thread(
+        _sh, ["mount", "-t", "tmpfs", "-o", "size=48m", "tmpfs", str(scratch)]
+    )
+    assert mounted.returncode == 0, mounted.stderr
+    try:
+        lost = r"writing the filesystem failed: .*oci/tmp is full \(\d+ MB free\)"
+        with pytest.raises(OciError, match=lost):
+            await ChainBuilder(cache).ensure([(blob, diff_id)])
+        assert list(scratch.iterdir()) == []
+        assert _loops_into(tmp_path) == []
+    finally:
+        done = await asyncio.to_thread(_sh, ["umount", str(scratch)])
+    assert done.returncode == 0, done.stderr
+    assert list(cache.chains.iterdir()) == [] and LayerStore(tmp_path / "layers").digests() == []
+    # With room, the same layer builds.
+    (layer,) = await ChainBuilder(cache).ensure([(blob, diff_id)])
+    assert layer.used_bytes >= 60 * MIB
