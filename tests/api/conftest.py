@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -32,6 +32,26 @@ def qemu_processes(home: Path, *, warm: bool = False, converters: bool = False) 
         if (warm or warm_dir not in cmd) and (converters or "/convert/" not in cmd):
             found.append(f"{pid} {cmd[:100]}")
     return found
+
+
+def env_unchanged() -> None:
+    """What `use_sdk_env` returns before it has run (a fixture that failed earlier)."""
+
+
+def use_sdk_env(srv: ServerProcess) -> Callable[[], None]:
+    """Point the SDK (E2B_API_URL, E2B_SANDBOX_URL, E2B_API_KEY) at `srv`; the returned
+    function puts back what was there before."""
+    saved = {k: os.environ.get(k) for k in srv.sdk_env()}
+    os.environ.update(srv.sdk_env())
+
+    def restore() -> None:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+    return restore
 
 
 def stop_and_check(srv: ServerProcess) -> None:

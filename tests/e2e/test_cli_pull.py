@@ -8,13 +8,13 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import pytest
-from api.conftest import stop_and_check
+from api.conftest import env_unchanged, stop_and_check, use_sdk_env
 from e2b import Sandbox
 from oci.images import Pusher
 from oci.registry import REGISTRY_BIN, Registry, htpasswd
@@ -46,7 +46,7 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
     htpasswd(root / "htpasswd", USER, PASSWORD)
     started: list[Registry] = []
     srv: ServerProcess | None = None
-    saved: dict[str, str | None] = {}
+    restore_env: Callable[[], None] = env_unchanged
     try:
         open_reg = Registry.start(root / "open", storage)
         started.append(open_reg)
@@ -71,15 +71,10 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
         cli_env.update(
             AGENTENV_URL=srv.url, AGENTENV_API_KEY=srv.api_key, XDG_CONFIG_HOME=str(root / "cfg")
         )
-        saved = {k: os.environ.get(k) for k in srv.sdk_env()}
-        os.environ.update(srv.sdk_env())
+        restore_env = use_sdk_env(srv)
         yield Env(srv, open_reg, locked, cli_env, root)
     finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        restore_env()
         if srv is not None:
             stop_and_check(srv)
         for reg in started:

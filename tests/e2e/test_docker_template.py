@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import tarfile
 import time
 from collections.abc import Iterator
@@ -23,7 +22,7 @@ from typing import Any
 
 import httpx
 import pytest
-from api.conftest import REQUEST_TIMEOUT_S, stop_and_check
+from api.conftest import REQUEST_TIMEOUT_S, stop_and_check, use_sdk_env
 from e2b import CommandExitException, Sandbox
 from oci.images import Layer, image_config, sha
 
@@ -118,16 +117,11 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     ]
     env = {"AGENTENV_WARM_LOW": "0", "AGENTENV_WARM_HIGH": "0"}
     srv = ServerProcess(home, env=env, ready_timeout_s=180).start()
-    saved = {k: os.environ.get(k) for k in srv.sdk_env()}
-    os.environ.update(srv.sdk_env())
+    restore_env = use_sdk_env(srv)
     try:
         yield srv
     finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        restore_env()
         print(f"docker template timings: {TIMINGS}")
         stop_and_check(srv)
 

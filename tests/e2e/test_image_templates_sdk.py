@@ -19,12 +19,12 @@ import os
 import shutil
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from api.conftest import qemu_processes, stop_and_check
+from api.conftest import env_unchanged, qemu_processes, stop_and_check, use_sdk_env
 from e2b import Sandbox, Template
 from oci.images import Layer, Pushed, Pusher
 from oci.registry import REGISTRY_BIN, Registry, TokenIssuer, htpasswd
@@ -108,7 +108,7 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
     started: list[Registry] = []
     issuer = TokenIssuer(root / "issuer", {USER: PASSWORD})
     srv: ServerProcess | None = None
-    saved: dict[str, str | None] = {}
+    restore_env: Callable[[], None] = env_unchanged
     try:
         open_reg = Registry.start(root / "open", storage)
         started.append(open_reg)
@@ -146,15 +146,10 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
         srv = ServerProcess(
             home, env={"AGENTENV_WARM_LOW": "0", "AGENTENV_WARM_HIGH": "0"}, ready_timeout_s=180
         ).start()
-        saved = {k: os.environ.get(k) for k in srv.sdk_env()}
-        os.environ.update(srv.sdk_env())
+        restore_env = use_sdk_env(srv)
         yield Env(srv, open_reg, basic, token, issuer, musl_amd64, a, b)
     finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        restore_env()
         print(f"image template numbers: {json.dumps(NUMBERS)}")
         if srv is not None:
             stop_and_check(srv)

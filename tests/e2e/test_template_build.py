@@ -8,7 +8,6 @@ prefix (a cold boot from the step cache). The identical rebuild boots nothing.
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,7 +15,7 @@ from typing import Any
 
 import httpx
 import pytest
-from api.conftest import REQUEST_TIMEOUT_S, qemu_processes, stop_and_check
+from api.conftest import REQUEST_TIMEOUT_S, qemu_processes, stop_and_check, use_sdk_env
 from e2b import AsyncTemplate, BuildException, Sandbox, SandboxException, Template, wait_for_port
 from e2b.template.types import TemplateBuildStatus
 
@@ -41,16 +40,11 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
         "AGENTENV_WARM_HIGH": "0",
     }
     srv = ServerProcess(home, env=env, ready_timeout_s=180).start()
-    saved = {k: os.environ.get(k) for k in srv.sdk_env()}
-    os.environ.update(srv.sdk_env())
+    restore_env = use_sdk_env(srv)
     try:
         yield srv
     finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        restore_env()
         print(f"template build timings: {TIMINGS}")
         stop_and_check(srv)
 

@@ -17,14 +17,20 @@ import os
 import re
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from api.conftest import REQUEST_TIMEOUT_S, qemu_processes, stop_and_check
+from api.conftest import (
+    REQUEST_TIMEOUT_S,
+    env_unchanged,
+    qemu_processes,
+    stop_and_check,
+    use_sdk_env,
+)
 from e2b import BuildException, Template
 from e2b.template.types import TemplateBuildStatus
 from oci.images import Layer, Pushed, Pusher
@@ -75,7 +81,7 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
     storage = root / "storage"
     started: list[Registry] = []
     srv: ServerProcess | None = None
-    saved: dict[str, str | None] = {}
+    restore_env: Callable[[], None] = env_unchanged
     try:
         open_reg = Registry.start(root / "open", storage)
         started.append(open_reg)
@@ -108,15 +114,10 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
         srv = ServerProcess(
             home, env={"AGENTENV_WARM_LOW": "0", "AGENTENV_WARM_HIGH": "0"}, ready_timeout_s=180
         ).start()
-        saved = {k: os.environ.get(k) for k in srv.sdk_env()}
-        os.environ.update(srv.sdk_env())
+        restore_env = use_sdk_env(srv)
         yield Env(srv, open_reg, basic, storage, corrupt)
     finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        restore_env()
         print(f"build error numbers: {NUMBERS}")
         for name, message in REASONS.items():
             print(f"  {name}: {message}")

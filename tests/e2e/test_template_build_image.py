@@ -8,13 +8,13 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import pytest
-from api.conftest import stop_and_check
+from api.conftest import env_unchanged, stop_and_check, use_sdk_env
 from e2b import Sandbox, Template
 from oci.images import Pusher
 from oci.registry import REGISTRY_BIN, Registry
@@ -41,7 +41,7 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
     root = tmp_path_factory.mktemp("build-image")
     reg = Registry.start(root / "registry", root / "storage")
     srv: ServerProcess | None = None
-    saved: dict[str, str | None] = {}
+    restore_env: Callable[[], None] = env_unchanged
     try:
         pusher = Pusher(reg.url)
         try:
@@ -55,15 +55,10 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
         srv = ServerProcess(
             home, env={"AGENTENV_WARM_LOW": "0", "AGENTENV_WARM_HIGH": "0"}, ready_timeout_s=180
         ).start()
-        saved = {k: os.environ.get(k) for k in srv.sdk_env()}
-        os.environ.update(srv.sdk_env())
+        restore_env = use_sdk_env(srv)
         yield Env(srv, reg, context)
     finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        restore_env()
         print(f"image build timings: {TIMINGS}")
         if srv is not None:
             stop_and_check(srv)

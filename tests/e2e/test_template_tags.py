@@ -18,7 +18,7 @@ from typing import Any
 
 import httpx
 import pytest
-from api.conftest import REQUEST_TIMEOUT_S, stop_and_check
+from api.conftest import REQUEST_TIMEOUT_S, stop_and_check, use_sdk_env
 from e2b import Sandbox, SandboxException, Template
 
 from agentenv.api.devserver import ServerProcess, prepare_home
@@ -33,16 +33,11 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     home = prepare_home(tmp_path_factory.mktemp("tags-home"))
     env = {"AGENTENV_WARM_LOW": "0", "AGENTENV_WARM_HIGH": "0"}
     srv = ServerProcess(home, env=env, ready_timeout_s=180).start()
-    saved = {k: os.environ.get(k) for k in srv.sdk_env()}
-    os.environ.update(srv.sdk_env())
+    restore_env = use_sdk_env(srv)
     try:
         yield srv
     finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        restore_env()
         print(f"template tag timings: {TIMINGS}")
         stop_and_check(srv)
 

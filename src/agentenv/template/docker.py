@@ -31,21 +31,19 @@ from pathlib import Path
 
 from agentenv import hostdeps
 from agentenv.config import Settings
-from agentenv.storage.layers import LayerStore
 from agentenv.template import debian
-from agentenv.template.cache import ArtifactCache, digest_files, input_key
-from agentenv.template.catalog import Template, TemplateCatalog
+from agentenv.template.cache import digest_files
+from agentenv.template.catalog import Template
 from agentenv.template.commands import run
-from agentenv.template.errors import BuildError, TemplateNotFound
+from agentenv.template.errors import BuildError
 from agentenv.template.kernel import debian_kernel_inputs
 from agentenv.template.progress import ProgressFn, report
 from agentenv.template.rootfs import (
     BASE_PACKAGES,
     DEFAULT_UID,
     DEFAULT_USER,
-    HOLDER,
-    _layers_present,
     configure_tree,
+    ensure_rootfs_template,
     image_size_mb,
 )
 
@@ -105,32 +103,14 @@ def ensure_docker(settings: Settings, progress: ProgressFn | None = None) -> Tem
     """The ``docker`` template, built (~3 min, network to the Debian mirror) and registered
     if it is not already current; a cache hit only registers it."""
     inputs = docker_inputs()
-    key = input_key(inputs)
-    catalog = TemplateCatalog(settings)
-    store = LayerStore(settings.layers_dir)
-    try:
-        current: Template | None = catalog.get(DOCKER_NAME)
-    except TemplateNotFound:
-        current = None
-    if current is not None and current.build_key == key and _layers_present(store, current):
-        return current
 
     def build(out: Path) -> None:
         hostdeps.ensure_host_packages(progress, extra=HOST_PACKAGES)
         build_docker_image(settings, inputs, out, progress)
 
-    path, _ = ArtifactCache(settings.cache).ensure("rootfs-docker", inputs, build)
-    report(progress, "adding the docker layer to the layer store")
-    digest = store.add(path / "docker.qcow2")
-    store.ref(digest, HOLDER + DOCKER_NAME)
-    size_mb = int((path / "size_mb").read_text())
-    template = Template(name=DOCKER_NAME, layers=[digest], size_mb=size_mb, build_key=key)
-    catalog.put(template)
-    if current is not None:
-        for old in current.layers:
-            if old != digest:
-                store.unref(old, HOLDER + DOCKER_NAME)
-    return template
+    return ensure_rootfs_template(
+        settings, DOCKER_NAME, inputs, build, "rootfs-docker", "docker.qcow2", progress
+    )
 
 
 def build_docker_image(

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 from agentenv.config import Settings
@@ -61,31 +62,47 @@ def base_inputs() -> dict[str, str]:
 
 def ensure_base(settings: Settings, progress: ProgressFn | None = None) -> Template:
     """The ``base`` template, built and registered if it is not already current."""
-    inputs = base_inputs()
-    key = input_key(inputs)
-    catalog = TemplateCatalog(settings)
-    store = LayerStore(settings.layers_dir)
-    try:
-        current: Template | None = catalog.get(BASE_NAME)
-    except TemplateNotFound:
-        current = None
-    if current is not None and current.build_key == key and _layers_present(store, current):
-        return current
 
     def build(out: Path) -> None:
         build_rootfs_image(settings, out, progress)
 
-    path, _ = ArtifactCache(settings.cache).ensure("rootfs-base", inputs, build)
-    report(progress, "adding the base layer to the layer store")
-    digest = store.add(path / "base.qcow2")
-    store.ref(digest, HOLDER + BASE_NAME)
+    return ensure_rootfs_template(
+        settings, BASE_NAME, base_inputs(), build, "rootfs-base", "base.qcow2", progress
+    )
+
+
+def ensure_rootfs_template(
+    settings: Settings,
+    name: str,
+    inputs: dict[str, str],
+    build: Callable[[Path], None],
+    cache_kind: str,
+    image: str,
+    progress: ProgressFn | None = None,
+) -> Template:
+    """A catalog template made of one rootfs layer: `build(out)` writes `out/<image>` (a
+    qcow2) and `out/size_mb`, cached under `cache_kind` by `inputs`. A template whose build
+    key and layer are current is returned as it is; a cache hit only registers the layer."""
+    key = input_key(inputs)
+    catalog = TemplateCatalog(settings)
+    store = LayerStore(settings.layers_dir)
+    try:
+        current: Template | None = catalog.get(name)
+    except TemplateNotFound:
+        current = None
+    if current is not None and current.build_key == key and _layers_present(store, current):
+        return current
+    path, _ = ArtifactCache(settings.cache).ensure(cache_kind, inputs, build)
+    report(progress, f"adding the {name} layer to the layer store")
+    digest = store.add(path / image)
+    store.ref(digest, HOLDER + name)
     size_mb = int((path / "size_mb").read_text())
-    template = Template(name=BASE_NAME, layers=[digest], size_mb=size_mb, build_key=key)
+    template = Template(name=name, layers=[digest], size_mb=size_mb, build_key=key)
     catalog.put(template)
     if current is not None:
         for old in current.layers:
             if old != digest:
-                store.unref(old, HOLDER + BASE_NAME)
+                store.unref(old, HOLDER + name)
     return template
 
 
