@@ -90,3 +90,15 @@ def test_bad_values_are_named(
     monkeypatch.setenv(name, value)
     with pytest.raises(ConfigError, match=needle):
         Settings.from_env()
+
+
+def test_vmm_confinement_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    # On unless the operator turns it off explicitly.
+    monkeypatch.delenv("AGENTENV_CONFINE", raising=False)
+    assert Settings.from_env().confine is True
+    for raw, expected in (("off", False), ("0", False), ("ON", True), ("1", True)):
+        monkeypatch.setenv("AGENTENV_CONFINE", raw)
+        assert Settings.from_env().confine is expected
+    monkeypatch.setenv("AGENTENV_CONFINE", "maybe")
+    with pytest.raises(ConfigError, match="AGENTENV_CONFINE"):
+        Settings.from_env()

@@ -53,6 +53,16 @@ def _env_bool(name: str, default: bool) -> bool:
     raise ConfigError(f"{name}={raw!r}: expected 1, 0, true or false")
 
 
+def _env_switch(name: str, default: bool) -> bool:
+    """`on`/`off` (and what `_env_bool` takes)."""
+    raw = (os.environ.get(name) or "").strip().lower()
+    if raw in ("on", "yes"):
+        return True
+    if raw in ("off", "no"):
+        return False
+    return _env_bool(name, default)
+
+
 def _env_opt_path(name: str) -> Path | None:
     raw = os.environ.get(name)
     return Path(raw).expanduser() if raw else None
@@ -142,6 +152,9 @@ class Settings:
     start_queue: int = 128
     min_free_memory_mb: int = 256
     min_free_disk_mb: int = 1024
+    # Every QEMU in its own uid, mount namespace and root, under seccomp (`vmm.confine`). On,
+    # a missing piece fails the VM's start; only AGENTENV_CONFINE=off runs QEMU as root.
+    confine: bool = True
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -209,6 +222,7 @@ class Settings:
             start_queue=limits["AGENTENV_START_QUEUE"],
             min_free_memory_mb=limits["AGENTENV_MIN_FREE_MEMORY_MB"],
             min_free_disk_mb=limits["AGENTENV_MIN_FREE_DISK_MB"],
+            confine=_env_switch("AGENTENV_CONFINE", True),
         )
 
     # Layout of the data dir. Components create what they use.

@@ -36,3 +36,32 @@ def test_doctor_rejects_an_impossible_forced_accelerator() -> None:
     )
     assert proc.returncode == 1
     assert "AGENTENV_ACCEL" in proc.stderr
+
+
+def _doctor(**env: str) -> subprocess.CompletedProcess[str]:
+    import os
+
+    return subprocess.run(
+        [sys.executable, "-m", "agentenv.cli", "doctor"],
+        env={**os.environ, "COLUMNS": "300", **env},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+def test_doctor_reports_vmm_confinement_and_each_piece() -> None:
+    from agentenv.vmm.confine import pieces
+
+    proc = _doctor()
+    assert "VMM confinement: on" in proc.stderr, proc.stderr
+    for piece in pieces(Settings.from_env().qemu_binary):
+        line = "ok   " if piece.ok else "fix  "
+        assert f"{line}VMM confinement: {piece.name}" in proc.stderr, proc.stderr
+
+
+def test_doctor_says_when_confinement_is_off() -> None:
+    proc = _doctor(AGENTENV_CONFINE="off")
+    assert "VMM confinement: off" in proc.stderr, proc.stderr
+    assert "VMM confinement: command" not in proc.stderr

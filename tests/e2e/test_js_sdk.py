@@ -11,47 +11,25 @@ short-lived ones of its own.
 
 from __future__ import annotations
 
-import os
-import shutil
-import subprocess
-import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
-from pathlib import Path
+from dataclasses import replace
 
 import httpx
 import pytest
-from jsdeps import JS_DIR, ensure_js_sdk
+from jsrun import JsEnv, js_workdir, node
 
 from agentenv.api.devserver import ServerProcess
 from agentenv.config import Settings
 
 pytestmark = pytest.mark.vm
 
-# One scenario's node process; the scripts' own deadlines (lib.mjs) are shorter.
-NODE_TIMEOUT_S = 480
-
-
-@dataclass
-class JsEnv:
-    server: ServerProcess
-    workdir: Path
-    run_id: str
-
 
 @pytest.fixture(scope="module")
 def js(tmp_path_factory: pytest.TempPathFactory) -> Iterator[JsEnv]:
     from agentenv.template.rootfs import ensure_base
 
-    node_modules = ensure_js_sdk()
-    # ESM resolves `e2b` from the script's own directory, so the scripts run from a copy
-    # next to a link to the cached install (the source tree gets no node_modules).
-    work = tmp_path_factory.mktemp("js-sdk")
-    for script in JS_DIR.glob("*.mjs"):
-        shutil.copy2(script, work / script.name)
-    shutil.copy2(JS_DIR / "package.json", work / "package.json")
-    (work / "node_modules").symlink_to(node_modules)
+    work = js_workdir(tmp_path_factory.mktemp("js-sdk"))
     home = tmp_path_factory.mktemp("js-home")
     ensure_base(replace(Settings.from_env(), home=home), None)
     srv = ServerProcess(home, domain="sbx.test", ready_timeout_s=180).start()
@@ -61,35 +39,6 @@ def js(tmp_path_factory: pytest.TempPathFactory) -> Iterator[JsEnv]:
         log = srv.log_tail(4000)
         srv.stop(timeout_s=120)
         assert "Traceback" not in log, log[-4000:]
-
-
-def node(js: JsEnv, script: str, scenario: str, *args: str) -> str:
-    """Run one scenario; its output is printed (shown by pytest on failure, or with -s)."""
-    env = {**os.environ, **js.server.sdk_env(), "AGENTENV_JS_RUN": js.run_id}
-    started = time.monotonic()
-    try:
-        proc = subprocess.run(
-            ["node", script, scenario, *args],
-            cwd=js.workdir,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=NODE_TIMEOUT_S,
-            stdin=subprocess.DEVNULL,
-        )
-    except subprocess.TimeoutExpired as exc:
-        raw = exc.stdout or ""
-        out = raw.decode(errors="replace") if isinstance(raw, bytes) else raw
-        pytest.fail(f"node {script} {scenario} still running after {NODE_TIMEOUT_S} s:\n{out}")
-    took = time.monotonic() - started
-    print(f"node {script} {scenario} ({took:.1f} s, exit {proc.returncode}):\n{proc.stdout}")
-    if proc.stderr.strip():
-        print(f"stderr:\n{proc.stderr}")
-    assert proc.returncode == 0, (
-        f"node {script} {scenario} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr[-3000:]}"
-    )
-    assert f"OK {scenario}" in proc.stdout, proc.stdout
-    return proc.stdout
 
 
 @pytest.fixture(scope="module")

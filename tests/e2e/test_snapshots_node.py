@@ -203,7 +203,8 @@ def qemu_cmdlines() -> list[str]:
                 cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
             except OSError:
                 continue
-            if "qemu-system" in cmd:
+            # QEMU itself, not the launcher in front of a confined one (it carries QEMU's argv).
+            if "qemu-system" in cmd.split(" ", 1)[0]:
                 found.append(cmd)
     return found
 

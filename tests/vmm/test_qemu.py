@@ -134,7 +134,8 @@ async def test_seal_disk_makes_old_upper_read_only(
     )
     await vm.start()
     try:
-        new_upper = tmp_path / "upper2.qcow2"
+        # In the VM's workdir: a confined QEMU sees nothing else of the host.
+        new_upper = vm.workdir / "upper2.qcow2"
         sealed = await vm.seal_disk("vda", new_upper)
         assert sealed == upper
         assert vm.disk_path("vda") == new_upper

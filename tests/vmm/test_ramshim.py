@@ -14,13 +14,20 @@ from agentenv.config import Settings
 from agentenv.vmm.ramshim import ENV_VAR, ensure_ram_shim, find_ram_shim
 
 PROBE = r"""
-import ctypes, json, os, sys
+import ctypes, fcntl, json, os, sys
 libc = ctypes.CDLL(None, use_errno=True)
 out = {"preload_left": "LD_PRELOAD" in os.environ}
 for name, path, mode in json.loads(sys.argv[1]):
     fd = os.open(path, os.O_RDWR)
     ret = libc.fallocate64(fd, mode, ctypes.c_long(0), ctypes.c_long(4096))
     out[name] = [ret, ctypes.get_errno() if ret else 0]
+    out[name + "_rdwr"] = os.O_ACCMODE & fcntl.fcntl(fd, fcntl.F_GETFL) == os.O_RDWR
+    os.close(fd)
+    # What a fortified `open` with non-constant flags calls (QEMU's RAM file open).
+    open2 = libc.__open64_2
+    open2.argtypes = [ctypes.c_char_p, ctypes.c_int]
+    fd = open2(path.encode(), os.O_RDWR)
+    out[name + "_open2_rdwr"] = os.O_ACCMODE & fcntl.fcntl(fd, fcntl.F_GETFL) == os.O_RDWR
     os.close(fd)
 print(json.dumps(out))
 """
@@ -53,6 +60,11 @@ def test_punching_the_snapshot_is_a_no_op_everything_else_passes(
     assert out["punch_snapshot"] == [0, 0]
     assert out["allocate_snapshot"][0] == -1 and out["allocate_snapshot"][1] == 1  # EPERM
     assert out["punch_other"] == [0, 0]
+    # The snapshot is opened read-only whatever QEMU asks for; other files as asked.
+    assert out["punch_snapshot_rdwr"] is False
+    assert out["punch_other_rdwr"] is True
+    assert out["punch_snapshot_open2_rdwr"] is False
+    assert out["punch_other_open2_rdwr"] is True
     assert out["preload_left"] is False, "children of QEMU must not inherit the library"
     assert snapshot.read_bytes() == b"\xab" * 8192
     assert other.read_bytes()[:4096] == b"\0" * 4096

@@ -27,9 +27,15 @@ def mount_build_progress(app: FastAPI, builds: TemplateBuilds) -> None:
     async def build_progress(template_id: str, build_id: str, request: Request) -> Response:
         from agentenv.api.control import api_key
 
-        api_key(request, request.headers.get("x-api-key"), request.headers.get("authorization"))
+        key = api_key(
+            request, request.headers.get("x-api-key"), request.headers.get("authorization")
+        )
         rec = builds.state.build(build_id)
-        if rec is None or rec.template_id != template_id:
+        if (
+            rec is None
+            or rec.template_id != template_id
+            or builds.owned(template_id, key.team_id) is None
+        ):
             message = f"build {build_id} of template {template_id!r} not found"
             return JSONResponse({"code": 404, "message": message}, status_code=404)
         tracker = builds.builder.pulls.get(build_id)

@@ -39,6 +39,8 @@ from agentenv.api.models import (
     TimeoutBody,
 )
 from agentenv.api.templates import mount_templates
+from agentenv.api.tenancy import template_team
+from agentenv.build.state import TemplateRecord
 from agentenv.build.templates import is_internal_name, split_name
 from agentenv.network.egress import BadTarget, Egress
 from agentenv.orchestrator.errors import (
@@ -52,6 +54,7 @@ from agentenv.orchestrator.runtime import TemplateInfo, TemplateSource, Template
 from agentenv.orchestrator.sandboxes import DEFAULT_TIMEOUT_S, CreateSpec, SandboxManager
 from agentenv.orchestrator.store import (
     BUILD_METADATA,
+    DEFAULT_TEAM,
     LIVE_STATES,
     ApiKey,
     SandboxRecord,
@@ -118,6 +121,11 @@ def build_control_app(ctx: ControlContext) -> FastAPI:
     # First, so `DELETE /templates/tags` is not taken for a template id.
     builds = mount_templates(app, ctx)
     built = builds.built
+    tenancy = builds.tenancy
+
+    def owned(sandbox_id: str, key: ApiKey) -> None:
+        # Another team's sandbox is a 404 like one that never existed (E2B's rule).
+        tenancy.check_sandbox(sandbox_id, key.team_id)
 
     @app.exception_handler(OrchestratorError)
     async def _orch(_: Request, exc: OrchestratorError) -> JSONResponse:
@@ -153,8 +161,10 @@ def build_control_app(ctx: ControlContext) -> FastAPI:
         return {"status": "ok"}
 
     @app.get("/metrics", tags=["server"], response_class=Response)
-    async def metrics() -> Response:
-        return Response(generate_latest(mgr.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+    async def metrics(key: Auth) -> Response:
+        # Per-sandbox series only for the caller's team; node-wide ones for every key.
+        text = generate_latest(mgr.metrics.registry).decode()
+        return Response(tenancy.filter_metrics(text, key.team_id), media_type=CONTENT_TYPE_LATEST)
 
     # -- create ----------------------------------------------------------------------------
 
@@ -180,7 +190,9 @@ def build_control_app(ctx: ControlContext) -> FastAPI:
         _refuse_unenforced(body, network)
         if BUILD_METADATA in body.metadata:
             raise ApiError(400, f"metadata.{BUILD_METADATA}: reserved for template builds")
-        if built.internal(body.templateID):
+        if built.internal(body.templateID) or not tenancy.template_visible(
+            body.templateID, key.team_id
+        ):
             raise TemplateNotFound(body.templateID)
         spec = CreateSpec(
             template=body.templateID,
@@ -199,7 +211,7 @@ def build_control_app(ctx: ControlContext) -> FastAPI:
             disk_mb=body.diskSizeMB,
         )
         if not idem_key:
-            rec = await mgr.create(spec, key.id)
+            rec = await mgr.create(spec, key.id, key.team_id)
             return JSONResponse(views.sandbox(rec, ctx.domain), status_code=201)
         if len(idem_key) > 256:
             raise ApiError(400, "Idempotency-Key is longer than 256 characters")
@@ -220,7 +232,7 @@ def build_control_app(ctx: ControlContext) -> FastAPI:
                         raise ApiError(409, "Idempotency-Key belongs to a create in progress")
                     return JSONResponse(views.sandbox(prior, ctx.domain), status_code=201)
                 try:
-                    rec = await mgr.create(spec, key.id)
+                    rec = await mgr.create(spec, key.id, key.team_id)
                 except BaseException:
                     store.release_idempotency(key.id, idem_key)
                     raise
@@ -251,7 +263,7 @@ def build_control_app(ctx: ControlContext) -> FastAPI:
     @app.get("/v2/sandboxes", tags=["sandboxes"])
     async def list_v2(
         request: Request,
-        _: Auth,
+        key: Auth,
         limit: Annotated[int, Query(ge=1, le=MAX_PAGE)] = MAX_PAGE,
         nextToken: str | None = None,
         order: str = "desc",
@@ -270,7 +282,7 @@ def build_control_app(ctx: ControlContext) -> FastAPI:
         cursor = _decode_token(nextToken, desc) if nextToken else None
         rows = [
             (views.micros(r.started_at), r)
-            for r in mgr.store.select(views.LISTED_STATES)
+            for r in mgr.store.select(views.LISTED_STATES, team_id=key.team_id)
             if views.listed_state(r) in states
             and views.user_sandbox(r)
             and all(r.metadata.get(k) == v for k, v in meta.items())
@@ -302,11 +314,13 @@ def build_control_app(ctx: ControlContext) -> FastAPI:
         return JSONResponse(body, headers=headers)
 
     @app.get("/sandboxes", tags=["sandboxes"])
-    async def list_v1(request: Request, _: Auth) -> JSONResponse:
+    async def list_v1(request: Request, key: Auth) -> JSONResponse:
         meta = _parse_metadata(request.query_params.get("metadata"), encoded_twice=False)
         recs = [
             r
-            for r in mgr.store.select([SandboxState.RUNNING, SandboxState.PAUSING])
+            for r in mgr.store.select(
+                [SandboxState.RUNNING, SandboxState.PAUSING], team_id=key.team_id
+            )
             if views.user_sandbox(r) and all(r.metadata.get(k) == v for k, v in meta.items())
         ]
         # Newest first, as E2B's v1 list.
@@ -316,30 +330,35 @@ def build_control_app(ctx: ControlContext) -> FastAPI:
     # -- one sandbox -----------------------------------------------------------------------
 
     @app.get("/sandboxes/{sandbox_id}", tags=["sandboxes"])
-    async def get_sandbox(sandbox_id: str, _: Auth) -> JSONResponse:
+    async def get_sandbox(sandbox_id: str, key: Auth) -> JSONResponse:
+        owned(sandbox_id, key)
         rec = mgr.get(sandbox_id)
         if views.listed_state(rec) is None:
             raise SandboxNotFound(sandbox_id)
         return JSONResponse(views.host_memory(views.detail(rec, ctx.domain), mgr.host_memory(rec)))
 
     @app.delete("/sandboxes/{sandbox_id}", status_code=204, tags=["sandboxes"])
-    async def kill(sandbox_id: str, _: Auth) -> Response:
+    async def kill(sandbox_id: str, key: Auth) -> Response:
+        owned(sandbox_id, key)
         await mgr.kill(sandbox_id)
         return Response(status_code=204)
 
     @app.post("/sandboxes/{sandbox_id}/timeout", status_code=204, tags=["sandboxes"])
-    async def set_timeout(sandbox_id: str, body: TimeoutBody, _: Auth) -> Response:
+    async def set_timeout(sandbox_id: str, body: TimeoutBody, key: Auth) -> Response:
+        owned(sandbox_id, key)
         await mgr.set_timeout(sandbox_id, body.timeout)
         return Response(status_code=204)
 
     @app.post("/sandboxes/{sandbox_id}/refreshes", status_code=204, tags=["sandboxes"])
-    async def refresh(sandbox_id: str, _: Auth, body: RefreshBody | None = None) -> Response:
+    async def refresh(sandbox_id: str, key: Auth, body: RefreshBody | None = None) -> Response:
+        owned(sandbox_id, key)
         duration = body.duration if body and body.duration is not None else 60
         await mgr.refresh(sandbox_id, duration)
         return Response(status_code=204)
 
     @app.post("/sandboxes/{sandbox_id}/pause", status_code=204, tags=["sandboxes"])
-    async def pause(sandbox_id: str, _: Auth, body: PauseBody | None = None) -> Response:
+    async def pause(sandbox_id: str, key: Auth, body: PauseBody | None = None) -> Response:
+        owned(sandbox_id, key)
         body = body or PauseBody()
         await mgr.pause(
             sandbox_id,
@@ -349,7 +368,8 @@ def build_control_app(ctx: ControlContext) -> FastAPI:
         return Response(status_code=204)
 
     @app.post("/sandboxes/{sandbox_id}/resume", status_code=201, tags=["sandboxes"])
-    async def resume(sandbox_id: str, _: Auth, body: ResumeBody | None = None) -> JSONResponse:
+    async def resume(sandbox_id: str, key: Auth, body: ResumeBody | None = None) -> JSONResponse:
+        owned(sandbox_id, key)
         body = body or ResumeBody()
         rec = await mgr.resume(
             sandbox_id, body.timeout, auto_pause=body.autoPause, memory=body.memory
@@ -366,19 +386,24 @@ def build_control_app(ctx: ControlContext) -> FastAPI:
 
     @app.post("/sandboxes/{sandbox_id}/snapshots", status_code=201, tags=["snapshots"])
     async def create_snapshot(
-        sandbox_id: str, _: Auth, body: SnapshotBody | None = None
+        sandbox_id: str, key: Auth, body: SnapshotBody | None = None
     ) -> JSONResponse:
         body = body or SnapshotBody()
         if body.name is not None and is_internal_name(body.name):
             raise ApiError(400, f"name {body.name!r}: build-cache-* and build-final-* are reserved")
         if body.name is not None and builds.state.template(body.name) is not None:
             raise ApiError(409, f"name {body.name!r} is a built template's")
+        owned(sandbox_id, key)
+        if body.name is not None and tenancy.name_taken(body.name, key.team_id):
+            # Names are one name space per server; moving it would take another team's.
+            raise ApiError(409, f"name {body.name!r} is taken")
         info = await mgr.snapshot(sandbox_id, body.name, memory=body.memory is not False)
+        mgr.store.set_snapshot_owner(info.snapshot_id, key.team_id)
         return JSONResponse({"snapshotID": info.snapshot_id, "names": info.names}, 201)
 
     @app.get("/snapshots", tags=["snapshots"])
     async def list_snapshots(
-        _: Auth,
+        key: Auth,
         sandboxID: str | None = None,
         name: str | None = None,
         limit: Annotated[int, Query(ge=1, le=MAX_PAGE)] = MAX_PAGE,
@@ -386,12 +411,13 @@ def build_control_app(ctx: ControlContext) -> FastAPI:
     ) -> JSONResponse:
         runtime_id = None
         if sandboxID is not None:
-            rec = mgr.store.get(sandboxID)
+            rec = tenancy.sandbox(sandboxID, key.team_id)
             runtime_id = (rec.runtime_id or rec.id) if rec is not None else sandboxID
         rows = [
             s
             for s in sorted(mgr.snapshots(), key=lambda s: (s.created_at, s.snapshot_id))
             if not (s.names and all(map(is_internal_name, s.names)))
+            and mgr.store.snapshot_owner(s.snapshot_id) == key.team_id
             and (runtime_id is None or s.source == runtime_id)
             and (name is None or name in s.names or name == s.snapshot_id)
         ]
@@ -404,22 +430,29 @@ def build_control_app(ctx: ControlContext) -> FastAPI:
 
     @app.post("/sandboxes/{sandbox_id}/fork", status_code=201, tags=["sandboxes"])
     async def fork(sandbox_id: str, key: Auth, body: ForkBody | None = None) -> JSONResponse:
+        owned(sandbox_id, key)
         body = body or ForkBody()
         children = await mgr.fork(sandbox_id, body.count, body.timeout, key.id)
         return JSONResponse([{"sandbox": views.sandbox(c, ctx.domain)} for c in children], 201)
 
     @app.post("/sandboxes/{sandbox_id}/connect", tags=["sandboxes"])
-    async def connect_v1(sandbox_id: str, _: Auth, body: ConnectBody | None = None) -> JSONResponse:
+    async def connect_v1(
+        sandbox_id: str, key: Auth, body: ConnectBody | None = None
+    ) -> JSONResponse:
+        owned(sandbox_id, key)
         return await connect(sandbox_id, body)
 
     @app.post("/v2/sandboxes/{sandbox_id}/connect", tags=["sandboxes"])
-    async def connect_v2(sandbox_id: str, _: Auth, body: ConnectBody | None = None) -> JSONResponse:
+    async def connect_v2(
+        sandbox_id: str, key: Auth, body: ConnectBody | None = None
+    ) -> JSONResponse:
+        owned(sandbox_id, key)
         return await connect(sandbox_id, body)
 
     @app.get("/sandboxes/{sandbox_id}/metrics", tags=["sandboxes"])
     async def sandbox_metrics(
         sandbox_id: str,
-        _: Auth,
+        key: Auth,
         start: Annotated[int | None, Query(ge=0)] = None,
         end: Annotated[int | None, Query(ge=0)] = None,
     ) -> JSONResponse:
@@ -428,6 +461,7 @@ def build_control_app(ctx: ControlContext) -> FastAPI:
         range."""
         if start is not None and end is not None and start > end:
             raise ApiError(400, f"Invalid time range for metrics: start {start} is after end {end}")
+        owned(sandbox_id, key)
         rec = mgr.get(sandbox_id)
         raw = await mgr.guest_metrics(rec)
         if not raw:
@@ -441,50 +475,67 @@ def build_control_app(ctx: ControlContext) -> FastAPI:
     @app.get("/sandboxes/{sandbox_id}/logs", tags=["sandboxes"])
     async def logs_v1(
         sandbox_id: str,
-        _: Auth,
+        key: Auth,
         start: Annotated[int, Query(ge=0)] = 0,
         limit: Annotated[int, Query(ge=1, le=10000)] = 1000,
     ) -> JSONResponse:
-        _known(mgr, sandbox_id)
+        # Logs stay readable after a kill; an id the team never had is a 404.
+        owned(sandbox_id, key)
         lines = mgr.store.logs(sandbox_id, start=start / 1000, limit=limit)
         return JSONResponse(views.logs_v1(lines))
 
     @app.get("/v2/sandboxes/{sandbox_id}/logs", tags=["sandboxes"])
     async def logs_v2(
         sandbox_id: str,
-        _: Auth,
+        key: Auth,
         cursor: Annotated[int, Query(ge=0)] = 0,
         limit: Annotated[int, Query(ge=1, le=10000)] = 1000,
     ) -> JSONResponse:
-        _known(mgr, sandbox_id)
+        # Logs stay readable after a kill; an id the team never had is a 404.
+        owned(sandbox_id, key)
         lines = mgr.store.logs(sandbox_id, start=cursor / 1000, limit=limit)
         return JSONResponse(views.logs_v2(lines))
 
     # -- templates -------------------------------------------------------------------------
 
     @app.get("/templates", tags=["templates"])
-    async def list_templates(_: Auth) -> JSONResponse:
-        spawns = mgr.store.spawns()
+    async def list_templates(key: Auth, teamID: str | None = None) -> JSONResponse:
+        if teamID is not None and teamID != key.team_id:
+            raise ApiError(400, "Team ID param mismatch with the API key")
+        spawns = mgr.store.spawns(key.team_id)
         rows = [
-            views.template(t, mgr.envd_version, spawns.get(t.name)) for t in ctx.templates.list()
+            views.template(t, mgr.envd_version, spawns.get(t.name))
+            for t in ctx.templates.list()
+            if tenancy.catalog_visible(t.name, key.team_id)
         ]
-        made = sorted(builds.state.templates(), key=lambda t: t.created_at)
+        made = sorted(
+            (t for t in builds.state.templates() if template_team(t) == key.team_id),
+            key=lambda t: t.created_at,
+        )
         rows += [builds.template_view(t, spawns) for t in made]
         return JSONResponse(rows)
 
-    def visible(ref: str) -> TemplateInfo:
-        """A template users may see (not one of the builder's snapshots)."""
-        if built.internal(ref):
+    def visible(ref: str, key: ApiKey) -> TemplateInfo:
+        """A template the caller may see (not one of the builder's snapshots, not another
+        team's snapshot)."""
+        if built.internal(ref) or not tenancy.template_visible(ref, key.team_id):
             raise TemplateUnavailable(ref)
         return built.get(ref)
 
+    def own_template(name: str, key: ApiKey) -> TemplateRecord | None:
+        """The caller's built template of that name (another team's is None: a 404)."""
+        tpl = builds.state.template(name)
+        return tpl if tpl is not None and template_team(tpl) == key.team_id else None
+
     @app.get("/templates/aliases/{alias:path}", tags=["templates"])
-    async def template_alias(alias: str, _: Auth) -> JSONResponse:
+    async def template_alias(alias: str, key: Auth) -> JSONResponse:
         """E2B's alias check (`Template.exists`): 200 `TemplateAliasResponse` or 404. A
         built template's name exists from its first build request on; `name:tag` only
         while the tag names a ready build."""
         name, tag = split_name(alias)
-        tpl = builds.state.template(name)
+        tpl = own_template(name, key)
+        if tpl is None and builds.state.template(name) is not None:
+            raise ApiError(404, f"template '{alias}' not found")
         if tpl is not None:
             if ":" in alias:
                 try:
@@ -493,7 +544,7 @@ def build_control_app(ctx: ControlContext) -> FastAPI:
                     raise ApiError(404, str(exc)) from exc
             return JSONResponse({"templateID": tpl.template_id, "public": False})
         try:
-            t = visible(alias)
+            t = visible(alias, key)
         except TemplateUnavailable as exc:
             raise ApiError(404, f"template '{alias}' not found") from exc
         return JSONResponse({"templateID": t.name, "public": False})
@@ -501,21 +552,24 @@ def build_control_app(ctx: ControlContext) -> FastAPI:
     @app.get("/templates/{template_id}", tags=["templates"])
     async def get_template(
         template_id: str,
-        _: Auth,
+        key: Auth,
         limit: Annotated[int, Query(ge=1, le=MAX_PAGE)] = MAX_PAGE,
         nextToken: str | None = None,
     ) -> JSONResponse:
         """E2B's TemplateWithBuilds: builds newest first, `limit` a page (`x-next-token`)."""
-        tpl = builds.state.template(split_name(template_id)[0])
+        name = split_name(template_id)[0]
+        tpl = own_template(name, key)
         if tpl is None:
+            if builds.state.template(name) is not None:
+                raise ApiError(404, f"template {template_id!r} not found")
             try:
-                t = visible(template_id)
+                t = visible(template_id, key)
             except TemplateUnavailable as exc:
                 raise ApiError(404, f"template {template_id!r} not found") from exc
-            body = views.template(t, mgr.envd_version, mgr.store.spawns().get(t.name))
+            body = views.template(t, mgr.envd_version, mgr.store.spawns(key.team_id).get(t.name))
             body["builds"] = []
             return JSONResponse(body)
-        body = builds.template_view(tpl, mgr.store.spawns())
+        body = builds.template_view(tpl, mgr.store.spawns(key.team_id))
         rows = builds.build_rows(tpl)
         start = _decode_offset(nextToken) if nextToken else 0
         body["builds"] = rows[start : start + limit]
@@ -524,17 +578,30 @@ def build_control_app(ctx: ControlContext) -> FastAPI:
         return JSONResponse(body, headers=headers)
 
     @app.delete("/templates/{template_id}", status_code=204, tags=["templates"])
-    async def delete_template(template_id: str, _: Auth) -> Response:
-        """E2B's rule: refused (400) while running or paused sandboxes use the template."""
-        tpl = builds.state.template(split_name(template_id)[0])
+    async def delete_template(template_id: str, key: Auth) -> Response:
+        """E2B's rule: refused (400) while running or paused sandboxes use the template.
+        A built template or snapshot: only its team's keys; a catalog template (public):
+        only the default team's, the server operator's."""
+        name = split_name(template_id)[0]
+        tpl = own_template(name, key)
         if tpl is not None:
             refused = builds.refuse_delete(tpl)
             if refused is not None:
                 return refused
             await builds.delete_template(tpl)
             return Response(status_code=204)
-        if built.internal(template_id):
+        if (
+            builds.state.template(name) is not None
+            or built.internal(template_id)
+            or not tenancy.template_visible(template_id, key.team_id)
+        ):
             raise ApiError(404, f"template {template_id!r} not found")
+        if template_id in tenancy.catalog_names() and key.team_id != DEFAULT_TEAM:
+            raise ApiError(
+                403,
+                f"template {template_id!r} is a public catalog template; only the "
+                f"'{DEFAULT_TEAM}' team's keys may delete it",
+            )
         users = [
             r
             for r in mgr.store.select(LIVE_STATES)
@@ -558,7 +625,8 @@ def build_control_app(ctx: ControlContext) -> FastAPI:
 
     # Routes the SDK knows that this server does not implement answer clearly, not 404.
     @app.put("/sandboxes/{sandbox_id}/network", status_code=204, tags=["sandboxes"])
-    async def update_network(sandbox_id: str, _: Auth, body: NetworkUpdate) -> Response:
+    async def update_network(sandbox_id: str, key: Auth, body: NetworkUpdate) -> Response:
+        owned(sandbox_id, key)
         # E2B replaces the whole egress config: what the body leaves out is cleared.
         named = [k for k in ("egressProxy", "rules") if getattr(body, k) is not None]
         if named:
@@ -618,12 +686,6 @@ def _check_targets(
 
 async def _not_implemented(request: Request) -> JSONResponse:
     return error(501, f"{request.method} {request.url.path} is not supported by this server yet")
-
-
-def _known(mgr: SandboxManager, sandbox_id: str) -> None:
-    # Logs stay readable after a kill, but an id that never existed is a 404.
-    if mgr.store.get(sandbox_id) is None:
-        raise SandboxNotFound(sandbox_id)
 
 
 def _metric_sample(rec: SandboxRecord, m: dict[str, Any]) -> dict[str, Any]:

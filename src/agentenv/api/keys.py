@@ -4,22 +4,36 @@ Keys are issued in E2B's format, ``e2b_`` + 40 lowercase hex digits (20 random b
 e2b-dev/infra ``packages/shared/pkg/keys``): the JS SDK from 2.27 refuses, before sending
 anything, any key that does not match ``^e2b_[0-9a-f]+$``. Keys issued earlier (``aenv_…``)
 keep working: a key is looked up by the hash of the whole string, whatever its prefix.
+
+Every key belongs to a team (E2B's teamID); what a key creates is its team's, and it sees
+only its team's (`api.tenancy`). The first key, and every key from before teams, is the
+`default` team's. `verify` reads the store on every request (no cache), so a revoked key
+fails on its next call, also when `aenv keys revoke` ran in another process.
 """
 
 from __future__ import annotations
 
+import builtins
 import hashlib
 import os
 import secrets
 from pathlib import Path
 
-from agentenv.orchestrator.store import ApiKey, Store
+from agentenv.orchestrator.store import DEFAULT_TEAM, ApiKey, Store, Team
 
 KEY_PREFIX = "e2b_"
 
 
 class UnknownKey(ValueError):
     """An API key operation was asked for something that does not exist."""
+
+
+class UnknownTeam(ValueError):
+    """No team has that id or name."""
+
+
+class TeamExists(ValueError):
+    """A team of that name exists already."""
 
 
 def hash_key(secret: str) -> str:
@@ -35,10 +49,16 @@ class KeyRing:
     def __init__(self, store: Store) -> None:
         self.store = store
 
-    def create(self, name: str) -> tuple[ApiKey, str]:
+    def create(self, name: str, team: str = DEFAULT_TEAM) -> tuple[ApiKey, str]:
+        """A new key of `team` (its id or name)."""
+        found = self.team(team)
         secret = KEY_PREFIX + secrets.token_hex(20)
         key = self.store.add_key(
-            "k" + secrets.token_hex(6), name, secret[: len(KEY_PREFIX) + 4], hash_key(secret)
+            "k" + secrets.token_hex(6),
+            name,
+            secret[: len(KEY_PREFIX) + 4],
+            hash_key(secret),
+            found.id,
         )
         return key, secret
 
@@ -56,6 +76,38 @@ class KeyRing:
     def revoke(self, key_id: str) -> None:
         if not self.store.revoke_key(key_id):
             raise UnknownKey(f"no active API key with id {key_id!r}")
+
+    # -- teams -------------------------------------------------------------------------------
+
+    def team(self, ref: str) -> Team:
+        found = self.store.team(ref)
+        if found is None:
+            raise UnknownTeam(f"no team with id or name {ref!r}")
+        return found
+
+    def teams(self) -> builtins.list[Team]:
+        return self.store.teams()
+
+    def create_team(self, name: str) -> Team:
+        if not name or len(name) > 64 or not name.isprintable():
+            raise ValueError("a team name is 1-64 printable characters")
+        if self.store.team(name) is not None:
+            raise TeamExists(f"team {name!r} exists already")
+        return self.store.add_team("t" + secrets.token_hex(6), name)
+
+    def set_limits(
+        self, team: str, *, max_sandboxes: int | None = None, creates_per_minute: int | None = None
+    ) -> Team:
+        """Set a team's limits (0 = none); what is None stays as it is."""
+        for label, value in (("max sandboxes", max_sandboxes), ("creates per minute",
+                                                               creates_per_minute)):  # fmt: skip
+            if value is not None and value < 0:
+                raise ValueError(f"{label} cannot be negative (0 = no limit)")
+        found = self.team(team)
+        self.store.set_team_limits(
+            found.id, max_sandboxes=max_sandboxes, creates_per_minute=creates_per_minute
+        )
+        return self.team(found.id)
 
     def ensure_initial(self, home: Path) -> Path | None:
         """On first start, create a key and write it to a 0600 file; returns the file if new."""

@@ -18,6 +18,7 @@ import secrets
 import time
 import uuid
 from collections.abc import Iterable
+from dataclasses import replace
 from typing import Annotated, Any
 
 from fastapi import FastAPI, Query, Request, Response
@@ -25,6 +26,7 @@ from fastapi.responses import JSONResponse
 
 from agentenv.api import views
 from agentenv.api.build_progress import mount_build_progress
+from agentenv.api.tenancy import Tenancy, template_team
 from agentenv.build.builder import Builder, template_record
 from agentenv.build.spec import SpecError, parse
 from agentenv.build.state import (
@@ -78,6 +80,7 @@ class TemplateBuilds:
             ctx.templates = ctx.manager.templates = built
         self.built: BuiltTemplates = built
         self.state = built.state
+        self.tenancy = Tenancy(ctx.manager.store, built)
         self.builder = Builder(ctx.manager, settings, self.state)
         self.catalog = TemplateCatalog(settings)
         # Upload links are signed, not authenticated: the SDK sends no API key with them.
@@ -88,6 +91,11 @@ class TemplateBuilds:
 
     async def close(self) -> None:
         await self.builder.close()
+
+    def owned(self, template_id: str, team_id: str) -> TemplateRecord | None:
+        """The team's built template of that id; another team's is None (a 404)."""
+        tpl = self.state.template(template_id)
+        return tpl if tpl is not None and template_team(tpl) == team_id else None
 
     def sign(self, template_id: str, files_hash: str, expires: int) -> str:
         msg = f"{template_id}\n{files_hash}\n{expires}".encode()
@@ -249,21 +257,26 @@ def mount_templates(app: FastAPI, ctx: Any) -> TemplateBuilds:
             request.headers.get("authorization"),
         )
 
-    def build_of(template_id: str, build_id: str) -> BuildRecord | JSONResponse:
+    def build_of(template_id: str, build_id: str, key: Any) -> BuildRecord | JSONResponse:
         rec = state.build(build_id)
-        if rec is None or rec.template_id != template_id:
+        if (
+            rec is None
+            or rec.template_id != template_id
+            or builds.owned(template_id, key.team_id) is None
+        ):
             return _err(404, f"build {build_id} of template {template_id!r} not found")
         return rec
 
     @app.post("/v3/templates", status_code=202, tags=["templates"])
     async def request_build(request: Request) -> Response:
         key = await auth(request)
-        del key
         body = await object_of(request, _REQUEST_FIELDS)
         if isinstance(body, JSONResponse):
             return body
-        if body.get("teamID") is not None:
-            return _err(400, "teamID: teams are not supported by this server")
+        team = body.get("teamID")
+        if team is not None and team != key.team_id:
+            # A key acts for its own team only (E2B's answer, whether or not that team exists).
+            return _err(400, "Team ID param mismatch with the API key")
         if body.get("minFreeDiskMb"):
             return _err(400, "minFreeDiskMb: growing the disk after the build is not supported yet")
         raw = body.get("name") or body.get("alias")
@@ -292,7 +305,10 @@ def mount_templates(app: FastAPI, ctx: Any) -> TemplateBuilds:
             pass
         else:
             return _err(409, f"template {name!r} is a built-in template; choose another name")
-        tpl = state.template(name) or template_record(name)
+        if builds.tenancy.name_taken(name, key.team_id):
+            # One name space per server: the name is another team's template or snapshot.
+            return _err(409, f"template name {name!r} is taken; choose another name")
+        tpl = state.template(name) or replace(template_record(name), team_id=key.team_id)
         build_id = str(uuid.uuid4())
         tpl.builds.append(build_id)
         tpl.cpu, tpl.memory_mb = cpu, memory
@@ -322,8 +338,8 @@ def mount_templates(app: FastAPI, ctx: Any) -> TemplateBuilds:
 
     @app.get("/templates/{template_id}/files/{files_hash}", status_code=201, tags=["templates"])
     async def file_link(template_id: str, files_hash: str, request: Request) -> Response:
-        await auth(request)
-        if state.template(template_id) is None:
+        key = await auth(request)
+        if builds.owned(template_id, key.team_id) is None:
             return _err(404, f"template {template_id!r} not found")
         if not _HASH_RE.match(files_hash):
             return _err(400, f"files hash {files_hash!r} is not a hash")
@@ -362,7 +378,7 @@ def mount_templates(app: FastAPI, ctx: Any) -> TemplateBuilds:
     @app.post("/v2/templates/{template_id}/builds/{build_id}", status_code=202, tags=["templates"])
     async def start_build(template_id: str, build_id: str, request: Request) -> Response:
         key = await auth(request)
-        found = build_of(template_id, build_id)
+        found = build_of(template_id, build_id, key)
         if isinstance(found, JSONResponse):
             return found
         if found.status != "waiting" or builds.builder.running(build_id):
@@ -380,7 +396,9 @@ def mount_templates(app: FastAPI, ctx: Any) -> TemplateBuilds:
                 )
         if spec.from_template:
             try:
-                if builds.built.internal(spec.from_template):
+                if builds.built.internal(spec.from_template) or not builds.tenancy.template_visible(
+                    spec.from_template, key.team_id
+                ):
                     raise TemplateUnavailable(spec.from_template)
                 builds.built.get(spec.from_template)
             except TemplateUnavailable as exc:
@@ -405,8 +423,8 @@ def mount_templates(app: FastAPI, ctx: Any) -> TemplateBuilds:
         limit: Annotated[int, Query(ge=0, le=STATUS_PAGE)] = STATUS_PAGE,
         level: str | None = None,
     ) -> Response:
-        await auth(request)
-        found = build_of(template_id, build_id)
+        key = await auth(request)
+        found = build_of(template_id, build_id, key)
         if isinstance(found, JSONResponse):
             return found
         if (bad := check_level(level)) is not None:
@@ -437,8 +455,8 @@ def mount_templates(app: FastAPI, ctx: Any) -> TemplateBuilds:
     ) -> Response:
         """E2B's cursor is a time in milliseconds: forward gives lines at or after it,
         backward lines at or before it, newest first."""
-        await auth(request)
-        found = build_of(template_id, build_id)
+        key = await auth(request)
+        found = build_of(template_id, build_id, key)
         if isinstance(found, JSONResponse):
             return found
         if (bad := check_level(level)) is not None:
@@ -457,8 +475,8 @@ def mount_templates(app: FastAPI, ctx: Any) -> TemplateBuilds:
     @app.get("/templates/{template_id}/builds", tags=["templates"])
     async def list_builds(template_id: str, request: Request) -> Response:
         """Not an E2B route: the builds of a template, newest first (`aenv template logs`)."""
-        await auth(request)
-        tpl = state.template(template_id)
+        key = await auth(request)
+        tpl = builds.owned(template_id, key.team_id)
         if tpl is None:
             return _err(404, f"template {template_id!r} has no builds")
         rows = []
@@ -498,8 +516,8 @@ def mount_templates(app: FastAPI, ctx: Any) -> TemplateBuilds:
 
     @app.get("/templates/{template_id}/tags", tags=["tags"])
     async def list_tags(template_id: str, request: Request) -> Response:
-        await auth(request)
-        if state.template(template_id) is None:
+        key = await auth(request)
+        if builds.owned(template_id, key.team_id) is None:
             return _err(404, f"template {template_id!r} not found")
         return JSONResponse(tag_rows(template_id))
 
@@ -507,7 +525,7 @@ def mount_templates(app: FastAPI, ctx: Any) -> TemplateBuilds:
     async def assign_tags(request: Request) -> Response:
         """E2B's: the build `target` (`name` = `name:default`) names gets `tags` too; a tag
         that named another build moves."""
-        await auth(request)
+        key = await auth(request)
         body = await object_of(request, {"target", "tags"})
         if isinstance(body, JSONResponse):
             return body
@@ -521,7 +539,7 @@ def mount_templates(app: FastAPI, ctx: Any) -> TemplateBuilds:
         except BadTag as exc:
             return _err(400, f"tags: {exc}")
         name, tag = split_name(target)
-        tpl = state.template(name)
+        tpl = builds.owned(name, key.team_id)
         if tpl is None:
             return _err(404, f"template '{name}' not found")
         try:
@@ -537,7 +555,7 @@ def mount_templates(app: FastAPI, ctx: Any) -> TemplateBuilds:
     @app.delete("/templates/tags", status_code=204, tags=["tags"])
     async def remove_tags(request: Request) -> Response:
         """E2B's: tags the template does not have are no error; `default` cannot go."""
-        await auth(request)
+        key = await auth(request)
         body = await object_of(request, {"name", "tags"})
         if isinstance(body, JSONResponse):
             return body
@@ -557,7 +575,7 @@ def mount_templates(app: FastAPI, ctx: Any) -> TemplateBuilds:
         base, tag = split_name(name)
         if tag is not None:
             return _err(400, "name: give the template's name without a tag (tags go in 'tags')")
-        tpl = state.template(base)
+        tpl = builds.owned(base, key.team_id)
         if tpl is None:
             return _err(404, f"template '{name}' not found")
         for t in tags:

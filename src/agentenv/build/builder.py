@@ -31,7 +31,7 @@ from agentenv.config import Settings
 from agentenv.orchestrator.errors import SandboxNotFound
 from agentenv.orchestrator.runtime import TemplateUnavailable
 from agentenv.orchestrator.sandboxes import CreateSpec, SandboxManager
-from agentenv.orchestrator.store import BUILD_METADATA, SandboxRecord
+from agentenv.orchestrator.store import BUILD_METADATA, DEFAULT_TEAM, SandboxRecord
 from agentenv.snapshot.errors import SnapshotError
 from agentenv.snapshot.repository import SnapshotRepository
 from agentenv.storage.layers import LayerStore
@@ -333,12 +333,19 @@ class Builder:
         self.state.log(bid, f"Building template {rec.template_id} from {spec.base}", step="base")
         base_name, base_id, ctx = await self._base_identity(rec, spec)
         keys: list[str] = []
-        parent = chain_key("", {"base": base_id})
+        # The step cache is per team: a RUN's output (a generated secret, a private
+        # download) must not serve another team's build. The default team keeps the keys
+        # it had before teams existed, so its cache stays warm.
+        root: dict[str, object] = {"base": base_id}
+        team = self.manager.team_of_key(api_key_id)
+        if team != DEFAULT_TEAM:
+            root["team"] = team
+        parent = chain_key("", root)
         for step in spec.steps:
             parent = chain_key(parent, step.identity())
             keys.append(parent)
         final = chain_key(
-            keys[-1] if keys else chain_key("", {"base": base_id}),
+            keys[-1] if keys else chain_key("", root),
             {
                 "start": spec.start_cmd,
                 "ready": spec.ready_cmd,

@@ -31,6 +31,8 @@ class TemplateRecord:
     builds: list[str] = field(default_factory=list)
     cpu: int | None = None
     memory_mb: int | None = None
+    # The owning team (None: a record from before teams, the default team's).
+    team_id: str | None = None
 
 
 @dataclass

@@ -34,8 +34,13 @@ from agentenv.guest.envd.client import encode_envelope, iter_envelopes
 client_app = typer.Typer(no_args_is_help=True, add_completion=False)
 template_app = typer.Typer(help="Templates on the server.", no_args_is_help=True)
 keys_app = typer.Typer(help="API keys of the local server (run on the server host).")
+teams_app = typer.Typer(
+    help="Teams of the local server and their limits (run on the server host).",
+    no_args_is_help=True,
+)
 client_app.add_typer(template_app, name="template")
 client_app.add_typer(keys_app, name="keys")
+client_app.add_typer(teams_app, name="teams")
 
 err = Console(stderr=True, soft_wrap=True)
 DEFAULT_URL = "http://127.0.0.1:8000"
@@ -444,34 +449,44 @@ def _keyring() -> Any:
 
 
 @keys_app.command("create")
-def keys_create(name: str = typer.Argument("key")) -> None:
-    """Create an API key; it is printed once and only its hash is stored."""
-    key, secret = _guard(lambda: _keyring().create(name))
-    err.print(f"created key {key.id} ({name}); store it now, it is not shown again:")
+def keys_create(
+    name: str = typer.Argument("key"),
+    team: Annotated[
+        str, typer.Option("--team", help="The team (id or name) the key acts for.")
+    ] = "default",
+) -> None:
+    """Create an API key of a team; it is printed once and only its hash is stored."""
+    key, secret = _guard(lambda: _team_call(lambda ring: ring.create(name, team)))
+    err.print(f"created key {key.id} ({name}, team {team}); store it now, it is not shown again:")
     print(secret)
 
 
 @keys_app.command("ls")
 def keys_ls() -> None:
-    """List API keys (ids and prefixes, never the keys)."""
-    keys = _guard(lambda: _keyring().list())
-    rows = [
-        {
-            "id": k.id,
-            "name": k.name,
-            "prefix": k.prefix + "…",
-            "created": time.strftime("%Y-%m-%d %H:%M", time.localtime(k.created_at)),
-            "revoked": "yes" if k.revoked_at else "",
-        }
-        for k in keys
-    ]
-    _emit(rows, [("ID", "id"), ("NAME", "name"), ("PREFIX", "prefix"), ("CREATED", "created"),
-                 ("REVOKED", "revoked")])  # fmt: skip
+    """List API keys (ids, prefixes and teams, never the keys)."""
+
+    def rows() -> list[dict[str, Any]]:
+        ring = _keyring()
+        names = {t.id: t.name for t in ring.teams()}
+        return [
+            {
+                "id": k.id,
+                "name": k.name,
+                "team": names.get(k.team_id, k.team_id),
+                "prefix": k.prefix + "…",
+                "created": time.strftime("%Y-%m-%d %H:%M", time.localtime(k.created_at)),
+                "revoked": "yes" if k.revoked_at else "",
+            }
+            for k in ring.list()
+        ]
+
+    _emit(_guard(rows), [("ID", "id"), ("NAME", "name"), ("TEAM", "team"), ("PREFIX", "prefix"),
+                         ("CREATED", "created"), ("REVOKED", "revoked")])  # fmt: skip
 
 
 @keys_app.command("revoke")
 def keys_revoke(key_id: str) -> None:
-    """Revoke an API key; requests using it fail from now on."""
+    """Revoke an API key; every request with it fails (401) from the next one on."""
     from agentenv.api.keys import UnknownKey
 
     def run() -> None:
@@ -482,6 +497,77 @@ def keys_revoke(key_id: str) -> None:
 
     _guard(run)
     err.print(f"revoked {key_id}")
+
+
+# -- teams (server side) ---------------------------------------------------------------------
+
+
+def _team_call(fn: Callable[[Any], T]) -> T:
+    """`fn(keyring)`, its refusals (unknown team, bad value) as one-line errors."""
+    from agentenv.api.keys import TeamExists, UnknownTeam
+
+    try:
+        return fn(_keyring())
+    except (UnknownTeam, TeamExists, ValueError) as exc:
+        raise ClientError(str(exc)) from exc
+
+
+def _limit(value: int) -> str:
+    return str(value) if value > 0 else "none"
+
+
+@teams_app.command("create")
+def teams_create(name: str) -> None:
+    """Create a team (no limits of its own until `aenv teams set-limits`)."""
+    team = _guard(lambda: _team_call(lambda ring: ring.create_team(name)))
+    err.print(f"created team {team.name} ({team.id}); add a key: aenv keys create --team {name}")
+
+
+@teams_app.command("ls")
+def teams_ls() -> None:
+    """List teams and their limits."""
+
+    def rows() -> list[dict[str, Any]]:
+        return [
+            {
+                "id": t.id,
+                "name": t.name,
+                "max_sandboxes": _limit(t.max_sandboxes),
+                "creates_per_minute": _limit(t.creates_per_minute),
+            }
+            for t in _keyring().teams()
+        ]
+
+    _emit(_guard(rows), [("ID", "id"), ("NAME", "name"), ("MAX SANDBOXES", "max_sandboxes"),
+                         ("CREATES/MIN", "creates_per_minute")])  # fmt: skip
+
+
+@teams_app.command("set-limits")
+def teams_set_limits(
+    team: str,
+    max_sandboxes: Annotated[
+        int | None,
+        typer.Option("--max-sandboxes", help="Sandboxes running at once (0 = no limit)."),
+    ] = None,
+    creates_per_minute: Annotated[
+        int | None,
+        typer.Option("--creates-per-minute", help="Create rate (0 = no limit)."),
+    ] = None,
+) -> None:
+    """Set a team's limits; a running server applies them from its next request."""
+    if max_sandboxes is None and creates_per_minute is None:
+        _fail("give --max-sandboxes and/or --creates-per-minute")
+    found = _guard(
+        lambda: _team_call(
+            lambda ring: ring.set_limits(
+                team, max_sandboxes=max_sandboxes, creates_per_minute=creates_per_minute
+            )
+        )
+    )
+    err.print(
+        f"team {found.name}: max sandboxes {_limit(found.max_sandboxes)}, creates per minute "
+        f"{_limit(found.creates_per_minute)}"
+    )
 
 
 # -- envd over the proxy ---------------------------------------------------------------------

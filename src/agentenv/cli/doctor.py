@@ -59,7 +59,39 @@ def _checks(settings: Settings) -> list[Finding]:
             )
         )
     found.extend(_artifact_checks(settings))
+    found.extend(_confinement_checks(settings))
     return found
+
+
+def _confinement_checks(settings: Settings) -> list[Finding]:
+    """Each piece a confined QEMU needs; a missing one fails VM starts unless confinement
+    is off (then nothing is checked: `run_doctor` says it is off)."""
+    if not settings.confine:
+        return []
+    from agentenv.vmm.confine import pieces
+
+    return [
+        Finding(
+            p.ok,
+            f"VMM confinement: {p.name}" + ("" if p.ok else f" ({p.detail})"),
+            "install it, or set AGENTENV_CONFINE=off to run QEMU unconfined (as root)",
+        )
+        for p in pieces(settings.qemu_binary)
+    ]
+
+
+def confinement_summary(settings: Settings) -> str:
+    from agentenv.vmm.confine import SANDBOX
+
+    if not settings.confine:
+        return (
+            "VMM confinement: [red]off[/red] (AGENTENV_CONFINE=off): QEMU runs as root "
+            "with the host's file system and no syscall filter"
+        )
+    return (
+        "VMM confinement: [bold]on[/bold] — a uid per VM, its own mount namespace with a "
+        f"root of only its files, seccomp (-sandbox {SANDBOX})"
+    )
 
 
 def _artifact_checks(settings: Settings) -> list[Finding]:
@@ -89,6 +121,7 @@ def run_doctor(settings: Settings, console: Console) -> int:
     for warning in choice.warnings:
         console.print(f"[yellow]warning:[/yellow] {warning}")
     console.print(f"data dir: {settings.home}   build cache: {settings.cache}")
+    console.print(confinement_summary(settings), highlight=False)
     missing = 0
     for finding in _checks(settings):
         if finding.ok:

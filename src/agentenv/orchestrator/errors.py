@@ -67,3 +67,13 @@ class InsufficientStorage(OrchestratorError):
     """The data dir ran out of space (ENOSPC) during the operation; what it made is gone."""
 
     status = 507
+
+
+class TooManyRequests(OrchestratorError):
+    """A team's own limit (concurrent sandboxes, create rate) refused this; nothing was made."""
+
+    status = 429
+
+    def __init__(self, message: str, retry_after: int) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after

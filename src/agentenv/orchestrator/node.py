@@ -84,7 +84,7 @@ from agentenv.vmm.accel import AccelChoice, detect
 from agentenv.vmm.base import BootSource, Drive, MachineSpec, NetIface, VMStatus
 from agentenv.vmm.cgroup import Cgroup
 from agentenv.vmm.errors import VMMError
-from agentenv.vmm.qemu import QemuVM
+from agentenv.vmm.qemu import QemuVM, remove_socket
 
 log = logging.getLogger(__name__)
 
@@ -283,6 +283,7 @@ class Node:
             shim,
             self.settings.vms_dir,
             self._vm_exited,
+            confine=self.settings.confine,
         )
         self.settings.sandboxes_dir.mkdir(parents=True, exist_ok=True)
         self._owner_fd = await asyncio.to_thread(_claim_data_dir, self.settings.run_dir)
@@ -363,7 +364,7 @@ class Node:
         if rec.spec.get("cgroup"):
             with contextlib.suppress(Exception):
                 await asyncio.to_thread(Cgroup(rec.name).remove)
-        await asyncio.to_thread(Path(rec.qmp_socket).unlink, True)
+        await asyncio.to_thread(remove_socket, Path(rec.qmp_socket))
         workdir = Path(rec.workdir)
         if not keep_workdir and workdir.is_relative_to(self.settings.home):
             await asyncio.to_thread(shutil.rmtree, workdir, True)
@@ -720,6 +721,7 @@ class Node:
                 qemu_binary=self.settings.qemu_binary,
                 registry=self.settings.vms_dir,
                 on_exit=self._vm_exited,
+                confine=self.settings.confine,
             )
             await vm.start()
             undo.append(vm.kill)

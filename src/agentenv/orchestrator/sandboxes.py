@@ -48,7 +48,15 @@ from agentenv.orchestrator.runtime import (
     TemplateUnavailable,
     Unsupported,
 )
-from agentenv.orchestrator.store import LIVE_STATES, SandboxRecord, SandboxState, Store
+from agentenv.orchestrator.store import (
+    BUILD_METADATA,
+    DEFAULT_TEAM,
+    LIVE_STATES,
+    SandboxRecord,
+    SandboxState,
+    Store,
+)
+from agentenv.orchestrator.tenants import TeamLimits
 
 log = logging.getLogger("agentenv.sandboxes")
 
@@ -147,6 +155,8 @@ class SandboxManager:
         )
         # Whether proxy traffic resumes a paused sandbox whose create request left it unset.
         self.auto_resume = auto_resume
+        # Each team's own limits (concurrent sandboxes, create rate); none by default.
+        self.limits = TeamLimits(store)
         self._retention_checked = 0.0
         self._locks: dict[str, asyncio.Lock] = {}
         self._reaper: asyncio.Task[None] | None = None
@@ -364,7 +374,17 @@ class SandboxManager:
 
     # -- transitions -----------------------------------------------------------------------
 
-    async def create(self, spec: CreateSpec, api_key_id: str | None = None) -> SandboxRecord:
+    def team_of_key(self, api_key_id: str | None) -> str:
+        """The team a key belongs to (what it creates is that team's)."""
+        key = self.store.key(api_key_id) if api_key_id is not None else None
+        return key.team_id if key is not None else DEFAULT_TEAM
+
+    async def create(
+        self, spec: CreateSpec, api_key_id: str | None = None, team_id: str | None = None
+    ) -> SandboxRecord:
+        """A new sandbox of `team_id` (default: the team of `api_key_id`). The team's limits
+        apply (429), except to template build sandboxes, which are the server's."""
+        team = team_id or self.team_of_key(api_key_id)
         try:
             tpl = self.templates.get(spec.template)
         except TemplateUnavailable as exc:
@@ -407,9 +427,13 @@ class SandboxManager:
             allow_internet=spec.allow_internet,
             network=dict(spec.network),
             api_key_id=api_key_id,
+            team_id=team,
         )
         started = time.monotonic()
         async with self._locked(rec.id):
+            if BUILD_METADATA not in rec.metadata:
+                # No await between the check and the insert: the row is the place taken.
+                self.limits.admit(team)
             self.store.insert(rec)
             self.store.log(rec.id, f"creating from template {rec.template!r}")
             log.info(
@@ -533,18 +557,31 @@ class SandboxManager:
     async def fork(
         self, sandbox_id: str, count: int, lifetime_s: int | None, api_key_id: str | None = None
     ) -> list[SandboxRecord]:
-        """`count` new running sandboxes from one capture of a running one."""
+        """`count` new running sandboxes from one capture of a running one; they are the
+        source's team's, within its limits."""
         async with self._locked(sandbox_id):
             src = self.get(sandbox_id)
             if src.state is not SandboxState.RUNNING:
                 raise Conflict(f"sandbox {sandbox_id} is {src.state.value}, not running")
-            try:
-                placements = await self.runtime.fork(
-                    src.runtime_id or src.id, count, src.envd_token
-                )
-            except Unsupported as exc:
-                raise NotSupported(str(exc)) from exc
-            self.store.log(sandbox_id, f"forked {len(placements)} sandbox(es)")
+            with self.limits.reserve(src.team_id, count):
+                try:
+                    placements = await self.runtime.fork(
+                        src.runtime_id or src.id, count, src.envd_token
+                    )
+                except Unsupported as exc:
+                    raise NotSupported(str(exc)) from exc
+                self.store.log(sandbox_id, f"forked {len(placements)} sandbox(es)")
+                recs = self._fork_rows(src, placements, lifetime_s, api_key_id)
+        return await self._start_forks(recs, placements)
+
+    def _fork_rows(
+        self,
+        src: SandboxRecord,
+        placements: list[Placement],
+        lifetime_s: int | None,
+        api_key_id: str | None,
+    ) -> list[SandboxRecord]:
+        sandbox_id = src.id
         seconds = lifetime_s if lifetime_s is not None else DEFAULT_TIMEOUT_S
         recs: list[SandboxRecord] = []
         for _ in placements:
@@ -570,10 +607,16 @@ class SandboxManager:
                 allow_internet=src.allow_internet,
                 network=dict(src.network),
                 api_key_id=api_key_id,
+                team_id=src.team_id,
             )
             self.store.insert(rec)
             self.store.log(rec.id, f"forked from {sandbox_id}")
             recs.append(rec)
+        return recs
+
+    async def _start_forks(
+        self, recs: list[SandboxRecord], placements: list[Placement]
+    ) -> list[SandboxRecord]:
         # The children's envd get their tokens concurrently (one round trip each, ~0.3 s
         # under TCG); all children or none.
         gate = asyncio.Semaphore(_FORK_INIT_CONCURRENCY)
@@ -721,6 +764,9 @@ class SandboxManager:
     async def _resume_locked(
         self, rec: SandboxRecord, seconds: int | None, *, memory: bool = True
     ) -> None:
+        if BUILD_METADATA not in rec.metadata:
+            # A resumed sandbox takes a place again; checked right before it does.
+            self.limits.admit(rec.team_id, create=False)
         if not self.store.transition(rec.id, SandboxState.PAUSED, SandboxState.RESUMING):
             raise Conflict(f"sandbox {rec.id} changed state during resume")
         started = time.monotonic()

@@ -1,4 +1,4 @@
-"""SQLite persistence for sandbox rows, lifecycle events, API keys and idempotency keys.
+"""SQLite persistence for sandbox rows, lifecycle events, teams, API keys and idempotency keys.
 
 Every state change is a compare-and-set ``UPDATE … WHERE state = ?`` so two writers can never
 both win a transition. Calls are synchronous: each statement touches one indexed row in a local
@@ -35,6 +35,14 @@ LIVE_STATES = frozenset(SandboxState) - {SandboxState.GONE}
 BUILD_METADATA = "agentenv.build"
 # SQL: the row is not a build sandbox.
 _NOT_BUILD = f"json_extract(metadata, '$.\"{BUILD_METADATA}\"') IS NULL"
+# The team every key, sandbox and snapshot made before teams existed belongs to (and the
+# first key's): a single-user server never sees another.
+DEFAULT_TEAM = "default"
+# States in which a sandbox holds a VM or is about to (a team's concurrency counts these;
+# a paused sandbox is only disk, a killing one is on its way out).
+ACTIVE_STATES = frozenset(
+    {SandboxState.CREATING, SandboxState.RUNNING, SandboxState.PAUSING, SandboxState.RESUMING}
+)
 
 
 @dataclass
@@ -61,6 +69,8 @@ class SandboxRecord:
     envd_url: str | None = None
     runtime_id: str | None = None
     api_key_id: str | None = None
+    # The owning team: only its keys see or touch the sandbox.
+    team_id: str = DEFAULT_TEAM
     # False: an auto-pause (timeout with `auto_pause`) keeps only the disk (E2B's
     # `autoPauseMemory: false`).
     auto_pause_memory: bool = True
@@ -81,6 +91,17 @@ class ApiKey:
     prefix: str
     created_at: float
     revoked_at: float | None
+    team_id: str = DEFAULT_TEAM
+
+
+@dataclass(frozen=True)
+class Team:
+    id: str
+    name: str
+    created_at: float
+    # 0 = no limit (the node's own admission limits still apply).
+    max_sandboxes: int = 0
+    creates_per_minute: int = 0
 
 
 @dataclass(frozen=True)
@@ -135,6 +156,17 @@ CREATE TABLE IF NOT EXISTS api_keys (
     created_at REAL NOT NULL,
     revoked_at REAL
 );
+CREATE TABLE IF NOT EXISTS teams (
+    id TEXT PRIMARY KEY,
+    name TEXT NOT NULL UNIQUE,
+    created_at REAL NOT NULL,
+    max_sandboxes INTEGER NOT NULL DEFAULT 0,
+    creates_per_minute INTEGER NOT NULL DEFAULT 0
+);
+CREATE TABLE IF NOT EXISTS snapshot_owners (
+    snapshot_id TEXT PRIMARY KEY,
+    team_id TEXT NOT NULL
+);
 CREATE TABLE IF NOT EXISTS idempotency (
     api_key_id TEXT NOT NULL,
     key TEXT NOT NULL,
@@ -149,13 +181,17 @@ _COLUMNS = (
     "id", "template", "alias", "state", "started_at", "end_at", "cpu", "memory_mb", "disk_mb",
     "envd_version", "metadata", "env_vars", "envd_token", "traffic_token", "auto_pause",
     "auto_resume", "allow_internet", "network", "address", "envd_url", "runtime_id", "api_key_id",
-    "auto_pause_memory", "pause_mode",
+    "auto_pause_memory", "pause_mode", "team_id",
 )  # fmt: skip
-# Columns added after the first schema: (name, declaration), added to older databases.
+# Columns added after the first schema: (table, name, declaration), added to older databases.
 _ADDED_COLUMNS = (
-    ("auto_pause_memory", "INTEGER NOT NULL DEFAULT 1"),
-    ("pause_mode", "TEXT"),
+    ("sandboxes", "auto_pause_memory", "INTEGER NOT NULL DEFAULT 1"),
+    ("sandboxes", "pause_mode", "TEXT"),
+    ("sandboxes", "team_id", "TEXT"),
+    ("api_keys", "team_id", "TEXT"),
 )
+_KEY_COLUMNS = "id, name, prefix, created_at, revoked_at, team_id"
+_TEAM_COLUMNS = "id, name, created_at, max_sandboxes, creates_per_minute"
 
 
 class Store:
@@ -170,10 +206,29 @@ class Store:
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.execute("PRAGMA busy_timeout=5000")
         self._db.executescript(_SCHEMA)
-        have = {row[1] for row in self._db.execute("PRAGMA table_info(sandboxes)")}
-        for name, decl in _ADDED_COLUMNS:
+        self._migrate()
+
+    def _migrate(self) -> None:
+        """Bring an older database up to this schema in place. Teams came late: every key
+        and sandbox from before them goes to the default team (created here, always
+        present), so a store from a single-user server keeps working unchanged."""
+        for table, name, decl in _ADDED_COLUMNS:
+            have = {row[1] for row in self._db.execute(f"PRAGMA table_info({table})")}
             if name not in have:
-                self._db.execute(f"ALTER TABLE sandboxes ADD COLUMN {name} {decl}")
+                self._db.execute(f"ALTER TABLE {table} ADD COLUMN {name} {decl}")
+        self._db.execute(
+            "INSERT OR IGNORE INTO teams (id, name, created_at) VALUES (?, ?, ?)",
+            (DEFAULT_TEAM, DEFAULT_TEAM, time.time()),
+        )
+        self._db.execute("UPDATE api_keys SET team_id = ? WHERE team_id IS NULL", (DEFAULT_TEAM,))
+        # A sandbox is its creating key's team's; rows without a key (made in process, by
+        # tests or the builder of old) are the default team's.
+        self._db.execute(
+            "UPDATE sandboxes SET team_id = COALESCE((SELECT k.team_id FROM api_keys k "
+            "WHERE k.id = sandboxes.api_key_id), ?) WHERE team_id IS NULL",
+            (DEFAULT_TEAM,),
+        )
+        self._db.execute("CREATE INDEX IF NOT EXISTS sandboxes_team ON sandboxes(team_id, state)")
 
     def close(self) -> None:
         self._db.close()
@@ -228,9 +283,13 @@ class Store:
         after_seq: int = 0,
         descending: bool = False,
         before_seq: int | None = None,
+        team_id: str | None = None,
     ) -> list[SandboxRecord]:
         where = ["1 = 1"]
         args: list[Any] = []
+        if team_id is not None:
+            where.append("team_id = ?")
+            args.append(team_id)
         if states is not None:
             vals = [s.value for s in states]
             where.append(f"state IN ({','.join('?' for _ in vals)})")
@@ -286,6 +345,17 @@ class Store:
         ).fetchall()
         return {str(r[0]): int(r[1]) for r in rows}
 
+    def count_active(self, team_id: str) -> tuple[int, float | None]:
+        """The team's users' sandboxes that hold a VM or are about to (`ACTIVE_STATES`),
+        and the soonest timeout among them (None if none has one)."""
+        marks = ",".join("?" for _ in ACTIVE_STATES)
+        row = self._db.execute(
+            f"SELECT COUNT(*), MIN(end_at) FROM sandboxes WHERE team_id = ? AND {_NOT_BUILD} "
+            f"AND state IN ({marks})",
+            [team_id, *(s.value for s in ACTIVE_STATES)],
+        ).fetchone()
+        return int(row[0]), (float(row[1]) if row[1] is not None else None)
+
     def count_builds(self) -> int:
         """Template build sandboxes that still hold (or are about to hold) a VM."""
         marks = ",".join("?" for _ in LIVE_STATES)
@@ -295,13 +365,16 @@ class Store:
         ).fetchone()
         return int(row[0])
 
-    def spawns(self) -> dict[str, tuple[int, float]]:
+    def spawns(self, team_id: str | None = None) -> dict[str, tuple[int, float]]:
         """templateID → (sandboxes that started from it, when the last one did), build
         sandboxes and failed creates not counted: E2B's spawnCount and lastSpawnedAt. Rows
-        are never deleted, so this is the whole history of this data dir."""
+        are never deleted, so this is the whole history of this data dir. `team_id`: only
+        that team's sandboxes (a public template's count is each team's own)."""
+        team_sql, args = ("AND team_id = ? ", [team_id]) if team_id is not None else ("", [])
         rows = self._db.execute(
             f"SELECT template, COUNT(*), MAX(started_at) FROM sandboxes WHERE {_NOT_BUILD} "
-            "AND runtime_id IS NOT NULL GROUP BY template"
+            f"AND runtime_id IS NOT NULL {team_sql}GROUP BY template",
+            args,
         ).fetchall()
         return {str(r[0]): (int(r[1]), float(r[2])) for r in rows}
 
@@ -321,26 +394,87 @@ class Store:
         ).fetchall()
         return [LogLine(r[0], r[1], r[2], r[3]) for r in rows]
 
-    # -- API keys --------------------------------------------------------------------------
+    # -- teams -----------------------------------------------------------------------------
 
-    def add_key(self, key_id: str, name: str, prefix: str, key_hash: str) -> ApiKey:
+    def add_team(self, team_id: str, name: str) -> Team:
         now = time.time()
         self._db.execute(
-            "INSERT INTO api_keys (id, name, prefix, hash, created_at) VALUES (?, ?, ?, ?, ?)",
-            (key_id, name, prefix, key_hash, now),
+            "INSERT INTO teams (id, name, created_at) VALUES (?, ?, ?)", (team_id, name, now)
         )
-        return ApiKey(key_id, name, prefix, now, None)
+        return Team(team_id, name, now)
+
+    def team(self, ref: str) -> Team | None:
+        """A team by id or by name."""
+        row = self._db.execute(
+            f"SELECT {_TEAM_COLUMNS} FROM teams WHERE id = ? OR name = ? ORDER BY id = ? DESC",
+            (ref, ref, ref),
+        ).fetchone()
+        return Team(*row) if row else None
+
+    def teams(self) -> list[Team]:
+        rows = self._db.execute(f"SELECT {_TEAM_COLUMNS} FROM teams ORDER BY created_at").fetchall()
+        return [Team(*r) for r in rows]
+
+    def set_team_limits(
+        self, team_id: str, *, max_sandboxes: int | None, creates_per_minute: int | None
+    ) -> bool:
+        sets: list[str] = []
+        args: list[Any] = []
+        if max_sandboxes is not None:
+            sets.append("max_sandboxes = ?")
+            args.append(max_sandboxes)
+        if creates_per_minute is not None:
+            sets.append("creates_per_minute = ?")
+            args.append(creates_per_minute)
+        if not sets:
+            return self.team(team_id) is not None
+        cur = self._db.execute(f"UPDATE teams SET {', '.join(sets)} WHERE id = ?", [*args, team_id])
+        return cur.rowcount == 1
+
+    # -- snapshot owners ---------------------------------------------------------------------
+
+    def set_snapshot_owner(self, snapshot_id: str, team_id: str) -> None:
+        self._db.execute(
+            "INSERT OR REPLACE INTO snapshot_owners (snapshot_id, team_id) VALUES (?, ?)",
+            (snapshot_id, team_id),
+        )
+
+    def snapshot_owner(self, snapshot_id: str) -> str:
+        """The team a snapshot belongs to; one made before teams existed is the default
+        team's."""
+        row = self._db.execute(
+            "SELECT team_id FROM snapshot_owners WHERE snapshot_id = ?", (snapshot_id,)
+        ).fetchone()
+        return str(row[0]) if row else DEFAULT_TEAM
+
+    # -- API keys --------------------------------------------------------------------------
+
+    def add_key(
+        self, key_id: str, name: str, prefix: str, key_hash: str, team_id: str = DEFAULT_TEAM
+    ) -> ApiKey:
+        now = time.time()
+        self._db.execute(
+            "INSERT INTO api_keys (id, name, prefix, hash, created_at, team_id) "
+            "VALUES (?, ?, ?, ?, ?, ?)",
+            (key_id, name, prefix, key_hash, now, team_id),
+        )
+        return ApiKey(key_id, name, prefix, now, None, team_id)
 
     def key_by_hash(self, key_hash: str) -> ApiKey | None:
         row = self._db.execute(
-            "SELECT id, name, prefix, created_at, revoked_at FROM api_keys WHERE hash = ?",
-            (key_hash,),
+            f"SELECT {_KEY_COLUMNS} FROM api_keys WHERE hash = ?", (key_hash,)
+        ).fetchone()
+        return ApiKey(*row) if row else None
+
+    def key(self, key_id: str) -> ApiKey | None:
+        row = self._db.execute(
+            f"SELECT {_KEY_COLUMNS} FROM api_keys WHERE id = ?", (key_id,)
         ).fetchone()
         return ApiKey(*row) if row else None
 
     def keys(self) -> list[ApiKey]:
         rows = self._db.execute(
-            "SELECT id, name, prefix, created_at, revoked_at FROM api_keys ORDER BY created_at"
+            f"SELECT {_KEY_COLUMNS} FROM api_keys ORDER BY created_at"
         ).fetchall()
         return [ApiKey(*r) for r in rows]
 
@@ -427,6 +561,7 @@ def _from_row(row: sqlite3.Row) -> SandboxRecord:
         envd_url=row["envd_url"],
         runtime_id=row["runtime_id"],
         api_key_id=row["api_key_id"],
+        team_id=row["team_id"] or DEFAULT_TEAM,
         auto_pause_memory=bool(row["auto_pause_memory"]),
         pause_mode=row["pause_mode"],
         seq=row["seq"],

@@ -43,6 +43,7 @@ from agentenv.snapshot.machine import (
 from agentenv.snapshot.model import Snapshot
 from agentenv.snapshot.repository import MEMORY, STATE, SnapshotStore
 from agentenv.storage import LayerStore
+from agentenv.vmm.confine import disown
 from agentenv.vmm.errors import VMMError
 from agentenv.vmm.qemu import DEVICE_SET
 
@@ -100,6 +101,8 @@ async def capture(
                 await vm.snapshot_create(staging / STATE)
                 await vm.kill()
                 await asyncio.to_thread(os.rename, machine.memory_file, staging / MEMORY)
+                # The guest's QEMU made it (as its own uid); the repository's files are root's.
+                await asyncio.to_thread(disown, staging / MEMORY)
                 if keep_running:
                     await _rehome(machine, image, staging)
                     resumed = True

@@ -27,6 +27,7 @@ from agentenv.network import Slot
 from agentenv.snapshot.errors import RestoreFailed
 from agentenv.vmm.accel import AccelChoice, detect
 from agentenv.vmm.base import BootSource, Drive, MachineSpec, NetIface
+from agentenv.vmm.confine import disown
 from agentenv.vmm.qemu import QemuVM
 from agentenv.vmm.ramshim import ensure_ram_shim
 from agentenv.vmm.version import qemu_version as binary_version
@@ -59,6 +60,8 @@ class GuestImage:
     # that ended on its own.
     vm_registry: Path | None = None
     on_vm_exit: Callable[[QemuVM], None] | None = None
+    # Confined QEMUs (`vmm.confine`; Settings.confine).
+    confine: bool = True
 
     @classmethod
     def resolve(cls, settings: Settings) -> GuestImage:
@@ -81,6 +84,7 @@ class GuestImage:
             cmdline,
             shim,
             settings.vms_dir,
+            confine=settings.confine,
         )
 
     @property
@@ -168,6 +172,7 @@ def new_vm(
         ram_shim=image.ram_shim,
         registry=image.vm_registry,
         on_exit=image.on_vm_exit,
+        confine=image.confine,
     )
 
 
@@ -264,6 +269,8 @@ async def stream_to_memory_file(
         await helper.start()
         await helper.stream_load(stream, run=False)
         await helper.snapshot_create(state)
+        # Written by the converter's uid; from here on the server's.
+        await asyncio.to_thread(disown, memory)
     finally:
         await helper.kill()
         await asyncio.to_thread(shutil.rmtree, scratch, True)

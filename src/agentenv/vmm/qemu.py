@@ -7,7 +7,7 @@ import contextlib
 import json
 import logging
 import os
-import shlex
+import shutil
 import signal
 import time
 from collections.abc import Callable
@@ -18,6 +18,7 @@ from typing import Any
 from qemu.qmp import QMPClient
 
 from agentenv.storage.images import create_overlay_sync
+from agentenv.vmm import confine as vm_confine
 from agentenv.vmm import registry as vm_registry
 from agentenv.vmm.accel import AccelChoice
 from agentenv.vmm.base import BootSource, Drive, MachineSpec, NetIface, VMStatus
@@ -48,6 +49,23 @@ MIGRATE_BANDWIDTH = 16 * 1024**3
 
 # A migration that failed with less than this free where it wrote ran out of space.
 FULL_BELOW_BYTES = 16 * 1024 * 1024
+
+
+def remove_socket(path: Path) -> None:
+    """A QMP socket, and the directory of its own a confined VM with a long path got."""
+    path.unlink(missing_ok=True)
+    if path.parent.parent == _SOCK_FALLBACK_DIR:
+        with contextlib.suppress(OSError):
+            path.parent.rmdir()
+
+
+def _children(pid: int) -> list[int]:
+    # A procfs read: answered from memory, never blocks.
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(x) for x in f.read().split()]
+    except (OSError, ValueError):
+        return []
 
 
 def _free_bytes(path: Path) -> int | None:
@@ -129,9 +147,16 @@ class QemuVM:
         ram_shim: Path | None = None,
         registry: Path | None = None,
         on_exit: Callable[[QemuVM], None] | None = None,
+        confine: bool = True,
     ) -> None:
         self.name = name
         self.workdir = workdir
+        # Own uid, mount namespace and root, seccomp (`vmm.confine`).
+        self.confine = confine
+        self.uid, self.gid = vm_confine.vm_ids(name, netns)
+        # Where QEMU sees its workdir: the place it was launched in (its root binds it
+        # there), also after `relocate` moved it on the host.
+        self.launch_workdir = workdir
         self.machine = machine
         self.boot = boot
         self.drives = drives
@@ -148,7 +173,12 @@ class QemuVM:
         self.stderr_log = workdir / "qemu.stderr"
         sock = workdir / "qmp.sock"
         if len(str(sock)) > _MAX_SOCK_PATH:
-            sock = _SOCK_FALLBACK_DIR / f"{name}.sock"
+            # A directory per VM: a confined QEMU sees that one, not every VM's socket.
+            sock = (
+                _SOCK_FALLBACK_DIR / name / "qmp.sock"
+                if confine
+                else _SOCK_FALLBACK_DIR / f"{name}.sock"
+            )
         self.qmp_socket = sock
         # Where QEMU was told to listen; `relocate` moves the socket, not this.
         self.launch_socket = sock
@@ -156,6 +186,8 @@ class QemuVM:
         self.registry = registry
         self.on_exit = on_exit
         self._proc: asyncio.subprocess.Process | None = None
+        # A confined QEMU in a PID namespace is the child of the `unshare` we spawn.
+        self._vmm_pid: int | None = None
         # An adopted QEMU (another server started it): its PID, and a pidfd that becomes
         # readable when it ends.
         self._adopted_pid: int | None = None
@@ -168,6 +200,8 @@ class QemuVM:
         self._seals: dict[str, int] = {d.id: 0 for d in drives}
         self._paths: dict[str, Path] = {d.id: d.path for d in drives}
         self._cleaned = False
+        self._fd_lock = asyncio.Lock()
+        self._fd_seq = 0
         self.started_at: float | None = None
 
     # -- argv -------------------------------------------------------------------------------
@@ -205,6 +239,10 @@ class QemuVM:
                     "driver": "file",
                     "filename": str(d.path),
                     "read-only": d.read_only,
+                    # Open for writing only while something writes: a sealed upper is
+                    # reopened read-only (a confined QEMU may not write the sealed file,
+                    # and QEMU 7.2 reopens it by name when a migration inactivates disks).
+                    "auto-read-only": not d.read_only,
                 },
             }
             args += ["-blockdev", json.dumps(node, separators=(",", ":"))]
@@ -220,13 +258,89 @@ class QemuVM:
             args += ["-device", BALLOON_DEVICE]
         if self.incoming:
             args += ["-S", "-incoming", "defer"]
+        if self.confine:
+            args += ["-sandbox", vm_confine.SANDBOX]
         return args
 
-    def _launch_argv(self) -> list[str]:
+    def _in_vm(self, path: Path) -> Path:
+        """The name QEMU knows a host path by (its root has the workdir where it was)."""
+        if path.is_relative_to(self.workdir):
+            return self.launch_workdir / path.relative_to(self.workdir)
+        return path
+
+    def _from_vm(self, path: Path) -> Path:
+        if path.is_relative_to(self.launch_workdir):
+            return self.workdir / path.relative_to(self.launch_workdir)
+        return path
+
+    def _jail(self) -> vm_confine.Jail:
+        """The root this VM's QEMU gets: everything it opens, nothing else (reads disk
+        headers: not on the event loop)."""
+        jail = vm_confine.Jail(self.uid, self.gid, rw_dirs=[self.launch_workdir])
+        if not self.qmp_socket.is_relative_to(self.launch_workdir):
+            jail.rw_dirs.append(self.qmp_socket.parent)
+        jail.add_ro(self.boot.kernel)
+        if self.boot.initrd is not None:
+            jail.add_ro(self.boot.initrd)
+        for d in self.drives:
+            if d.read_only:
+                jail.add_ro(d.path)
+            else:
+                jail.add_rw(d.path)
+            for backing in vm_confine.backing_chain(d.path):
+                jail.add_ro(backing)
+        m = self.machine
+        if m.mem_file is not None:
+            if m.mem_shared:
+                jail.add_rw(m.mem_file)
+            else:
+                jail.add_ro(m.mem_file)
+        if private_ram(m) and self.ram_shim is not None:
+            jail.add_ro(self.ram_shim)
+        binary = shutil.which(self.qemu_binary)
+        if binary is not None and not Path(binary).is_relative_to("/usr"):
+            jail.add_ro(Path(binary))
+        if self.net is not None:
+            jail.devices.append("/dev/net/tun")
+            if self.net.detached:
+                jail.make_tap = self.net.tap
+        if "kvm" in self.accel.qemu_args:
+            jail.devices.append("/dev/kvm")
+        return jail
+
+    def _prepare_files(self) -> None:
+        """Give the VM's uid what it writes; the workdir stays the server's (sticky, the
+        VM's group), so QEMU can add files to it but not touch the server's."""
+        vm_confine.prepare_host()
+        vm_confine.own_dir(self.workdir, self.gid)
+        if not self.qmp_socket.is_relative_to(self.workdir):
+            vm_confine.own_dir(self.qmp_socket.parent, self.gid)
+        mine = [d.path for d in self.drives if not d.read_only]
+        m = self.machine
+        if m.mem_file is not None and m.mem_shared:
+            if not m.mem_file.is_relative_to(self.workdir) and not m.mem_file.exists():
+                # Bound into the root by name, so it must exist before QEMU does.
+                m.mem_file.touch(0o600)
+            mine.append(m.mem_file)
+        mine.append(self.serial_log)
+        for path in mine:
+            if path.exists():
+                vm_confine.give(path, self.uid, self.gid)
+        # What it only reads but another VM's uid owns (a converter reads the paused
+        # sandbox's upper): the server's from now on, readable by any VM that gets it bound.
+        for d in self.drives:
+            for path in [*([d.path] if d.read_only else []), *vm_confine.backing_chain(d.path)]:
+                with contextlib.suppress(FileNotFoundError):
+                    if path.stat().st_uid != 0:
+                        vm_confine.disown(path)
+
+    def _launch_argv(self, jail: vm_confine.Jail | None = None) -> list[str]:
         argv = self.argv()
         if private_ram(self.machine):
             assert self.ram_shim is not None and self.machine.mem_file is not None
             argv = [*preload_argv(self.ram_shim, self.machine.mem_file), *argv]
+        if jail is not None:
+            argv = jail.wrap(argv, pid_ns=vm_confine.pid_namespaces())
         if self.net is not None and self.net.detached:
             # The device state of virtio-net needs a tap backend (vnet_hdr); a namespace of
             # its own gives it one that disappears with the process.
@@ -243,7 +357,10 @@ class QemuVM:
 
     @property
     def pid(self) -> int | None:
-        return self._adopted_pid if self._proc is None else self._proc.pid
+        """QEMU's PID (not that of the `unshare` in front of a confined one)."""
+        if self._proc is None:
+            return self._adopted_pid
+        return self._vmm_pid or self._proc.pid
 
     @property
     def exit_code(self) -> int | None:
@@ -288,6 +405,8 @@ class QemuVM:
                     "qemu_binary": self.qemu_binary,
                     "incoming": self.incoming,
                     "ram_shim": None if self.ram_shim is None else str(self.ram_shim),
+                    "confine": self.confine,
+                    "launch_workdir": str(self.launch_workdir),
                 },
                 default=str,
             )
@@ -351,7 +470,9 @@ class QemuVM:
             ram_shim=None if spec["ram_shim"] is None else Path(spec["ram_shim"]),
             registry=registry,
             on_exit=on_exit,
+            confine=bool(spec.get("confine", False)),
         )
+        vm.launch_workdir = Path(spec.get("launch_workdir") or record.workdir)
         vm.qmp_socket = Path(record.qmp_socket)
         vm.launch_socket = Path(record.launch_socket or record.qmp_socket)
         vm._adopted_pid = pid
@@ -389,7 +510,7 @@ class QemuVM:
             if drive_id in self._top and n.isdigit():
                 self._top[drive_id] = node
                 self._seals[drive_id] = int(n)
-                self._paths[drive_id] = Path(str(inserted["file"]))
+                self._paths[drive_id] = self._from_vm(Path(str(inserted["file"])))
 
     def _check_inputs(self) -> None:
         files = [self.boot.kernel, *(d.path for d in self.drives)]
@@ -407,6 +528,14 @@ class QemuVM:
             )
         if self.machine.vcpus < 1 or self.machine.memory_mb < 16:
             raise VMStartError(f"{self.name}: bad machine shape {self.machine}")
+        if self.confine:
+            gaps = vm_confine.missing(self.qemu_binary)
+            if gaps:
+                names = ", ".join(f"{p.name} ({p.detail})" for p in gaps)
+                raise VMStartError(
+                    f"{self.name}: VMM confinement needs {names}; fix the host or set "
+                    "AGENTENV_CONFINE=off to run QEMU unconfined"
+                )
 
     async def start(self) -> None:
         if self._proc is not None:
@@ -417,15 +546,20 @@ class QemuVM:
             self.qmp_socket.parent.mkdir(parents=True, exist_ok=True)
         self.qmp_socket.unlink(missing_ok=True)
         self.launch_socket = self.qmp_socket
+        self.launch_workdir = self.workdir
         try:
             # Written before the spawn: a server killed right after it still leaves a record
             # by which the next one finds this QEMU (its QMP socket path).
             self._write_record()
             if self.cgroup is not None:
                 self.cgroup.create(cgroup_limits(self.machine))
+            jail = None
+            if self.confine:
+                await asyncio.to_thread(self._prepare_files)
+                jail = await asyncio.to_thread(self._jail)
             with self.stderr_log.open("wb") as err:
                 self._proc = await asyncio.create_subprocess_exec(
-                    *self._launch_argv(),
+                    *self._launch_argv(jail),
                     stdin=asyncio.subprocess.DEVNULL,
                     stdout=err,
                     stderr=err,
@@ -434,12 +568,27 @@ class QemuVM:
                     start_new_session=True,
                 )
             self.started_at = time.monotonic()
+            if jail is not None and vm_confine.pid_namespaces():
+                self._vmm_pid = await self._launched_child()
             self._write_record()
             self._start_watch()
             await self._connect_qmp()
         except BaseException:
             await self.kill()
             raise
+
+    async def _launched_child(self) -> int | None:
+        """The PID of the process `unshare --fork` made (QEMU, once it has exec'd); None if
+        the launcher ended first (`_connect_qmp` reports why)."""
+        assert self._proc is not None
+        pid = self._proc.pid
+        deadline = time.monotonic() + QMP_CONNECT_TIMEOUT_S
+        while time.monotonic() < deadline and self._proc.returncode is None:
+            found = _children(pid)
+            if found:
+                return found[0]
+            await asyncio.sleep(0.001)
+        return None
 
     async def _connect_qmp(self) -> None:
         deadline = time.monotonic() + QMP_CONNECT_TIMEOUT_S
@@ -498,7 +647,12 @@ class QemuVM:
         pid = self.pid
         if pid is not None and self.exit_code is None:
             with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+                if self._proc is not None:
+                    # Its own session and process group: the launcher and QEMU (also one not
+                    # yet found in a PID namespace) go together.
+                    os.killpg(self._proc.pid, signal.SIGKILL)
+                else:
+                    os.kill(pid, signal.SIGKILL)
             try:
                 async with asyncio.timeout(KILL_TIMEOUT_S):
                     await self._wait()
@@ -518,7 +672,7 @@ class QemuVM:
             with contextlib.suppress(Exception):
                 await self._qmp.disconnect()
             self._qmp = None
-        self.qmp_socket.unlink(missing_ok=True)
+        remove_socket(self.qmp_socket)
         if self.cgroup is not None:
             await asyncio.to_thread(self.cgroup.remove)
 
@@ -555,8 +709,13 @@ class QemuVM:
     async def seal_disk(self, drive_id: str, new_upper: Path) -> Path:
         if drive_id not in self._top:
             raise VMMError(f"{self.name} has no drive {drive_id!r}")
+        if self.confine and not new_upper.is_relative_to(self.workdir):
+            # A confined QEMU's root has its workdir, not the rest of the host.
+            raise VMMError(f"{self.name}: a new upper must be in {self.workdir}, not {new_upper}")
         old_path = self._paths[drive_id]
         await asyncio.to_thread(create_overlay_sync, old_path, new_upper)
+        if self.confine:
+            await asyncio.to_thread(vm_confine.give, new_upper, self.uid, self.gid)
         n = self._seals[drive_id] + 1
         node = f"{drive_id}-{n}"
         try:
@@ -565,7 +724,11 @@ class QemuVM:
                 {
                     "driver": "qcow2",
                     "node-name": node,
-                    "file": {"driver": "file", "filename": str(new_upper)},
+                    "file": {
+                        "driver": "file",
+                        "filename": str(self._in_vm(new_upper)),
+                        "auto-read-only": True,
+                    },
                     # The overlay's backing is the live node, attached by blockdev-snapshot.
                     "backing": None,
                 },
@@ -584,7 +747,10 @@ class QemuVM:
         self._seals[drive_id] = n
         self._top[drive_id] = node
         self._paths[drive_id] = new_upper
-        # QEMU now opens the old upper read-only; the file mode keeps everyone else honest.
+        # QEMU now opens the old upper read-only; the file mode keeps everyone else honest,
+        # and a confined QEMU no longer owns it (so cannot make it writable again).
+        if self.confine:
+            await asyncio.to_thread(vm_confine.disown, old_path)
         await asyncio.to_thread(old_path.chmod, 0o444)
         return old_path
 
@@ -653,15 +819,42 @@ class QemuVM:
             await asyncio.sleep(0.002)
         raise VMMError(f"{self.name}: {what} did not finish in {SNAPSHOT_TIMEOUT_S:.0f}s")
 
+    async def _pass_fd(self, fd: int) -> str:
+        """Hand QEMU an open descriptor (SCM_RIGHTS on the QMP socket, then `getfd`); the
+        name it is known by there. QEMU opens no file and starts no helper for a stream, so
+        neither its root nor its seccomp filter needs to allow one."""
+        if self._qmp is None:
+            raise VMMError(f"{self.name} is not running")
+        async with self._fd_lock:
+            self._fd_seq += 1
+            name = f"stream{self._fd_seq}"
+            try:
+                self._qmp.send_fd_scm(fd)
+            except Exception as exc:
+                raise VMMError(f"{self.name}: passing a descriptor failed: {exc}") from exc
+            await self._execute("getfd", {"fdname": name})
+        return name
+
     async def _migrate_out(self, path: Path, what: str) -> None:
         await self._execute("migrate-set-parameters", {"max-bandwidth": MIGRATE_BANDWIDTH})
         await self._execute("stop")
-        uri = f"exec:cat > {shlex.quote(str(path))}"
-        await self._execute("migrate", {"uri": uri})
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
+        fd = await asyncio.to_thread(os.open, path, flags, 0o644)
+        try:
+            fdname = await self._pass_fd(fd)
+        finally:
+            os.close(fd)
+        try:
+            await self._execute("migrate", {"uri": f"fd:{fdname}"})
+        except VMMError:
+            with contextlib.suppress(VMMError):
+                await self._execute("closefd", {"fdname": fdname})
+            raise
         try:
             await self._wait_migration(what)
         except VMMError as exc:
-            # QEMU only sees its pipe break; a full filesystem is why, and callers map it.
+            # QEMU's write fails with little detail; a full filesystem is why, and callers
+            # map it.
             free = await asyncio.to_thread(_free_bytes, path.parent)
             if free is not None and free < FULL_BELOW_BYTES:
                 raise VMMError(
@@ -674,7 +867,17 @@ class QemuVM:
             raise VMMError(f"{self.name} was not started to receive a snapshot")
         if not await asyncio.to_thread(path.is_file):
             raise VMMError(f"{self.name}: snapshot state {path} does not exist")
-        await self._execute("migrate-incoming", {"uri": f"exec:cat {shlex.quote(str(path))}"})
+        fd = await asyncio.to_thread(os.open, path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            fdname = await self._pass_fd(fd)
+        finally:
+            os.close(fd)
+        try:
+            await self._execute("migrate-incoming", {"uri": f"fd:{fdname}"})
+        except VMMError:
+            with contextlib.suppress(VMMError):
+                await self._execute("closefd", {"fdname": fdname})
+            raise
         await self._wait_incoming(what)
         if run:
             await self._execute("cont")

@@ -107,12 +107,14 @@ def _cmdline(pid: int) -> str:
 
 def qemu_processes(mentioning: str) -> dict[int, str]:
     """Live QEMU processes whose command line contains `mentioning` (e.g. a data dir):
-    pid → command line. For checks from outside (tests, benches, diagnostics)."""
+    pid → command line. For checks from outside (tests, benches, diagnostics). QEMU itself
+    only: the launchers in front of it (a confined VM's `unshare`) carry its argv too."""
     out: dict[int, str] = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             cmd = _cmdline(int(entry))
-            if "qemu-system" in cmd and mentioning in cmd:
+            program = cmd.split(" ", 1)[0]
+            if "qemu-system" in program and mentioning in cmd:
                 out[int(entry)] = cmd
     return out
 

@@ -1,0 +1,116 @@
+"""Per-team limits: how many sandboxes a team may hold at once and how fast it may create.
+
+A team's limits are its `teams` row (`Store.team`), read at every check, so `aenv teams
+set-limits` run in another process applies from the next request on. 0 means no limit of
+the team's own; the node's admission limits (`orchestrator.admission`) apply either way.
+
+- Concurrency: the team's sandboxes that hold a VM or are about to (`store.ACTIVE_STATES`;
+  paused ones are disk only, build sandboxes are the server's) plus those asked for must fit
+  `max_sandboxes`. Checked on create, fork and every resume (connect, the proxy's
+  auto-resume). The caller inserts (or moves) the row right after the check with no await
+  in between, so on one event loop two requests cannot both take the last place.
+- Create rate: a token bucket per team holding up to `creates_per_minute` tokens, refilled
+  continuously at that rate (a full minute's allowance may come as one burst); a create
+  takes one, a fork one per child. Buckets are in memory: a restart refills them.
+
+Both refusals are `TooManyRequests` (429) with a Retry-After: for the rate, when enough
+tokens are back; for concurrency, when the team's soonest sandbox timeout passes (bounded
+to 1..30 s, a hint only: a kill frees a place sooner).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from agentenv.orchestrator.errors import TooManyRequests
+from agentenv.orchestrator.store import Store, Team
+
+MAX_CONCURRENCY_RETRY_S = 30
+
+
+@dataclass
+class _Bucket:
+    tokens: float
+    at: float
+
+
+class TeamLimits:
+    def __init__(self, store: Store, clock: Callable[[], float] = time.monotonic) -> None:
+        self.store = store
+        self._clock = clock
+        self._buckets: dict[str, _Bucket] = {}
+        # Places taken by admitted requests whose rows are not in the store yet (a fork's
+        # children exist only after the runtime made them).
+        self._held: dict[str, int] = {}
+
+    @contextlib.contextmanager
+    def reserve(self, team_id: str, count: int = 1) -> Iterator[None]:
+        """`admit` `count` creates and count them as the team's until the block ends (by
+        then their rows are in the store, or they failed)."""
+        self.admit(team_id, count)
+        self._held[team_id] = self._held.get(team_id, 0) + count
+        try:
+            yield
+        finally:
+            left = self._held.get(team_id, 0) - count
+            if left > 0:
+                self._held[team_id] = left
+            else:
+                self._held.pop(team_id, None)
+
+    def admit(self, team_id: str, count: int = 1, *, create: bool = True) -> None:
+        """Raise `TooManyRequests` unless `count` more sandboxes of `team_id` fit; `create`:
+        they are new (a create or fork, which the rate limit counts), not a resume."""
+        team = self.store.team(team_id)
+        if team is None:
+            return
+        self._check_concurrency(team, count)
+        if create:
+            self._take(team, count)
+
+    def _check_concurrency(self, team: Team, count: int) -> None:
+        limit = team.max_sandboxes
+        if limit <= 0:
+            return
+        active, soonest = self.store.count_active(team.id)
+        if active + self._held.get(team.id, 0) + count <= limit:
+            return
+        wait = 1
+        if soonest is not None:
+            wait = min(max(1, math.ceil(soonest - time.time())), MAX_CONCURRENCY_RETRY_S)
+        raise TooManyRequests(
+            f"you have reached the maximum number of concurrent sandboxes ({limit}) of team "
+            f"'{team.name}'; kill or pause one, or ask for a higher limit",
+            retry_after=wait,
+        )
+
+    def _take(self, team: Team, count: int) -> None:
+        rate = team.creates_per_minute
+        if rate <= 0:
+            self._buckets.pop(team.id, None)
+            return
+        now = self._clock()
+        bucket = self._buckets.get(team.id)
+        if bucket is None:
+            bucket = self._buckets[team.id] = _Bucket(float(rate), now)
+        # Refill since the last look; a lowered limit caps what was saved up.
+        bucket.tokens = min(float(rate), bucket.tokens + (now - bucket.at) * rate / 60.0)
+        bucket.at = now
+        if count > rate:
+            raise TooManyRequests(
+                f"{count} creates at once are more than team '{team.name}' may make in a "
+                f"minute ({rate})",
+                retry_after=60,
+            )
+        if bucket.tokens + 1e-9 < count:
+            wait = max(1, math.ceil((count - bucket.tokens) * 60.0 / rate))
+            raise TooManyRequests(
+                f"team '{team.name}' creates sandboxes faster than its limit of {rate} per "
+                f"minute; retry in {wait} s",
+                retry_after=wait,
+            )
+        bucket.tokens -= count

@@ -1,0 +1,310 @@
+"""Confinement of a QEMU process (what Firecracker's jailer does for Firecracker).
+
+Each confined QEMU:
+
+- runs as a uid/gid of its own, without capabilities: `SLOT_UID_BASE + i` for the VM in
+  network slot `i` (slots are host-wide, so two live VMs never share one), a uid derived
+  from the VM's name in a range of its own for VMs without a slot (snapshot converters);
+  no /etc/passwd entry is needed;
+- in a mount namespace of its own whose root (`chroot`) is a private tmpfs holding only
+  what this VM needs, each at its usual absolute path so QEMU's argv is unchanged: the
+  host's /usr read-only (QEMU, its libraries, firmware), its workdir (read-write, bound as a
+  directory so files made later - a seal's upper - appear in it), its kernel, initrd, tools
+  image, the backing chain of every disk and a snapshot's memory file read-only, and the
+  device nodes it needs (made in the tmpfs and owned by its uid, so it needs no group);
+- under QEMU's seccomp filter (`-sandbox`, `SANDBOX`), which also denies exec, so RAM
+  streams go through descriptors passed over QMP, not `exec:`.
+
+The launch is a shell run as root inside the new mount namespace that builds that root and
+execs `chroot --userspec` (which drops to the uid before exec'ing QEMU). The tmpfs exists
+only in the VM's namespace: it goes away with the process, and nothing is left on the host
+to clean up after a crash.
+"""
+
+from __future__ import annotations
+
+import functools
+import mmap
+import os
+import shlex
+import shutil
+import stat
+import struct
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+# Where each VM's namespace mounts its root; an empty directory on the host.
+JAIL_DIR = Path("/run/agentenv-jail")
+# Well clear of login users and the usual subordinate-id ranges (100000 + 65536*n).
+SLOT_UID_BASE = 2_000_000_000
+# VMs without a network slot (converters): a name hash in this range.
+SLOTLESS_UID_BASE = SLOT_UID_BASE + 1_000_000
+SLOTLESS_UIDS = 1_000_000
+NETNS_PREFIX = "ae-s"
+# QEMU's own syscall filter: the default deny list plus everything it can live without.
+SANDBOX = "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny"
+# The commands the launch uses (host side, as root, before the drop).
+TOOLS = ("unshare", "mount", "chroot", "mkdir", "mknod")
+# Every QEMU gets these; /dev/net/tun and /dev/kvm only when it uses them.
+BASE_DEVICES = ("/dev/null", "/dev/zero", "/dev/urandom", "/dev/random")
+# The host's system tree: bound read-only; merged-/usr links recreated beside it.
+SYSTEM_DIRS = ("/usr",)
+USR_LINKS = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+
+
+def vm_ids(name: str, netns: str | None) -> tuple[int, int]:
+    """(uid, gid) of the VM `name` running in network namespace `netns`."""
+    if netns is not None and netns.startswith(NETNS_PREFIX):
+        index = netns[len(NETNS_PREFIX) :]
+        if index.isdigit() and int(index) < SLOTLESS_UID_BASE - SLOT_UID_BASE:
+            uid = SLOT_UID_BASE + int(index)
+            return uid, uid
+    uid = SLOTLESS_UID_BASE + zlib.crc32(name.encode()) % SLOTLESS_UIDS
+    return uid, uid
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One thing confinement needs from the host, and whether it is there."""
+
+    name: str
+    ok: bool
+    detail: str
+
+
+@functools.lru_cache(maxsize=8)
+def _links_seccomp(binary: str, mtime_ns: int) -> bool:
+    # The dynamic section names the libraries; reading the file (not running it) keeps this
+    # free of any QEMU process.
+    with open(binary, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+        return m.find(b"libseccomp.so") >= 0
+
+
+def qemu_has_seccomp(qemu_binary: str) -> bool:
+    path = shutil.which(qemu_binary)
+    if path is None:
+        return False
+    try:
+        return _links_seccomp(path, os.stat(path).st_mtime_ns)
+    except (OSError, ValueError):
+        return False
+
+
+def pieces(qemu_binary: str) -> list[Piece]:
+    """What confinement needs, each checked on this host (for `aenv doctor` and VM start)."""
+    out = [Piece("root", os.geteuid() == 0, "the launch needs root to build the VM's root")]
+    for tool in TOOLS:
+        path = shutil.which(tool)
+        out.append(Piece(f"command {tool}", path is not None, path or "missing"))
+    out.append(
+        Piece(
+            "mount namespaces",
+            Path("/proc/self/ns/mnt").exists(),
+            "/proc/self/ns/mnt",
+        )
+    )
+    try:
+        status = Path("/proc/self/status").read_text()
+    except OSError:
+        status = ""
+    pid_ns = "on" if pid_namespaces() else "off (the kernel has none; optional)"
+    out.append(Piece(f"PID namespace: {pid_ns}", True, "/proc/self/ns/pid"))
+    out.append(Piece("kernel seccomp", "\nSeccomp:" in status, "Seccomp: in /proc/self/status"))
+    out.append(
+        Piece(
+            "QEMU seccomp (-sandbox)",
+            qemu_has_seccomp(qemu_binary),
+            f"{qemu_binary} linked with libseccomp",
+        )
+    )
+    return out
+
+
+def pid_namespaces() -> bool:
+    """Whether QEMUs get a PID namespace (where the kernel has them; optional)."""
+    return Path("/proc/self/ns/pid").exists()
+
+
+def missing(qemu_binary: str) -> list[Piece]:
+    return [p for p in pieces(qemu_binary) if not p.ok]
+
+
+@dataclass
+class Jail:
+    """The root one VM gets. Paths are absolute host paths, bound at the same place."""
+
+    uid: int
+    gid: int
+    # Directories bound read-write (the workdir, a QMP socket directory).
+    rw_dirs: list[Path] = field(default_factory=list)
+    # Files bound read-write (a writable disk or shared memory file outside the workdir).
+    rw_files: list[Path] = field(default_factory=list)
+    # Files bound read-only (kernel, initrd, tools image, backing layers, snapshot memory).
+    ro_files: list[Path] = field(default_factory=list)
+    # Device nodes made in the root, owned by the VM's uid.
+    devices: list[str] = field(default_factory=lambda: list(BASE_DEVICES))
+    # A tap the launch creates (as root) in a throwaway network namespace.
+    make_tap: str | None = None
+
+    def add_ro(self, path: Path) -> None:
+        if not self._covered(path) and path not in self.ro_files:
+            self.ro_files.append(path)
+
+    def add_rw(self, path: Path) -> None:
+        if not self._covered(path) and path not in self.rw_files:
+            self.rw_files.append(path)
+
+    def _covered(self, path: Path) -> bool:
+        return any(path.is_relative_to(d) for d in self.rw_dirs)
+
+    def script(self) -> str:
+        """Shell, run as root in the VM's new mount namespace, that builds the root and
+        execs `"$@"` (QEMU's argv) in it as the VM's uid. Every bind is one line of a table
+        for a single `mount -a` (a launch costs a handful of execs, not one per file)."""
+        q = shlex.quote
+        dirs: list[str] = []
+        files: list[str] = []
+        table: list[str] = []
+
+        def bind(src: str, opts: str, is_file: bool) -> None:
+            (files if is_file else dirs).append(src)
+            if is_file:
+                dirs.append(str(Path(src).parent))
+            table.append(f"{_fstab(src)} {_fstab(str(JAIL_DIR) + src)} none bind,{opts} 0 0")
+
+        for sysdir in SYSTEM_DIRS:
+            bind(sysdir, "ro,nosuid,nodev", False)
+        # Links whose target ends in their own name (usr/lib for /lib) take one `ln`.
+        same_name: list[str] = []
+        links: list[str] = []
+        for link in USR_LINKS:
+            p = Path(link)
+            if p.is_symlink():
+                target = os.readlink(p)
+                if not target.startswith("/") and Path(target).name == p.name:
+                    same_name.append(q(target))
+                else:
+                    links.append(f'ln -s {q(target)} "$R"{q(link)}')
+            elif p.is_dir():
+                bind(link, "ro,nosuid,nodev", False)
+        if same_name:
+            links.append(f'ln -s {" ".join(same_name)} "$R"/')
+        for d in self.rw_dirs:
+            bind(str(d), "nosuid,nodev", False)
+        for f in self.ro_files:
+            bind(str(f), "ro,nosuid,nodev", True)
+        for f in self.rw_files:
+            bind(str(f), "nosuid,nodev", True)
+        nodes: list[str] = []
+        for dev in self.devices:
+            st = os.stat(dev)
+            if not stat.S_ISCHR(st.st_mode):
+                continue
+            if dev in BASE_DEVICES:
+                bind(dev, "nosuid", True)
+                continue
+            # Made, not bound: the host's node may be root's alone. Only this VM's process
+            # lives in this root, so 0666 is as narrow as owner-only.
+            dirs.append(str(Path(dev).parent))
+            nodes.append(
+                f'mknod -m 0666 "$R"{q(dev)} c {os.major(st.st_rdev)} {os.minor(st.st_rdev)}'
+            )
+        lines = [
+            "set -e",
+            f"R={q(str(JAIL_DIR))}",
+            'mount -t tmpfs -o mode=0755,size=1m,nosuid agentenv "$R"',
+            'cd "$R"',
+            "mkdir -p " + " ".join(q(d.lstrip("/")) for d in sorted(set(dirs))),
+        ]
+        if files:
+            lines.append(": " + " ".join(f'> "$R"{q(f)}' for f in files))
+        lines += links
+        # libmount reads a table only from a regular file; it leaves the root before QEMU.
+        lines.append("printf '%s\\n' " + " ".join(q(t) for t in table) + ' > "$R"/.fstab')
+        lines.append('mount -a -T "$R"/.fstab')
+        lines.append('rm "$R"/.fstab')
+        lines += nodes
+        if self.make_tap is not None:
+            lines.append(f"ip tuntap add dev {q(self.make_tap)} mode tap")
+        # Nothing in the root itself is QEMU's to change.
+        lines.append('mount -o remount,ro,nosuid "$R"')
+        lines.append("cd /")
+        lines.append(f'exec chroot --userspec={self.uid}:{self.gid} --groups={self.gid} "$R" "$@"')
+        return "\n".join(lines)
+
+    def wrap(self, argv: list[str], *, pid_ns: bool = False) -> list[str]:
+        """`argv` run inside a new mount namespace, in this root, as this uid; with `pid_ns`
+        also in a PID namespace of its own, as its PID 1 (`unshare` forks it and waits)."""
+        return [
+            "unshare",
+            "--mount",
+            "--propagation",
+            "private",
+            *(["--pid", "--fork"] if pid_ns else []),
+            "--",
+            "sh",
+            "-c",
+            self.script(),
+            "sh",
+            *argv,
+        ]
+
+
+def _fstab(path: str) -> str:
+    """A path as an fstab field (whitespace and backslashes as octal escapes)."""
+    return "".join(f"\\{ord(c):03o}" if c in " \t\n\\" else c for c in path)
+
+
+def prepare_host() -> None:
+    """The empty directory every VM's namespace mounts its root on."""
+    JAIL_DIR.mkdir(mode=0o755, exist_ok=True)
+
+
+def own_dir(path: Path, gid: int) -> None:
+    """A directory QEMU may create files in but not rename or remove the server's files from:
+    root-owned, the VM's group, sticky."""
+    os.chown(path, 0, gid)
+    os.chmod(path, 0o1770)
+
+
+def give(path: Path, uid: int, gid: int) -> None:
+    """A file QEMU opens for writing: the VM's alone."""
+    os.chown(path, uid, gid, follow_symlinks=True)
+    os.chmod(path, 0o600)
+
+
+def disown(path: Path) -> None:
+    """A file a VM wrote that now becomes the server's, read-only to every VM that maps or
+    reads it later (a captured RAM image, a converter's output)."""
+    os.chown(path, 0, 0)
+    os.chmod(path, 0o444)
+
+
+_QCOW2_MAGIC = b"QFI\xfb"
+
+
+def backing_chain(image: Path, limit: int = 256) -> list[Path]:
+    """The backing files of a qcow2 image, nearest first, read from the headers (QEMU opens
+    them by these names)."""
+    out: list[Path] = []
+    current = image
+    for _ in range(limit):
+        try:
+            with open(current, "rb") as f:
+                head = f.read(20)
+                if len(head) < 20 or head[:4] != _QCOW2_MAGIC:
+                    return out
+                offset, size = struct.unpack(">QI", head[8:20])
+                if offset == 0 or size == 0:
+                    return out
+                f.seek(offset)
+                name = f.read(size).decode()
+        except (OSError, UnicodeDecodeError):
+            return out
+        backing = Path(name)
+        if not backing.is_absolute():
+            backing = current.parent / backing
+        out.append(backing)
+        current = backing
+    return out

@@ -1,0 +1,174 @@
+"""Teams in the store (the migration of a store from before teams) and the per-team limits
+(`orchestrator.tenants`), without a server."""
+
+from __future__ import annotations
+
+import sqlite3
+import time
+from pathlib import Path
+
+import pytest
+
+from agentenv.api.keys import KeyRing, TeamExists, UnknownTeam, hash_key
+from agentenv.orchestrator.errors import TooManyRequests
+from agentenv.orchestrator.store import DEFAULT_TEAM, SandboxRecord, SandboxState, Store
+from agentenv.orchestrator.tenants import TeamLimits
+
+# The schema as the last release before teams left it (no team_id anywhere, no teams table).
+_OLD_SCHEMA = """
+CREATE TABLE sandboxes (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT NOT NULL UNIQUE, template TEXT NOT NULL,
+    alias TEXT NOT NULL, state TEXT NOT NULL, started_at REAL NOT NULL, end_at REAL NOT NULL,
+    cpu INTEGER NOT NULL, memory_mb INTEGER NOT NULL, disk_mb INTEGER NOT NULL,
+    envd_version TEXT NOT NULL, metadata TEXT NOT NULL, env_vars TEXT NOT NULL,
+    envd_token TEXT, traffic_token TEXT, auto_pause INTEGER NOT NULL,
+    auto_resume INTEGER NOT NULL, allow_internet INTEGER NOT NULL, network TEXT NOT NULL,
+    address TEXT, envd_url TEXT, runtime_id TEXT, api_key_id TEXT,
+    auto_pause_memory INTEGER NOT NULL DEFAULT 1, pause_mode TEXT
+);
+CREATE TABLE sandbox_logs (sandbox_id TEXT NOT NULL, ts REAL NOT NULL, level TEXT NOT NULL,
+    message TEXT NOT NULL);
+CREATE TABLE api_keys (id TEXT PRIMARY KEY, name TEXT NOT NULL, prefix TEXT NOT NULL,
+    hash TEXT NOT NULL UNIQUE, created_at REAL NOT NULL, revoked_at REAL);
+"""
+
+
+def _old_store(path: Path, secret: str) -> None:
+    db = sqlite3.connect(path)
+    db.executescript(_OLD_SCHEMA)
+    db.execute(
+        "INSERT INTO api_keys VALUES ('kold', 'default', 'e2b_1234', ?, 1.0, NULL)",
+        (hash_key(secret),),
+    )
+    for sid, key in (("iwithkey", "kold"), ("inokey", None)):
+        db.execute(
+            "INSERT INTO sandboxes (id, template, alias, state, started_at, end_at, cpu, "
+            "memory_mb, disk_mb, envd_version, metadata, env_vars, envd_token, auto_pause, "
+            "auto_resume, allow_internet, network, api_key_id) VALUES "
+            "(?, 'base', 'base', 'paused', 1.0, 2.0, 1, 512, 1024, '0.6.4', '{\"k\":\"v\"}', "
+            "'{}', 'tok', 0, 0, 1, '{}', ?)",
+            (sid, key),
+        )
+    db.commit()
+    db.close()
+
+
+def test_a_store_from_before_teams_is_migrated_in_place(tmp_path: Path) -> None:
+    path = tmp_path / "agentenv.db"
+    secret = "e2b_" + "ab" * 20
+    _old_store(path, secret)
+    store = Store(path)
+    try:
+        teams = store.teams()
+        assert [(t.id, t.name, t.max_sandboxes, t.creates_per_minute) for t in teams] == [
+            (DEFAULT_TEAM, DEFAULT_TEAM, 0, 0)
+        ]
+        key = KeyRing(store).verify(secret)
+        assert key is not None and key.id == "kold" and key.team_id == DEFAULT_TEAM
+        for sid in ("iwithkey", "inokey"):
+            rec = store.get(sid)
+            # Nothing lost: the row as it was, now the default team's.
+            assert rec is not None and rec.team_id == DEFAULT_TEAM
+            assert rec.state is SandboxState.PAUSED and rec.metadata == {"k": "v"}
+            assert rec.envd_token == "tok"
+        assert {r.id for r in store.select(team_id=DEFAULT_TEAM)} == {"iwithkey", "inokey"}
+        assert store.select(team_id="tother") == []
+    finally:
+        store.close()
+    # Opening it again changes nothing (the migration is idempotent).
+    again = Store(path)
+    try:
+        assert len(again.teams()) == 1 and again.get("iwithkey") is not None
+    finally:
+        again.close()
+
+
+def test_teams_and_their_keys(tmp_path: Path) -> None:
+    store = Store(tmp_path / "db")
+    ring = KeyRing(store)
+    try:
+        team = ring.create_team("bravo")
+        with pytest.raises(TeamExists):
+            ring.create_team("bravo")
+        with pytest.raises(UnknownTeam):
+            ring.create("k", "nobody")
+        key, secret = ring.create("k", "bravo")
+        assert key.team_id == team.id
+        verified = ring.verify(secret)
+        assert verified is not None and verified.team_id == team.id
+        # By id or by name.
+        assert ring.team(team.id) == ring.team("bravo")
+        with pytest.raises(ValueError, match="negative"):
+            ring.set_limits("bravo", max_sandboxes=-1)
+        updated = ring.set_limits("bravo", creates_per_minute=5)
+        assert (updated.max_sandboxes, updated.creates_per_minute) == (0, 5)
+        # The first key of a fresh server is the default team's.
+        first = KeyRing(Store(tmp_path / "fresh"))
+        assert first.ensure_initial(tmp_path / "home") is not None
+        assert [k.team_id for k in first.list()] == [DEFAULT_TEAM]
+        first.store.close()
+    finally:
+        store.close()
+
+
+def _running(store: Store, team: str, end_in: float = 300.0) -> None:
+    now = time.time()
+    store.insert(
+        SandboxRecord(
+            id=f"i{now:.6f}".replace(".", ""), template="base", alias="base",
+            state=SandboxState.RUNNING, started_at=now, end_at=now + end_in, cpu=1,
+            memory_mb=512, disk_mb=1024, envd_version="0.6.4", team_id=team,
+        )
+    )  # fmt: skip
+
+
+def test_concurrency_counts_the_teams_active_sandboxes_and_held_places(tmp_path: Path) -> None:
+    store = Store(tmp_path / "db")
+    try:
+        team = KeyRing(store).create_team("t")
+        store.set_team_limits(team.id, max_sandboxes=2, creates_per_minute=None)
+        limits = TeamLimits(store)
+        _running(store, team.id, end_in=7.5)
+        _running(store, DEFAULT_TEAM)  # another team's: not counted
+        limits.admit(team.id)
+        with limits.reserve(team.id):
+            with pytest.raises(TooManyRequests) as exc:
+                limits.admit(team.id)
+            assert exc.value.status == 429 and exc.value.retry_after == 8
+        limits.admit(team.id, create=False)
+        with pytest.raises(TooManyRequests):
+            limits.admit(team.id, 2)
+    finally:
+        store.close()
+
+
+def test_the_create_rate_is_a_token_bucket(tmp_path: Path) -> None:
+    store = Store(tmp_path / "db")
+    try:
+        team = KeyRing(store).create_team("t")
+        store.set_team_limits(team.id, max_sandboxes=None, creates_per_minute=6)
+        now = [0.0]
+        limits = TeamLimits(store, clock=lambda: now[0])
+        for _ in range(6):  # a minute's allowance as one burst
+            limits.admit(team.id)
+        with pytest.raises(TooManyRequests) as exc:
+            limits.admit(team.id)
+        assert exc.value.retry_after == 10
+        # Resumes take no token.
+        limits.admit(team.id, create=False)
+        now[0] = 10.0
+        limits.admit(team.id)
+        with pytest.raises(TooManyRequests):
+            limits.admit(team.id)
+        # Never more than one minute's worth saved up.
+        now[0] = 1000.0
+        with pytest.raises(TooManyRequests) as exc:
+            limits.admit(team.id, 7)
+        assert exc.value.retry_after == 60
+        limits.admit(team.id, 6)
+        # No limit: always admitted.
+        store.set_team_limits(team.id, max_sandboxes=None, creates_per_minute=0)
+        for _ in range(100):
+            limits.admit(team.id)
+    finally:
+        store.close()
