@@ -17,7 +17,7 @@ import pytest
 from api.conftest import env_unchanged, stop_and_check, use_sdk_env
 from e2b import Sandbox
 from oci.images import Pusher
-from oci.registry import REGISTRY_BIN, Registry, htpasswd
+from oci.registry import REGISTRY_BIN, Registry
 from template.imagebuild import push_busybox
 
 from agentenv.api.devserver import ServerProcess, prepare_home
@@ -43,18 +43,13 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
         pytest.fail("docker-registry is needed: scripts/test installs it")
     root = tmp_path_factory.mktemp("cli-pull")
     storage = root / "storage"
-    htpasswd(root / "htpasswd", USER, PASSWORD)
     started: list[Registry] = []
     srv: ServerProcess | None = None
     restore_env: Callable[[], None] = env_unchanged
     try:
         open_reg = Registry.start(root / "open", storage)
         started.append(open_reg)
-        locked = Registry.start(
-            root / "locked",
-            storage,
-            {"htpasswd": {"realm": "test", "path": str(root / "htpasswd")}},
-        )
+        locked = Registry.start_basic(root / "locked", storage, USER, PASSWORD)
         started.append(locked)
         pusher = Pusher(open_reg.url)
         try:

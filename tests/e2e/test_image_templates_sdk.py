@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -27,7 +28,7 @@ import pytest
 from api.conftest import env_unchanged, qemu_processes, stop_and_check, use_sdk_env
 from e2b import Sandbox, Template
 from oci.images import Layer, Pushed, Pusher
-from oci.registry import REGISTRY_BIN, Registry, TokenIssuer, htpasswd
+from oci.registry import REGISTRY_BIN, Registry, TokenIssuer
 from template.imagebuild import BUSYBOX, busybox_layers
 
 from agentenv.api.devserver import ServerProcess, prepare_home
@@ -112,10 +113,7 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
     try:
         open_reg = Registry.start(root / "open", storage)
         started.append(open_reg)
-        htpasswd(root / "htpasswd", USER, PASSWORD)
-        basic = Registry.start(
-            root / "basic", storage, {"htpasswd": {"realm": "test", "path": str(root / "htpasswd")}}
-        )
+        basic = Registry.start_basic(root / "basic", storage, USER, PASSWORD)
         started.append(basic)
         token = Registry.start(root / "token", storage, issuer.registry_auth())
         started.append(token)
@@ -221,18 +219,23 @@ def _chain_layer_paths(home: Path, diff_ids: list[str]) -> list[Path]:
 def _qemu_with(home: Path, layer: Path) -> int:
     """The one QEMU of this server that has `layer` open (a sandbox's own top layer)."""
     pids = [int(line.split()[0]) for line in qemu_processes(home, warm=True)]
-    found = [pid for pid in pids if str(layer) in _open_files(pid)]
+    found = [pid for pid in pids if _file_id(layer) in _open_files(pid)]
     assert len(found) == 1, (layer, pids, found)
     return found[0]
 
 
-def _open_files(pid: int) -> set[str]:
+def _file_id(path: Path | str) -> tuple[int, int]:
+    st = os.stat(path)
+    return st.st_dev, st.st_ino
+
+
+def _open_files(pid: int) -> set[tuple[int, int]]:
+    """The files `pid` has open, by device and inode: a confined QEMU opened them in its own
+    mount namespace, where the names `readlink` shows need not be the host's."""
     out = set()
     for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            out.add(os.readlink(f"/proc/{pid}/fd/{fd}"))
-        except OSError:
-            continue
+        with contextlib.suppress(OSError):
+            out.add(_file_id(f"/proc/{pid}/fd/{fd}"))
     return out
 
 
@@ -300,7 +303,7 @@ def test_images_sharing_base_layers_share_blocks_and_page_cache(env: Env) -> Non
         assert pid_a != pid_b
         open_a, open_b = _open_files(pid_a), _open_files(pid_b)
         for p in chain_a[:2]:
-            assert str(p) in open_a and str(p) in open_b, (p, open_a, open_b)
+            assert _file_id(p) in open_a and _file_id(p) in open_b, (p, open_a, open_b)
 
         _evict(big_layer)
         cold = _resident(big_layer)

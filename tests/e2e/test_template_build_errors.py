@@ -34,7 +34,7 @@ from api.conftest import (
 from e2b import BuildException, Template
 from e2b.template.types import TemplateBuildStatus
 from oci.images import Layer, Pushed, Pusher
-from oci.registry import REGISTRY_BIN, Registry, htpasswd
+from oci.registry import REGISTRY_BIN, Registry
 from template.imagebuild import busybox_layers, push_busybox
 
 from agentenv.api.devserver import ServerProcess, prepare_home
@@ -85,10 +85,7 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
     try:
         open_reg = Registry.start(root / "open", storage)
         started.append(open_reg)
-        htpasswd(root / "htpasswd", USER, PASSWORD)
-        basic = Registry.start(
-            root / "basic", storage, {"htpasswd": {"realm": "test", "path": str(root / "htpasswd")}}
-        )
+        basic = Registry.start_basic(root / "basic", storage, USER, PASSWORD)
         started.append(basic)
         pusher = Pusher(open_reg.url)
         try:

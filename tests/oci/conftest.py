@@ -15,7 +15,7 @@ from agentenv.oci.cache import ImageCache
 from agentenv.storage.layers import LayerStore
 
 from .images import Layer, Pushed, Pusher
-from .registry import REGISTRY_BIN, Registry, TokenIssuer, htpasswd
+from .registry import REGISTRY_BIN, Registry, TokenIssuer
 
 USER = "alice"
 PASSWORD = "s3cret-pw"
@@ -87,10 +87,7 @@ def registries(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Registries]
     try:
         open_reg = Registry.start(root / "open", storage)
         started.append(open_reg)
-        htpasswd(root / "htpasswd", USER, PASSWORD)
-        basic = Registry.start(
-            root / "basic", storage, {"htpasswd": {"realm": "test", "path": str(root / "htpasswd")}}
-        )
+        basic = Registry.start_basic(root / "basic", storage, USER, PASSWORD)
         started.append(basic)
         token = Registry.start(root / "token", storage, issuer.registry_auth())
         started.append(token)

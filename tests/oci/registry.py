@@ -52,6 +52,14 @@ class Registry:
         return f"http://{self.host}"
 
     @classmethod
+    def start_basic(cls, workdir: Path, storage: Path, user: str, password: str) -> Registry:
+        """A registry over `storage` that wants htpasswd basic auth for `user`."""
+        workdir.mkdir(parents=True, exist_ok=True)
+        htpasswd(workdir / "htpasswd", user, password)
+        auth = {"htpasswd": {"realm": "test", "path": str(workdir / "htpasswd")}}
+        return cls.start(workdir, storage, auth)
+
+    @classmethod
     def start(cls, workdir: Path, storage: Path, auth: dict[str, object] | None = None) -> Registry:
         workdir.mkdir(parents=True, exist_ok=True)
         port = free_port()

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 from oci.images import Pushed, Pusher
-from oci.registry import REGISTRY_BIN, Registry, htpasswd
+from oci.registry import REGISTRY_BIN, Registry
 
 from agentenv.config import Settings
 from agentenv.oci.blocks import ChainBuilder
@@ -45,9 +45,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     started: list[Registry] = []
     try:
         started.append(Registry.start(root / "open", storage))
-        htpasswd(root / "htpasswd", USER, PASSWORD)
-        auth = {"htpasswd": {"realm": "t", "path": str(root / "htpasswd")}}
-        started.append(Registry.start(root / "basic", storage, auth))
+        started.append(Registry.start_basic(root / "basic", storage, USER, PASSWORD))
         pusher = Pusher(started[0].url)
         try:
             busybox = push_busybox(pusher)

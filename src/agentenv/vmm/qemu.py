@@ -647,9 +647,14 @@ class QemuVM:
         pid = self.pid
         if pid is not None and self.exit_code is None:
             with contextlib.suppress(ProcessLookupError):
-                if self._proc is not None:
-                    # Its own session and process group: the launcher and QEMU (also one not
-                    # yet found in a PID namespace) go together.
+                if self._proc is not None and self._vmm_pid not in (None, self._proc.pid):
+                    # QEMU, not its launcher: `unshare --fork` reaps QEMU and exits. Killed
+                    # first, the launcher would orphan QEMU to the host's init, which need not
+                    # reap it (a zombie that looks alive to kill(pid, 0)).
+                    os.kill(pid, signal.SIGKILL)
+                elif self._proc is not None:
+                    # Its own session and process group: the launcher and a QEMU not yet
+                    # found in its PID namespace go together.
                     os.killpg(self._proc.pid, signal.SIGKILL)
                 else:
                     os.kill(pid, signal.SIGKILL)
@@ -657,6 +662,9 @@ class QemuVM:
                 async with asyncio.timeout(KILL_TIMEOUT_S):
                     await self._wait()
             except TimeoutError:
+                if self._proc is not None:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(self._proc.pid, signal.SIGKILL)
                 raise VMMError(
                     f"{self.name}: QEMU pid {pid} did not end {KILL_TIMEOUT_S:.0f}s after SIGKILL"
                 ) from None
