@@ -241,3 +241,38 @@ async def test_scheme_rule() -> None:
 def test_accept_header_lists_all_manifest_types() -> None:
     for t in (mf.OCI_MANIFEST, mf.OCI_INDEX, mf.DOCKER_MANIFEST, mf.DOCKER_LIST):
         assert t in mf.ACCEPT
+
+
+async def test_a_pull_cancelled_while_hashing_leaves_no_partial_file(
+    registries: Registries, images: Images, cache: ImageCache, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The window CI hit: a layer fully received and being hashed (in a thread) when another
+    # layer's failure cancels the pull. The hash is held open so the cancel lands inside it.
+    import threading
+
+    from agentenv.oci import client as client_mod
+
+    hashing = threading.Event()
+    release = threading.Event()
+    real = client_mod._sha256_file
+
+    digest = images.big.layer_digests[0]
+
+    def slow_sha(path: Path) -> str:
+        if path == cache.partial_path(digest):  # the config blob is hashed too
+            hashing.set()
+            release.wait(30)
+        return real(path)
+
+    monkeypatch.setattr(client_mod, "_sha256_file", slow_sha)
+    task = asyncio.create_task(pull(cache, f"{registries.open.host}/big:1"))
+    try:
+        assert await asyncio.to_thread(hashing.wait, 60)
+        assert cache.partial_path(digest).exists()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    finally:
+        release.set()
+    assert not cache.partial_path(digest).exists()
+    assert not cache.has_blob(digest)

@@ -298,6 +298,20 @@ class RegistryClient:
     ) -> None:
         assert self.cache is not None
         partial = self.cache.partial_path(desc.digest)
+        try:
+            await self._download_attempts(ref, desc, progress)
+        except asyncio.CancelledError:
+            # The pull gave up (another layer failed, or the build was cancelled) at any await
+            # of the attempts (a stream, a retry's pause, the hash of a complete file): a
+            # partial file nobody is coming back for would only hold disk space.
+            partial.unlink(missing_ok=True)
+            raise
+
+    async def _download_attempts(
+        self, ref: Reference, desc: mf.Descriptor, progress: ProgressFn | None
+    ) -> None:
+        assert self.cache is not None
+        partial = self.cache.partial_path(desc.digest)
         final = self.cache.blob_path(desc.digest)
         what = f"blob {desc.digest} of {ref.registry}/{ref.repository}"
         restarted = False
@@ -318,11 +332,6 @@ class RegistryClient:
                     ) from None
                 await asyncio.sleep(0.2 * attempt)
                 continue
-            except asyncio.CancelledError:
-                # The pull gave up (another layer failed, or the build was cancelled): a
-                # partial file nobody is coming back for would only hold disk space.
-                partial.unlink(missing_ok=True)
-                raise
             except OSError as exc:
                 # Our side failed (a full disk, most likely): nothing of it is worth resuming,
                 # and a kept partial file would hold on to the space.
