@@ -82,6 +82,11 @@ def test_admission_limits(monkeypatch: pytest.MonkeyPatch) -> None:
         ("AGENTENV_START_QUEUE", "lots", "AGENTENV_START_QUEUE"),
         ("AGENTENV_MIN_FREE_MEMORY_MB", "-5", "AGENTENV_MIN_FREE_MEMORY_MB=-5"),
         ("AGENTENV_MIN_FREE_DISK_MB", "-5", "AGENTENV_MIN_FREE_DISK_MB=-5"),
+        ("AGENTENV_DISK_BPS_MB", "-1", "AGENTENV_DISK_BPS_MB=-1: expected 0 or more"),
+        ("AGENTENV_DISK_BPS_MB", "fast", "AGENTENV_DISK_BPS_MB='fast' is not an integer"),
+        ("AGENTENV_DISK_BPS_MB", str(10**12), "AGENTENV_DISK_BPS_MB=.*at most"),
+        ("AGENTENV_DISK_IOPS", "-3", "AGENTENV_DISK_IOPS=-3"),
+        ("AGENTENV_DISK_IOPS", str(10**16), "AGENTENV_DISK_IOPS=.*at most"),
     ],
 )
 def test_bad_values_are_named(
@@ -102,3 +107,20 @@ def test_vmm_confinement_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("AGENTENV_CONFINE", "maybe")
     with pytest.raises(ConfigError, match="AGENTENV_CONFINE"):
         Settings.from_env()
+
+
+def test_disk_limits(monkeypatch: pytest.MonkeyPatch) -> None:
+    from agentenv.snapshot.machine import disk_limits
+    from agentenv.vmm.base import DiskLimits
+
+    for name in ("AGENTENV_DISK_BPS_MB", "AGENTENV_DISK_IOPS"):
+        monkeypatch.delenv(name, raising=False)
+    settings = Settings.from_env()
+    assert (settings.disk_bps_mb, settings.disk_iops) == (100, 2000)
+    assert disk_limits(settings) == DiskLimits(100 * 1024 * 1024, 2000)
+    monkeypatch.setenv("AGENTENV_DISK_BPS_MB", "5")
+    monkeypatch.setenv("AGENTENV_DISK_IOPS", "0")
+    assert disk_limits(Settings.from_env()) == DiskLimits(5 * 1024 * 1024, 0)
+    # Both off: no throttling at all (QEMU is never asked).
+    monkeypatch.setenv("AGENTENV_DISK_BPS_MB", "0")
+    assert disk_limits(Settings.from_env()) is None

@@ -20,6 +20,12 @@ DEFAULT_GUEST_CIDR = "169.254.0.0/30"
 # Host-side slot addresses come from the benchmarking range (RFC 2544), never RFC 1918.
 DEFAULT_SLOT_CIDR = "198.18.0.0/15"
 DEFAULT_GUEST_MAC = "02:ae:00:00:00:02"
+# tbf's rate field is 32-bit bytes/s (about 34 Gbit/s); a slot's conntrack cap stays below
+# what a host's table holds by default.
+MAX_NET_RATE_MBIT = 32000
+MAX_SLOT_CONNECTIONS = 262144
+# Largest disk throttle values QEMU takes (`THROTTLE_VALUE_MAX`, 10^15 per second).
+MAX_DISK_LIMIT = {"AGENTENV_DISK_BPS_MB": 10**15 // 2**20, "AGENTENV_DISK_IOPS": 10**15}
 
 
 class ConfigError(ValueError):
@@ -39,6 +45,14 @@ def _env_int(name: str, default: int) -> int:
         return int(raw)
     except ValueError as exc:
         raise ConfigError(f"{name}={raw!r} is not an integer") from exc
+
+
+def _env_bounded(name: str, default: int, most: int) -> int:
+    """A limit that is 0 (off) or 1..`most`."""
+    value = _env_int(name, default)
+    if not 0 <= value <= most:
+        raise ConfigError(f"{name}={value}: expected 0 (no limit) to {most}")
+    return value
 
 
 def _env_bool(name: str, default: bool) -> bool:
@@ -85,6 +99,11 @@ class NetworkPlan:
         default_factory=lambda: ipaddress.IPv4Network(DEFAULT_SLOT_CIDR)
     )
     guest_mac: str = DEFAULT_GUEST_MAC
+    # Per slot, each way (tbf toward the guest, an nft policer from it), in Mbit/s; and the
+    # connections a guest may have open at once (`ct count`), so one guest cannot fill the
+    # conntrack table. 0 = no limit.
+    rate_mbit: int = 200
+    max_connections: int = 4096
 
     @property
     def gateway_ip(self) -> ipaddress.IPv4Address:
@@ -155,6 +174,11 @@ class Settings:
     # Every QEMU in its own uid, mount namespace and root, under seccomp (`vmm.confine`). On,
     # a missing piece fails the VM's start; only AGENTENV_CONFINE=off runs QEMU as root.
     confine: bool = True
+    # Host disk IO each sandbox's writable disk may use (QEMU block throttling, reads and
+    # writes together): MiB/s and requests/s, 0 = no limit. One guest writing flat out must
+    # not take the host disk from its neighbours or the server's own database and logs.
+    disk_bps_mb: int = 100
+    disk_iops: int = 2000
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -163,6 +187,13 @@ class Settings:
             net = replace(net, guest_cidr=_parse_net("AGENTENV_GUEST_CIDR", raw, 30))
         if raw := os.environ.get("AGENTENV_SLOT_CIDR"):
             net = replace(net, slot_cidr=_parse_net("AGENTENV_SLOT_CIDR", raw, 30))
+        net = replace(
+            net,
+            rate_mbit=_env_bounded("AGENTENV_NET_RATE_MBIT", net.rate_mbit, MAX_NET_RATE_MBIT),
+            max_connections=_env_bounded(
+                "AGENTENV_SLOT_MAX_CONNECTIONS", net.max_connections, MAX_SLOT_CONNECTIONS
+            ),
+        )
         accel = os.environ.get("AGENTENV_ACCEL") or None
         if accel is not None and accel not in ("kvm", "pvm", "tcg"):
             raise ConfigError(f"AGENTENV_ACCEL={accel!r}: expected kvm, pvm or tcg")
@@ -190,12 +221,20 @@ class Settings:
                 ("AGENTENV_START_QUEUE", cls.start_queue),
                 ("AGENTENV_MIN_FREE_MEMORY_MB", cls.min_free_memory_mb),
                 ("AGENTENV_MIN_FREE_DISK_MB", cls.min_free_disk_mb),
+                ("AGENTENV_DISK_BPS_MB", cls.disk_bps_mb),
+                ("AGENTENV_DISK_IOPS", cls.disk_iops),
             )
         }
         for name, value in limits.items():
             least = 1 if name == "AGENTENV_MAX_STARTS" else 0
             if value < least:
                 raise ConfigError(f"{name}={value}: expected {least} or more")
+        # QEMU refuses throttle values above 10^15 (bytes or requests per second).
+        for name in ("AGENTENV_DISK_BPS_MB", "AGENTENV_DISK_IOPS"):
+            if limits[name] > MAX_DISK_LIMIT[name]:
+                raise ConfigError(
+                    f"{name}={limits[name]}: at most {MAX_DISK_LIMIT[name]} (0 = no limit)"
+                )
         return cls(
             home=_env_path("AGENTENV_HOME", Path("/var/lib/agentenv")),
             cache=_env_path("AGENTENV_CACHE", Path.home() / ".cache" / "agentenv"),
@@ -223,6 +262,8 @@ class Settings:
             min_free_memory_mb=limits["AGENTENV_MIN_FREE_MEMORY_MB"],
             min_free_disk_mb=limits["AGENTENV_MIN_FREE_DISK_MB"],
             confine=_env_switch("AGENTENV_CONFINE", True),
+            disk_bps_mb=limits["AGENTENV_DISK_BPS_MB"],
+            disk_iops=limits["AGENTENV_DISK_IOPS"],
         )
 
     # Layout of the data dir. Components create what they use.

@@ -65,3 +65,11 @@ def test_doctor_says_when_confinement_is_off() -> None:
     proc = _doctor(AGENTENV_CONFINE="off")
     assert "VMM confinement: off" in proc.stderr, proc.stderr
     assert "VMM confinement: command" not in proc.stderr
+
+
+def test_doctor_reports_the_network_limits_in_effect() -> None:
+    proc = _doctor(AGENTENV_NET_RATE_MBIT="20", AGENTENV_SLOT_MAX_CONNECTIONS="0")
+    assert "network per sandbox: 20 Mbit/s each way" in proc.stderr, proc.stderr
+    assert "no connection cap" in proc.stderr, proc.stderr
+    bad = _doctor(AGENTENV_NET_RATE_MBIT="-3")
+    assert bad.returncode != 0 and "AGENTENV_NET_RATE_MBIT=-3" in bad.stderr, bad.stderr

@@ -7,6 +7,7 @@ import contextlib
 import ipaddress
 import json
 import subprocess
+import sys
 
 import pytest
 
@@ -21,6 +22,7 @@ from agentenv.network import (
     slot_for,
 )
 from agentenv.network.slot import conntrack_entries
+from agentenv.vmm.confine import vm_ids
 
 
 def sh(*argv: str) -> str:
@@ -70,6 +72,29 @@ async def test_create_and_destroy_slot() -> None:
         assert "inet agentenv" in sh("nft", "list", "tables")
         fwd = sh("ip", "netns", "exec", slot.netns, "cat", "/proc/sys/net/ipv4/ip_forward")
         assert fwd.strip() == "1"
+        # The tap is the slot's VM uid's: no other unprivileged process may attach to it.
+        uid, gid = vm_ids("any", slot.netns)
+        owner = sh("ip", "netns", "exec", slot.netns, "cat", "/sys/class/net/tap0/owner")
+        group = sh("ip", "netns", "exec", slot.netns, "cat", "/sys/class/net/tap0/group")
+        assert (int(owner), int(group)) == (uid, gid) and uid != 0
+        # As a confined QEMU does: /dev/net/tun opened (its jail's node is 0666), then the
+        # attach as its uid, with no capabilities left.
+        attach = (
+            "import fcntl, os, struct, sys\n"
+            "fd = os.open('/dev/net/tun', os.O_RDWR)\n"
+            "who = int(sys.argv[1])\n"
+            "os.setgroups([]); os.setresgid(who, who, who); os.setresuid(who, who, who)\n"
+            "try:\n"
+            "    fcntl.ioctl(fd, 0x400454CA, struct.pack('16sH', b'tap0', 0x0002 | 0x1000))\n"
+            "    print('attached')\n"
+            "except OSError as e:\n"
+            "    print(e.errno)\n"
+        )
+        for who, expected in ((uid + 1, "1"), (uid, "attached")):  # 1 = EPERM
+            got = sh(
+                "ip", "netns", "exec", slot.netns, sys.executable, "-c", attach, str(who)
+            )  # fmt: skip
+            assert got.strip() == expected, (who, got)
     finally:
         await destroy_slot(slot)
     assert slot.netns not in sh("ip", "netns", "list")

@@ -312,3 +312,70 @@ async def test_snapshot_restore_pause_and_stream_when_confined(
         assert _status(back.pid or 0)["Seccomp"] == "2"
     finally:
         await back.kill()
+
+
+def _as_uid(
+    uid: int, gid: int, *argv: str, enter: int | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Run `argv` as `uid`/`gid` with no groups and no capabilities; with `enter`, inside that
+    PID's mount namespace and root (where a confined QEMU's own file opens land)."""
+    cmd = ["setpriv", f"--reuid={uid}", f"--regid={gid}", "--clear-groups", "--inh-caps=-all"]
+    if enter is not None:
+        cmd = ["nsenter", f"--target={enter}", "--mount", "--root", "--wd=/", "--", *cmd]
+    return subprocess.run([*cmd, *argv], capture_output=True, text=True, timeout=30, check=False)
+
+
+@pytest.mark.vm
+async def test_one_guest_cannot_reach_anothers_disk_or_memory(
+    settings: Settings, guest_artifacts: Any, tmp_path: Path
+) -> None:
+    """Two confined VMs side by side: A's QEMU, whatever it is made to do, opens none of B's
+    files — not by path from its root, not as its uid on the host, not through B's /proc."""
+    base = tmp_path / "layers" / "base.qcow2"
+    base.parent.mkdir()
+    assert run("qemu-img", "create", "-q", "-f", "qcow2", base, "32M").returncode == 0
+    vms: list[QemuVM] = []
+    for name in ("a", "b"):
+        work = tmp_path / name
+        work.mkdir()
+        create_upper_sync(base, work / "rootfs.qcow2")
+        vms.append(
+            make_vm(
+                settings,
+                guest_artifacts,
+                work,
+                name=f"vmtest-pair-{name}-{os.getpid()}",
+                machine=MachineSpec(1, 128, mem_file=work / "memory", mem_shared=True),
+                drives=[Drive("vda", work / "rootfs.qcow2", read_only=False)],
+            )
+        )
+    a, b = vms
+    try:
+        for vm in vms:
+            await vm.start()
+        await wait_for(lambda: "Linux version" in b.serial_log.read_text(errors="replace"))
+        assert a.uid != b.uid and a.gid != b.gid and a.pid and b.pid
+        theirs = [b.workdir / "rootfs.qcow2", b.workdir / "memory"]
+        for path in theirs:
+            assert path.stat().st_uid == b.uid and path.stat().st_mode & 0o077 == 0
+            # A's QEMU asked over QMP to open B's disk or RAM: not in its root.
+            node = {"driver": "raw", "node-name": "probe", "read-only": True}
+            with pytest.raises(VMMError, match="No such file"):
+                await a._execute(
+                    "blockdev-add", {**node, "file": {"driver": "file", "filename": str(path)}}
+                )
+            # A's uid, had it left its root: the files are B's alone.
+            out = _as_uid(a.uid, a.gid, "head", "-c1", str(path))
+            assert out.returncode != 0 and "Permission denied" in out.stderr, out
+            # In A's mount namespace (what A's own opens see): not there at all.
+            out = _as_uid(a.uid, a.gid, "head", "-c1", str(path), enter=a.pid)
+            assert out.returncode != 0 and "No such file" in out.stderr, out
+        # B's memory through /proc: another uid's process, and not dumpable by it.
+        for proc_file in (f"/proc/{b.pid}/mem", f"/proc/{b.pid}/root/{b.workdir}/memory"):
+            out = _as_uid(a.uid, a.gid, "head", "-c1", proc_file)
+            assert out.returncode != 0, (proc_file, out)
+        # No /proc in A's root to look for B through.
+        assert not [f for f in _files_in_root(a.pid) if f.startswith("/proc/")]
+    finally:
+        for vm in vms:
+            await vm.kill()

@@ -18,7 +18,7 @@ from agentenv.config import NetworkPlan, Settings
 from agentenv.network import create_slot, destroy_slot
 from agentenv.storage import create_upper_sync, info
 from agentenv.vmm.accel import detect
-from agentenv.vmm.base import BootSource, Drive, MachineSpec, NetIface, VMStatus
+from agentenv.vmm.base import BootSource, DiskLimits, Drive, MachineSpec, NetIface, VMStatus
 from agentenv.vmm.errors import VMStartError
 from agentenv.vmm.qemu import QemuVM
 
@@ -151,6 +151,42 @@ async def test_seal_disk_makes_old_upper_read_only(
         with pytest.raises(Exception, match="exists"):
             await vm.seal_disk("vda", new_upper)
         assert vm.disk_path("vda") == new_upper
+    finally:
+        await vm.kill()
+
+
+@pytest.mark.parametrize("incoming", [False, True], ids=["boot", "incoming"])
+async def test_disk_limits_on_writable_drives_survive_a_seal(
+    settings: Settings, guest_artifacts: Any, tmp_path: Path, incoming: bool
+) -> None:
+    base = tmp_path / "base.qcow2"
+    assert run("qemu-img", "create", "-q", "-f", "qcow2", base, "32M").returncode == 0
+    upper = tmp_path / "upper.qcow2"
+    create_upper_sync(base, upper, 64)
+    tools = tmp_path / "tools.raw"
+    tools.write_bytes(b"\0" * MIB)
+    limits = DiskLimits(bytes_per_s=5 * MIB, iops=300)
+    vm = make_vm(
+        settings,
+        guest_artifacts,
+        tmp_path / "vm",
+        drives=[Drive("vda", upper, read_only=False), Drive("vdb", tools, True, "raw")],
+        disk_limits=limits,
+        # A restore's QEMU waits for its state: the limits are set before it ever runs.
+        incoming=incoming,
+    )
+    await vm.start()
+    try:
+        # Only the writable drive: the read-only tools layer is shared and in page cache.
+        assert await vm.disk_limits_in_effect() == {"vda": limits, "vdb": DiskLimits()}
+        assert vm.spec()["disk_limits"] == {"bytes_per_s": 5 * MIB, "iops": 300}
+        if not incoming:
+            # A seal puts a new top under the device's backend; the limit stays with it.
+            await vm.seal_disk("vda", vm.workdir / "upper2.qcow2")
+            assert (await vm.disk_limits_in_effect())["vda"] == limits
+        await vm.set_disk_limits(None)
+        assert (await vm.disk_limits_in_effect())["vda"] == DiskLimits()
+        assert vm.spec()["disk_limits"] is None
     finally:
         await vm.kill()
 

@@ -94,6 +94,22 @@ def confinement_summary(settings: Settings) -> str:
     )
 
 
+def network_summary(settings: Settings) -> str:
+    """The per-slot limits in effect (`network.slot`): a guest sends only as itself, at
+    most this fast each way, with at most this many connections open."""
+    net = settings.network
+    rate = f"{net.rate_mbit} Mbit/s each way" if net.rate_mbit else "[red]no rate limit[/red]"
+    conns = (
+        f"at most {net.max_connections} connections"
+        if net.max_connections
+        else "[red]no connection cap[/red]"
+    )
+    return (
+        f"network per sandbox: {rate} (AGENTENV_NET_RATE_MBIT), {conns} "
+        "(AGENTENV_SLOT_MAX_CONNECTIONS), anti-spoofing guard on its tap"
+    )
+
+
 def _artifact_checks(settings: Settings) -> list[Finding]:
     from agentenv.template.catalog import TemplateCatalog, TemplateNotFound
     from agentenv.vmm.ramshim import find_ram_shim
@@ -122,6 +138,7 @@ def run_doctor(settings: Settings, console: Console) -> int:
         console.print(f"[yellow]warning:[/yellow] {warning}")
     console.print(f"data dir: {settings.home}   build cache: {settings.cache}")
     console.print(confinement_summary(settings), highlight=False)
+    console.print(network_summary(settings), highlight=False)
     missing = 0
     for finding in _checks(settings):
         if finding.ok:

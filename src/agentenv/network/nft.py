@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ipaddress
+import json
 from pathlib import Path
 
 from agentenv.network.egress import Egress
@@ -51,6 +52,32 @@ async def run_in_netns(netns: str | None, script: str, stdin: str = "") -> None:
         raise NetworkError(f"{where}: {lines[-1] if lines else 'command failed'}")
 
 
+async def counters(netns: str, family: str, table: str) -> dict[str, int]:
+    """Packets each named counter of a table in `netns` has counted."""
+    argv = ["nsenter", f"--net=/run/netns/{netns}", "--"]
+    argv += ["nft", "-j", "list", "counters", "table", family, table]
+    proc = await asyncio.create_subprocess_exec(
+        *argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+    )
+    try:
+        async with asyncio.timeout(COMMAND_TIMEOUT_S):
+            out, err = await proc.communicate()
+    except TimeoutError:
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+        await proc.wait()
+        raise NetworkError(f"netns {netns}: nft list counters did not finish") from None
+    if proc.returncode != 0:
+        lines = err.decode(errors="replace").strip().splitlines()
+        raise NetworkError(f"netns {netns}: {lines[-1] if lines else 'nft failed'}")
+    found: dict[str, int] = {}
+    for item in json.loads(out)["nftables"]:
+        counter = item.get("counter")
+        if counter is not None:
+            found[str(counter["name"])] = int(counter["packets"])
+    return found
+
+
 # What a guest may never reach through its slot, whatever its policy says: link-local space
 # (cloud metadata services live at 169.254.169.254), multicast and reserved space.
 ALWAYS_BLOCKED = (
@@ -72,6 +99,7 @@ def slot_ruleset(
     guest_ip: ipaddress.IPv4Address,
     gateway_ip: ipaddress.IPv4Address,
     blocked: list[ipaddress.IPv4Network],
+    max_connections: int = 0,
 ) -> str:
     """Rules inside one slot's namespace.
 
@@ -80,13 +108,33 @@ def slot_ruleset(
     another slot, the host-side range, link-local space or the namespace itself; of the
     namespace it reaches only the gateway's DNS port and, when redirected there, the
     inspecting proxy.
+
+    With `max_connections`, a guest that already has that many connections tracked (out
+    through the slot or to its gateway, together) has further ones refused at once. One
+    `ct count` rule, reached from both hooks, keeps one count; closed TCP connections
+    (TIME_WAIT) drop out of it, so a guest that closed its sockets can open new ones.
     """
     block = ", ".join(str(n) for n in (*blocked, *ALWAYS_BLOCKED))
+    if max_connections > 0:
+        cap = f'    iifname "{tap}" ct state new jump {GUEST_NEW}'
+        cap_chains = f"""  counter {OVER_CAP} {{
+  }}
+  chain {GUEST_NEW} {{
+    ct count over {max_connections} goto {REFUSE}
+  }}
+  chain {REFUSE} {{
+    counter name "{OVER_CAP}"
+    meta l4proto tcp reject with tcp reset
+    reject with icmpx type admin-prohibited
+  }}
+"""
+    else:
+        cap = cap_chains = ""
     return f"""
 table inet {TABLE}
 delete table inet {TABLE}
 table inet {TABLE} {{
-  chain prerouting {{
+{cap_chains}  chain prerouting {{
     type nat hook prerouting priority dstnat; policy accept;
     iifname "{veth}" ip daddr {slot_ip} dnat ip to {guest_ip}
   }}
@@ -98,6 +146,7 @@ table inet {TABLE} {{
     type filter hook forward priority filter; policy drop;
     ct state established,related accept
     ct state invalid drop
+{cap}
     iifname "{veth}" oifname "{tap}" ip daddr {guest_ip} accept
     iifname "{tap}" ip daddr {{ {block} }} meta l4proto tcp reject with tcp reset
     iifname "{tap}" ip daddr {{ {block} }} reject with icmpx type admin-prohibited
@@ -105,9 +154,67 @@ table inet {TABLE} {{
   }}
   chain input {{
     type filter hook input priority filter; policy accept;
+{cap}
     iifname "{tap}" ip daddr {gateway_ip} meta l4proto {{ tcp, udp }} th dport {DNS_PORT} accept
     iifname "{tap}" ip daddr {gateway_ip} tcp dport {INSPECT_PORT} ct status dnat accept
     iifname "{tap}" ct state new drop
+  }}
+}}
+"""
+
+
+# The connection cap's chains and the counter of connections it refused.
+GUEST_NEW = "guest_new"
+REFUSE = "refuse"
+OVER_CAP = "over_cap"
+
+# Frames from the guest are checked on the tap's ingress, before routing or conntrack see
+# them (`guard_ruleset`).
+GUARD_TABLE = "agentenv_guard"
+# Drop counters, one per kind of forgery, and the policer's.
+GUARD_COUNTERS = ("spoof_mac", "spoof_arp", "spoof_ip", "other_proto", "over_rate")
+
+
+def guard_ruleset(
+    *,
+    tap: str,
+    guest_mac: str,
+    guest_ip: ipaddress.IPv4Address,
+    rate_bytes: int = 0,
+) -> str:
+    """The tap's ingress guard (a `netdev` table in the slot's namespace): a guest may only
+    send as itself. Every slot gives its guest the same MAC and IP, so the guard is the same
+    on every slot and a snapshot restored into any slot passes it.
+
+    Dropped, each kind counted: a frame whose Ethernet source is not the guest's MAC; an
+    ARP packet that is not Ethernet/IPv4 or whose sender is not the guest's MAC and IP (no
+    poisoning of the gateway's neighbour table); an IPv4 packet from any other source; any
+    other ethertype (slots are IPv4 only, so also IPv6 and VLAN tags). With `rate_bytes`,
+    what the guest sends beyond that many bytes per second is dropped (a policer: the tap's
+    qdisc only shapes what goes to the guest). Its bucket holds one second of the rate."""
+    arp = "ether type arp"
+    police = (
+        f'    limit rate over {rate_bytes} bytes/second counter name "over_rate" drop\n'
+        if rate_bytes > 0
+        else ""
+    )
+    counters = "".join(f"  counter {name} {{\n  }}\n" for name in GUARD_COUNTERS)
+    return f"""
+table netdev {GUARD_TABLE}
+delete table netdev {GUARD_TABLE}
+table netdev {GUARD_TABLE} {{
+{counters}  chain ingress {{
+    type filter hook ingress device "{tap}" priority -500; policy drop;
+    ether saddr != {guest_mac} counter name "spoof_mac" drop
+    {arp} arp htype != 1 counter name "spoof_arp" drop
+    {arp} arp ptype != ip counter name "spoof_arp" drop
+    {arp} arp hlen != 6 counter name "spoof_arp" drop
+    {arp} arp plen != 4 counter name "spoof_arp" drop
+    {arp} arp saddr ether != {guest_mac} counter name "spoof_arp" drop
+    {arp} arp saddr ip != {guest_ip} counter name "spoof_arp" drop
+    ether type ip ip saddr != {guest_ip} counter name "spoof_ip" drop
+    ether type != {{ ip, arp }} counter name "other_proto" drop
+{police}    accept
   }}
 }}
 """

@@ -11,7 +11,14 @@ from agentenv.config import NetworkPlan
 from agentenv.network.dns import DnsForwarder
 from agentenv.network.egress import Egress
 from agentenv.network.gateway import SlotGateway
-from agentenv.network.slot import Slot, create_slot, destroy_slot, reset_slot, set_egress
+from agentenv.network.slot import (
+    Slot,
+    apply_guard,
+    create_slot,
+    destroy_slot,
+    reset_slot,
+    set_egress,
+)
 
 
 class SlotPool:
@@ -75,8 +82,10 @@ class SlotPool:
 
     async def adopt(self, slot: Slot, egress: Egress) -> None:
         """A slot a VM of an earlier server still uses (crash recovery) counts as busy; its
-        gateway comes back with the policy its nft table still holds."""
+        gateway comes back with the policy its nft table still holds. Its guard is rebuilt
+        with this server's limits (counters from zero)."""
         self._busy[slot.index] = slot
+        await apply_guard(slot)
         await self._open_gateway(slot)
         gateway = self._gateways.get(slot.index)
         if gateway is not None:

@@ -4,6 +4,11 @@ Slot `i` owns the /30 at `slot_cidr + 4*i`: `.1` is the host end (`ae-h{i}`), `.
 namespace end (`ae-n{i}`) and the address the host uses to reach the guest. Inside, every slot
 looks the same (tap0, gateway 169.254.0.1, guest 169.254.0.2, one MAC), so a VM snapshotted in
 one slot runs unchanged in any other.
+
+What a guest sends is checked on the tap's ingress (`nft.guard_ruleset`: only its own MAC and
+IP, policed to the slot's rate); what it receives is shaped by a tbf qdisc on the tap; its
+concurrent connections are capped (`nft.slot_ruleset`). All of it lives on the tap or in the
+namespace, so it goes with the slot and is renewed when a slot is reused.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from agentenv.filelock import file_lock
 from agentenv.network import nft
 from agentenv.network.egress import OPEN, Egress
 from agentenv.network.errors import NetworkError, NoFreeSlot
+from agentenv.vmm.confine import vm_ids
 
 NETNS_PREFIX = "ae-s"
 HOST_VETH_PREFIX = nft.HOST_PREFIX
@@ -61,6 +67,9 @@ class Slot:
     gateway_ip: ipaddress.IPv4Address
     guest_mac: str
     guest_prefixlen: int
+    # Each way, Mbit/s, and concurrent guest connections (`NetworkPlan`); 0 = no limit.
+    rate_mbit: int = 0
+    max_connections: int = 0
 
     @property
     def netns_path(self) -> Path:
@@ -83,6 +92,8 @@ def slot_for(plan: NetworkPlan, index: int) -> Slot:
         gateway_ip=plan.gateway_ip,
         guest_mac=plan.guest_mac,
         guest_prefixlen=plan.guest_cidr.prefixlen,
+        rate_mbit=plan.rate_mbit,
+        max_connections=plan.max_connections,
     )
 
 
@@ -192,13 +203,17 @@ async def _build(plan: NetworkPlan, slot: Slot) -> None:
             idx = await _link_index(ipr, slot.ns_veth)
             await ipr.addr("add", index=idx, address=str(slot.slot_ip), prefixlen=30)
             await ipr.link("set", index=idx, state="up")
-            await ipr.link("add", ifname=slot.tap, kind="tuntap", mode="tap")
+            # Owned by the uid the slot's confined QEMU runs as: a tap with no owner may be
+            # attached by any process that can open /dev/net/tun in this namespace.
+            uid, gid = vm_ids(slot.tap, slot.netns)
+            await ipr.link("add", ifname=slot.tap, kind="tuntap", mode="tap", uid=uid, gid=gid)
             tap = await _link_index(ipr, slot.tap)
             await ipr.addr(
                 "add", index=tap, address=str(slot.gateway_ip), prefixlen=slot.guest_prefixlen
             )
             await ipr.link("set", index=tap, state="up")
             await ipr.route("add", dst="0.0.0.0/0", gateway=str(slot.host_ip))
+            await _shape(ipr, slot, tap)
     except NetlinkError as exc:
         raise NetworkError(f"slot {slot.index}: netlink: {exc}") from exc
     rules = nft.slot_ruleset(
@@ -208,15 +223,53 @@ async def _build(plan: NetworkPlan, slot: Slot) -> None:
         guest_ip=slot.guest_ip,
         gateway_ip=slot.gateway_ip,
         blocked=[plan.slot_cidr],
+        max_connections=slot.max_connections,
     )
-    # ip_forward is per namespace; the guest's traffic is routed, not bridged.
+    # ip_forward is per namespace; the guest's traffic is routed, not bridged. The guard is
+    # in place before any guest can have the tap open.
     await nft.run_in_netns(
         slot.netns,
         "echo 1 > /proc/sys/net/ipv4/ip_forward\n"
         "echo 1 > /proc/sys/net/ipv6/conf/all/disable_ipv6\n"
         "nft -f -",
-        rules,
+        rules + _guard(slot),
     )
+
+
+def rate_bytes(slot: Slot) -> int:
+    return slot.rate_mbit * 1_000_000 // 8
+
+
+def _guard(slot: Slot) -> str:
+    return nft.guard_ruleset(
+        tap=slot.tap, guest_mac=slot.guest_mac, guest_ip=slot.guest_ip, rate_bytes=rate_bytes(slot)
+    )
+
+
+# The tbf toward the guest: its bucket holds 10 ms at the rate (at least 64 KiB, so a GSO
+# super-frame from the host passes whole), and packets wait at most this long in its queue
+# before they are dropped (TCP then backs off to the rate).
+SHAPE_MIN_BURST = 64 * 1024
+SHAPE_LATENCY = "50ms"
+
+
+def shape_parameters(slot: Slot) -> dict[str, object] | None:
+    """pyroute2 `tc` arguments of the slot's tbf; None without a rate limit."""
+    if slot.rate_mbit <= 0:
+        return None
+    burst = max(rate_bytes(slot) // 100, SHAPE_MIN_BURST)
+    return {"rate": f"{slot.rate_mbit}mbit", "burst": burst, "latency": SHAPE_LATENCY}
+
+
+async def _shape(ipr: AsyncIPRoute, slot: Slot, tap: int) -> None:
+    params = shape_parameters(slot)
+    if params is not None:
+        await ipr.tc("replace", "tbf", tap, 0, **params)
+
+
+async def guard_counters(slot: Slot) -> dict[str, int]:
+    """Packets the tap's guard dropped so far, by counter (`nft.GUARD_COUNTERS`)."""
+    return await nft.counters(slot.netns, "netdev", nft.GUARD_TABLE)
 
 
 async def conntrack_entries(slot: Slot) -> int:
@@ -232,10 +285,24 @@ async def set_egress(slot: Slot, egress: Egress) -> None:
     await nft.run_in_netns(slot.netns, "nft -f -", ruleset)
 
 
+async def apply_guard(slot: Slot) -> None:
+    """(Re)build the tap's guard and shaper with the slot's limits, in place: the guard's
+    table is replaced in one transaction, so a running guest is never unguarded."""
+    await nft.run_in_netns(slot.netns, "nft -f -", _guard(slot))
+    try:
+        async with AsyncIPRoute(netns=slot.netns) as ipr:
+            await _shape(ipr, slot, await _link_index(ipr, slot.tap))
+    except NetlinkError as exc:
+        raise NetworkError(f"slot {slot.index}: netlink: {exc}") from exc
+
+
 async def reset_slot(slot: Slot) -> None:
     """Forget the previous guest's connections and egress policy before a slot is reused: a
-    stale entry would send a new guest's replies through the old NAT mapping."""
+    stale entry would send a new guest's replies through the old NAT mapping. The guard and
+    the shaper are put back as they were built (counters from zero, and whatever the last
+    guest's time did to them undone)."""
     await set_egress(slot, OPEN)
+    await apply_guard(slot)
     try:
         async with AsyncConntrack(netns=slot.netns) as ct:
             await ct.flush()

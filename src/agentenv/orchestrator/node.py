@@ -59,7 +59,7 @@ from agentenv.orchestrator.node_errors import (
 from agentenv.orchestrator.warm import Shape, WarmPool
 from agentenv.snapshot import GuestImage, Machine, MemoryMode, Snapshot, SnapshotError
 from agentenv.snapshot.fork import MAX_CHILDREN, ForkTarget
-from agentenv.snapshot.machine import wait_envd
+from agentenv.snapshot.machine import disk_limits, new_vm, wait_envd
 from agentenv.snapshot.pause import DISK, PAUSED, STATE, STREAM, tidy
 from agentenv.snapshot.restore import (
     Prepared,
@@ -81,7 +81,7 @@ from agentenv.storage import (
 from agentenv.template.catalog import Template
 from agentenv.vmm import registry as vm_registry
 from agentenv.vmm.accel import AccelChoice, detect
-from agentenv.vmm.base import BootSource, Drive, MachineSpec, NetIface, VMStatus
+from agentenv.vmm.base import VMStatus
 from agentenv.vmm.cgroup import Cgroup
 from agentenv.vmm.errors import VMMError
 from agentenv.vmm.qemu import QemuVM, remove_socket
@@ -284,6 +284,7 @@ class Node:
             self.settings.vms_dir,
             self._vm_exited,
             confine=self.settings.confine,
+            disk_limits=disk_limits(self.settings),
         )
         self.settings.sandboxes_dir.mkdir(parents=True, exist_ok=True)
         self._owner_fd = await asyncio.to_thread(_claim_data_dir, self.settings.run_dir)
@@ -377,7 +378,12 @@ class Node:
         workdir = Path(rec.workdir)
         meta = json.loads(await asyncio.to_thread((workdir / META).read_text))
         vm = await QemuVM.adopt(
-            rec, pid, accel=self.accel, registry=self.settings.vms_dir, on_exit=self._vm_exited
+            rec,
+            pid,
+            accel=self.accel,
+            registry=self.settings.vms_dir,
+            on_exit=self._vm_exited,
+            disk_limits=self.image.disk_limits,
         )
         try:
             status = await vm.status()
@@ -700,28 +706,18 @@ class Node:
             except DiskTooSmall as exc:
                 raise DiskTooSmallForTemplate(str(exc)) from exc
 
-            vm = QemuVM(
+            vm = new_vm(
+                self.image,
                 name=sandbox_id,
                 workdir=workdir,
-                machine=MachineSpec(
-                    vcpus=cpu,
-                    memory_mb=memory_mb,
-                    mem_file=workdir / "memory" if self.mem_file else None,
-                ),
-                boot=BootSource(
-                    self._boot.kernel, self._boot.initrd, self._boot.cmdline(sandbox_id)
-                ),
-                drives=[
-                    Drive("vda", upper, read_only=False, fmt="qcow2"),
-                    Drive("vdb", self._boot.tools_image, read_only=True, fmt="raw"),
-                ],
-                accel=self._accel,
-                net=NetIface(slot.tap, slot.guest_mac),
-                netns=slot.netns,
-                qemu_binary=self.settings.qemu_binary,
-                registry=self.settings.vms_dir,
-                on_exit=self._vm_exited,
-                confine=self.settings.confine,
+                vcpus=cpu,
+                memory_mb=memory_mb,
+                mem_file=workdir / "memory" if self.mem_file else None,
+                shared=True,
+                upper=upper,
+                tools_image=self._boot.tools_image,
+                slot=slot,
+                incoming=False,
             )
             await vm.start()
             undo.append(vm.kill)

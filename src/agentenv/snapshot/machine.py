@@ -26,7 +26,7 @@ from agentenv.config import ENVD_PORT, Settings
 from agentenv.network import Slot
 from agentenv.snapshot.errors import RestoreFailed
 from agentenv.vmm.accel import AccelChoice, detect
-from agentenv.vmm.base import BootSource, Drive, MachineSpec, NetIface
+from agentenv.vmm.base import BootSource, DiskLimits, Drive, MachineSpec, NetIface
 from agentenv.vmm.confine import disown
 from agentenv.vmm.qemu import QemuVM
 from agentenv.vmm.ramshim import ensure_ram_shim
@@ -62,6 +62,8 @@ class GuestImage:
     on_vm_exit: Callable[[QemuVM], None] | None = None
     # Confined QEMUs (`vmm.confine`; Settings.confine).
     confine: bool = True
+    # Host IO each guest's writable disk may use (Settings.disk_bps_mb / disk_iops).
+    disk_limits: DiskLimits | None = None
 
     @classmethod
     def resolve(cls, settings: Settings) -> GuestImage:
@@ -85,11 +87,16 @@ class GuestImage:
             shim,
             settings.vms_dir,
             confine=settings.confine,
+            disk_limits=disk_limits(settings),
         )
 
     @property
     def qemu_version(self) -> str:
         return qemu_version(self.qemu_binary)
+
+
+def disk_limits(settings: Settings) -> DiskLimits | None:
+    return DiskLimits.of(settings.disk_bps_mb, settings.disk_iops)
 
 
 def qemu_version(binary: str) -> str:
@@ -133,7 +140,7 @@ def new_vm(
     workdir: Path,
     vcpus: int,
     memory_mb: int,
-    mem_file: Path,
+    mem_file: Path | None,
     shared: bool,
     upper: Path,
     tools_image: Path,
@@ -143,9 +150,11 @@ def new_vm(
     balloon: bool = True,
     upper_read_only: bool = False,
 ) -> QemuVM:
-    """The one way snapshot code builds a QEMU: the device set must be identical between the
-    VM that saves a state and every VM that loads it. `slot=None` gives the NIC a throwaway
-    tap (for a VM that only converts a snapshot)."""
+    """The one way a guest's QEMU is built (sandboxes, warm entries, template builders,
+    converters): the device set must be identical between the VM that saves a state and
+    every VM that loads it, and every guest gets the image's limits. `slot=None` gives the
+    NIC a throwaway tap (for a VM that only converts a snapshot); `mem_file=None` keeps RAM
+    anonymous (a node without snapshots)."""
     from agentenv.config import DEFAULT_GUEST_MAC
 
     net = (
@@ -173,6 +182,7 @@ def new_vm(
         registry=image.vm_registry,
         on_exit=image.on_vm_exit,
         confine=image.confine,
+        disk_limits=image.disk_limits,
     )
 
 

@@ -51,6 +51,22 @@ class MachineSpec:
     balloon: bool = True
 
 
+@dataclass(frozen=True)
+class DiskLimits:
+    """Host IO one writable drive may use, reads and writes together; 0 = no limit. The
+    VMM enforces it on the device, so it holds whatever disk chain is behind the device."""
+
+    bytes_per_s: int = 0
+    iops: int = 0
+
+    @classmethod
+    def of(cls, mib_per_s: int, iops: int) -> DiskLimits | None:
+        """From settings (MiB/s, requests/s); None when both are off."""
+        if mib_per_s <= 0 and iops <= 0:
+            return None
+        return cls(max(0, mib_per_s) * 1024 * 1024, max(0, iops))
+
+
 class VMStatus(enum.Enum):
     CREATED = "created"
     RUNNING = "running"

@@ -230,6 +230,9 @@ class Jail:
         # Nothing in the root itself is QEMU's to change.
         lines.append('mount -o remount,ro,nosuid "$R"')
         lines.append("cd /")
+        # What QEMU creates itself (the RAM file of a VM that boots, a serial log) is its
+        # uid's alone: with the default umask guest RAM was world-readable on the host.
+        lines.append("umask 077")
         lines.append(f'exec chroot --userspec={self.uid}:{self.gid} --groups={self.gid} "$R" "$@"')
         return "\n".join(lines)
 

@@ -21,7 +21,7 @@ from agentenv.storage.images import create_overlay_sync
 from agentenv.vmm import confine as vm_confine
 from agentenv.vmm import registry as vm_registry
 from agentenv.vmm.accel import AccelChoice
-from agentenv.vmm.base import BootSource, Drive, MachineSpec, NetIface, VMStatus
+from agentenv.vmm.base import BootSource, DiskLimits, Drive, MachineSpec, NetIface, VMStatus
 from agentenv.vmm.cgroup import Cgroup, Limits
 from agentenv.vmm.errors import BalloonUnsupported, VMMError, VMStartError
 from agentenv.vmm.ramshim import preload_argv
@@ -148,6 +148,7 @@ class QemuVM:
         registry: Path | None = None,
         on_exit: Callable[[QemuVM], None] | None = None,
         confine: bool = True,
+        disk_limits: DiskLimits | None = None,
     ) -> None:
         self.name = name
         self.workdir = workdir
@@ -167,6 +168,8 @@ class QemuVM:
         self.version = qemu_version(qemu_binary)
         # The preload library a private mapping of a shared memory file needs (`ramshim`).
         self.ram_shim = ram_shim
+        # Host IO each writable drive may use, set over QMP once QEMU answers (`start`).
+        self.disk_limits = disk_limits
         # Started paused, waiting for `snapshot_load` instead of booting the kernel.
         self.incoming = incoming
         self.serial_log = workdir / "serial.log"
@@ -407,6 +410,7 @@ class QemuVM:
                     "ram_shim": None if self.ram_shim is None else str(self.ram_shim),
                     "confine": self.confine,
                     "launch_workdir": str(self.launch_workdir),
+                    "disk_limits": None if self.disk_limits is None else asdict(self.disk_limits),
                 },
                 default=str,
             )
@@ -438,10 +442,14 @@ class QemuVM:
         accel: AccelChoice,
         registry: Path | None,
         on_exit: Callable[[QemuVM], None] | None = None,
+        disk_limits: DiskLimits | None = None,
     ) -> QemuVM:
         """Take over a QEMU another (dead) server started: reconnect QMP, learn the disk
-        chain from QEMU (seals may have moved it), watch the process through a pidfd."""
+        chain from QEMU (seals may have moved it), watch the process through a pidfd.
+        `disk_limits` are the adopting server's: QEMU kept the ones it was given, so they
+        are set again only if they differ (None: none)."""
         spec = record.spec
+        recorded = spec.get("disk_limits")
         m = spec["machine"]
         b = spec["boot"]
         net = spec["net"]
@@ -471,6 +479,7 @@ class QemuVM:
             registry=registry,
             on_exit=on_exit,
             confine=bool(spec.get("confine", False)),
+            disk_limits=None if recorded is None else DiskLimits(**recorded),
         )
         vm.launch_workdir = Path(spec.get("launch_workdir") or record.workdir)
         vm.qmp_socket = Path(record.qmp_socket)
@@ -493,6 +502,8 @@ class QemuVM:
         try:
             await vm._connect_qmp()
             await vm._learn_block_nodes()
+            if disk_limits != vm.disk_limits:
+                await vm.set_disk_limits(disk_limits)
         except BaseException:
             await vm.kill()
             raise
@@ -573,6 +584,10 @@ class QemuVM:
             self._write_record()
             self._start_watch()
             await self._connect_qmp()
+            if self.disk_limits is not None:
+                # Before a restored guest runs; a cold-booted one is in its first
+                # milliseconds of kernel boot, far from any disk IO.
+                await self._throttle_disks(self.disk_limits)
         except BaseException:
             await self.kill()
             raise
@@ -761,6 +776,46 @@ class QemuVM:
             await asyncio.to_thread(vm_confine.disown, old_path)
         await asyncio.to_thread(old_path.chmod, 0o444)
         return old_path
+
+    async def _throttle_disks(self, limits: DiskLimits) -> None:
+        # On the device's BlockBackend (named by the qdev id), not on a node: a seal's
+        # `blockdev-snapshot` puts a new top under the same backend, which keeps the limit
+        # (checked by `query-block`, tests/vmm). All zeros turns throttling off. Not migrated
+        # state: a restored guest gets it from its own QEMU's start.
+        for d in self.drives:
+            if d.read_only:
+                continue
+            await self._execute(
+                "block_set_io_throttle",
+                {
+                    "id": d.id,
+                    "bps": limits.bytes_per_s,
+                    "bps_rd": 0,
+                    "bps_wr": 0,
+                    "iops": limits.iops,
+                    "iops_rd": 0,
+                    "iops_wr": 0,
+                },
+            )
+
+    async def set_disk_limits(self, limits: DiskLimits | None) -> None:
+        """Change the IO limits of every writable drive while QEMU runs (None: none)."""
+        await self._throttle_disks(limits or DiskLimits())
+        self.disk_limits = limits
+        await asyncio.to_thread(self._write_record)
+
+    async def disk_limits_in_effect(self) -> dict[str, DiskLimits]:
+        """What QEMU enforces now, per drive id (`query-block`; zeros: none)."""
+        reply = await self._execute("query-block")
+        found: dict[str, DiskLimits] = {}
+        for entry in reply if isinstance(reply, list) else []:
+            inserted = entry.get("inserted") if isinstance(entry, dict) else None
+            # The qdev id itself here (7.2); a QOM path names it as one of its parts.
+            qdev = str(entry.get("qdev", "")) if isinstance(entry, dict) else ""
+            drive = next((p for p in [qdev, *qdev.split("/")] if p in self._top), None)
+            if isinstance(inserted, dict) and drive is not None:
+                found[drive] = DiskLimits(int(inserted.get("bps", 0)), int(inserted.get("iops", 0)))
+        return found
 
     def disk_path(self, drive_id: str) -> Path:
         """The file that currently takes the drive's writes."""
