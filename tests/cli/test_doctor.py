@@ -73,3 +73,11 @@ def test_doctor_reports_the_network_limits_in_effect() -> None:
     assert "no connection cap" in proc.stderr, proc.stderr
     bad = _doctor(AGENTENV_NET_RATE_MBIT="-3")
     assert bad.returncode != 0 and "AGENTENV_NET_RATE_MBIT=-3" in bad.stderr, bad.stderr
+
+
+def test_doctor_reports_the_disk_limits_in_effect() -> None:
+    proc = _doctor(AGENTENV_DISK_BPS_MB="7", AGENTENV_DISK_IOPS="0")
+    assert "disk IO per sandbox: 7 MiB/s" in proc.stderr, proc.stderr
+    assert "no IO/s limit" in proc.stderr, proc.stderr
+    bad = _doctor(AGENTENV_DISK_IOPS="lots")
+    assert bad.returncode != 0 and "AGENTENV_DISK_IOPS" in bad.stderr, bad.stderr

@@ -66,7 +66,9 @@ def test_the_launch_gives_a_process_only_its_root(tmp_path: Path) -> None:
     uid, gid = confine.vm_ids("launch-test", None)
     confine.prepare_host()
     confine.own_dir(work, gid)
-    jail = confine.Jail(uid, gid, rw_dirs=[work], ro_files=[ro])
+    jail = confine.Jail(
+        uid, gid, rw_dirs=[work], ro_files=[ro], programs=("sh", "id", "cat", "ls", "rm")
+    )
     probe = (
         f"id -u; id -g; cat {ro}; echo new > {work}/made; "
         f"(echo x > {ro}) 2>/dev/null && echo ro-writable; "
@@ -135,14 +137,15 @@ def _status(pid: int) -> dict[str, str]:
     return out
 
 
-def _files_in_root(pid: int) -> set[str]:
-    """Every non-directory in the process's root, as paths inside it (/usr left out)."""
+def _files_in_root(pid: int, *, usr: bool = False) -> set[str]:
+    """Every non-directory in the process's root, as paths inside it (/usr left out unless
+    `usr`)."""
     root = Path(f"/proc/{pid}/root")
     found: set[str] = set()
     for dirpath, dirnames, filenames in os.walk(root):
         rel = "/" + os.path.relpath(dirpath, root)
         if rel == "/.":
-            dirnames[:] = [d for d in dirnames if d != "usr"]
+            dirnames[:] = [d for d in dirnames if usr or d != "usr"]
             rel = ""
         found.update(f"{rel}/{f}" for f in filenames)
         found.update(f"{rel}/{d}" for d in dirnames if os.path.islink(os.path.join(dirpath, d)))
@@ -179,6 +182,17 @@ def _check_confined(vm: QemuVM, own_files: set[str]) -> None:
     system = {"/bin", "/sbin", "/lib", "/lib64", "/lib32", "/libx32"}
     devices = {"/dev/null", "/dev/zero", "/dev/urandom", "/dev/random", "/dev/net/tun"}
     assert files - system - devices == own_files
+    # Of the host's /usr: QEMU, `env`, the shared objects they load, QEMU's firmware and
+    # modules. No shell, interpreter or tool to use after an escape.
+    usr = {f for f in _files_in_root(vm.pid, usr=True) if f.startswith("/usr/")}
+    view = confine.system_view((vm.qemu_binary, *confine.QEMU_HELPERS))
+    allowed = {str(f) for f in view.files}
+    outside = {f for f in usr - allowed if not any(Path(f).is_relative_to(d) for d in view.dirs)}
+    assert not outside, sorted(outside)[:20]
+    assert not {f for f in usr if ".so" not in f and "/qemu" not in f} - {"/usr/bin/env"}
+    for tool in ("/usr/bin/sh", "/usr/bin/bash", "/usr/bin/python3", "/usr/bin/cat"):
+        assert tool not in usr
+    assert len(usr) < 400, len(usr)
 
 
 @pytest.mark.vm

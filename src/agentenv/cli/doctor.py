@@ -90,7 +90,8 @@ def confinement_summary(settings: Settings) -> str:
         )
     return (
         "VMM confinement: [bold]on[/bold] — a uid per VM, its own mount namespace with a "
-        f"root of only its files, seccomp (-sandbox {SANDBOX})"
+        "root of only its files and QEMU's own (binary, libraries, firmware, modules), "
+        f"seccomp (-sandbox {SANDBOX})"
     )
 
 
@@ -107,6 +108,17 @@ def network_summary(settings: Settings) -> str:
     return (
         f"network per sandbox: {rate} (AGENTENV_NET_RATE_MBIT), {conns} "
         "(AGENTENV_SLOT_MAX_CONNECTIONS), anti-spoofing guard on its tap"
+    )
+
+
+def disk_summary(settings: Settings) -> str:
+    """The per-sandbox disk IO limits in effect (QEMU block throttling on each writable
+    drive)."""
+    bps = f"{settings.disk_bps_mb} MiB/s" if settings.disk_bps_mb else "[red]no byte limit[/red]"
+    iops = f"{settings.disk_iops} IO/s" if settings.disk_iops else "[red]no IO/s limit[/red]"
+    return (
+        f"disk IO per sandbox: {bps} (AGENTENV_DISK_BPS_MB), {iops} (AGENTENV_DISK_IOPS), "
+        "reads and writes together"
     )
 
 
@@ -139,6 +151,7 @@ def run_doctor(settings: Settings, console: Console) -> int:
     console.print(f"data dir: {settings.home}   build cache: {settings.cache}")
     console.print(confinement_summary(settings), highlight=False)
     console.print(network_summary(settings), highlight=False)
+    console.print(disk_summary(settings), highlight=False)
     missing = 0
     for finding in _checks(settings):
         if finding.ok:

@@ -7,8 +7,9 @@ Each confined QEMU:
   from the VM's name in a range of its own for VMs without a slot (snapshot converters);
   no /etc/passwd entry is needed;
 - in a mount namespace of its own whose root (`chroot`) is a private tmpfs holding only
-  what this VM needs, each at its usual absolute path so QEMU's argv is unchanged: the
-  host's /usr read-only (QEMU, its libraries, firmware), its workdir (read-write, bound as a
+  what this VM needs, each at its usual absolute path so QEMU's argv is unchanged: of the
+  host's system files only QEMU's binary, the libraries it and its modules load, its
+  module and firmware directories (`SystemView`), read-only; its workdir (read-write, bound as a
   directory so files made later - a seal's upper - appear in it), its kernel, initrd, tools
   image, the backing chain of every disk and a snapshot's memory file read-only, and the
   device nodes it needs (made in the tmpfs and owned by its uid, so it needs no group);
@@ -30,6 +31,7 @@ import shlex
 import shutil
 import stat
 import struct
+import subprocess
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,13 +46,15 @@ SLOTLESS_UIDS = 1_000_000
 NETNS_PREFIX = "ae-s"
 # QEMU's own syscall filter: the default deny list plus everything it can live without.
 SANDBOX = "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny"
-# The commands the launch uses (host side, as root, before the drop).
-TOOLS = ("unshare", "mount", "chroot", "mkdir", "mknod")
+# The commands the launch uses (host side, as root, before the drop); `ldd` tells which
+# libraries the root must hold.
+TOOLS = ("unshare", "mount", "chroot", "mkdir", "mknod", "ldd")
 # Every QEMU gets these; /dev/net/tun and /dev/kvm only when it uses them.
 BASE_DEVICES = ("/dev/null", "/dev/zero", "/dev/urandom", "/dev/random")
-# The host's system tree: bound read-only; merged-/usr links recreated beside it.
-SYSTEM_DIRS = ("/usr",)
+# Merged-/usr links, recreated in the root so library paths that go through them resolve.
 USR_LINKS = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+# What runs in the root besides QEMU: the preload library's `env` prefix (`vmm.ramshim`).
+QEMU_HELPERS = ("env",)
 
 
 def vm_ids(name: str, netns: str | None) -> tuple[int, int]:
@@ -62,6 +66,92 @@ def vm_ids(name: str, netns: str | None) -> tuple[int, int]:
             return uid, uid
     uid = SLOTLESS_UID_BASE + zlib.crc32(name.encode()) % SLOTLESS_UIDS
     return uid, uid
+
+
+@dataclass(frozen=True)
+class SystemView:
+    """The host system files a root holds, each bound read-only at its own path (with every
+    directory on the way resolved, so no bind goes through a link)."""
+
+    files: tuple[Path, ...]
+    dirs: tuple[Path, ...]
+
+
+def _normal(path: str) -> Path:
+    """`path` with its directories resolved and its last component kept: a library's soname
+    link stays the name the loader asks for, bound to the file it points at."""
+    p = Path(path)
+    return Path(os.path.realpath(p.parent)) / p.name
+
+
+@functools.lru_cache(maxsize=64)
+def _libraries(path: str, mtime_ns: int) -> tuple[str, ...]:
+    """The shared objects `path` loads, as the dynamic loader resolves them on this host.
+    ldd asks the loader to list them (it does not run the program)."""
+    try:
+        out = subprocess.run(
+            ["ldd", path], capture_output=True, text=True, timeout=30, check=False
+        ).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return ()
+    found: list[str] = []
+    for line in out.splitlines():
+        # "libz.so.1 => /lib/x86_64-linux-gnu/libz.so.1 (0x...)", "/lib64/ld-linux... (0x...)"
+        words = line.split()
+        where = words[words.index("=>") + 1] if "=>" in words[:-1] else (words or [""])[0]
+        if where.startswith("/"):
+            found.append(where)
+    return tuple(found)
+
+
+def _qemu_dirs(binary: Path) -> list[Path]:
+    """QEMU's firmware/data and module directories, by its install prefix (/usr/bin/qemu-*
+    uses /usr/share/qemu and /usr/lib[/<multiarch>]/qemu)."""
+    prefix = binary.resolve().parent.parent
+    lib = prefix / "lib"
+    modules = [lib / "qemu"]
+    if lib.is_dir():
+        modules += sorted(d / "qemu" for d in lib.iterdir() if d.is_dir() and "-linux-" in d.name)
+    # Only a directory of modules: /usr/lib/qemu on Debian holds helpers (a setuid bridge
+    # helper among them) that a QEMU which cannot exec has no use for.
+    found = [m for m in modules if m.is_dir() and any(m.glob("*.so"))]
+    data = prefix / "share" / "qemu"
+    return [data, *found] if data.is_dir() else found
+
+
+def system_view(programs: tuple[str, ...]) -> SystemView:
+    """What of the host's system the root needs to run `programs` (names looked up on PATH):
+    each program, every shared object it loads; for QEMU also its data and module
+    directories, the libraries its accelerator modules load and files its data links point
+    to."""
+    files: dict[Path, None] = {}
+    dirs: list[Path] = []
+    objects: list[str] = []
+    for name in programs:
+        found = shutil.which(name)
+        if found is None:
+            continue
+        objects.append(found)
+        files[_normal(found)] = None
+        if Path(found).name.startswith("qemu-system-"):
+            for d in _qemu_dirs(Path(found)):
+                dirs.append(d)
+                for entry in sorted(d.iterdir()):
+                    if entry.suffix == ".so" and entry.name.startswith("accel-"):
+                        # The accelerator is a module QEMU always loads; the others (display,
+                        # audio, USB, remote storage) serve devices our VMs do not have, and
+                        # their libraries (spice, gstreamer, nss) stay out of the root.
+                        objects.append(str(entry))
+                    elif entry.is_symlink() and entry.is_file():
+                        target = Path(os.path.realpath(entry))
+                        if not target.is_relative_to(d):
+                            files[target] = None
+    for obj in objects:
+        for lib in _libraries(obj, os.stat(obj).st_mtime_ns):
+            if os.path.exists(lib):
+                files[_normal(lib)] = None
+    inside = [f for f in files if not any(f.is_relative_to(d) for d in dirs)]
+    return SystemView(files=tuple(inside), dirs=tuple(dirs))
 
 
 @dataclass(frozen=True)
@@ -146,6 +236,9 @@ class Jail:
     devices: list[str] = field(default_factory=lambda: list(BASE_DEVICES))
     # A tap the launch creates (as root) in a throwaway network namespace.
     make_tap: str | None = None
+    # The programs that run in the root (QEMU and its `env` prefix): what of the host's
+    # system it holds follows from them (`system_view`).
+    programs: tuple[str, ...] = ()
 
     def add_ro(self, path: Path) -> None:
         if not self._covered(path) and path not in self.ro_files:
@@ -173,9 +266,13 @@ class Jail:
                 dirs.append(str(Path(src).parent))
             table.append(f"{_fstab(src)} {_fstab(str(JAIL_DIR) + src)} none bind,{opts} 0 0")
 
-        for sysdir in SYSTEM_DIRS:
-            bind(sysdir, "ro,nosuid,nodev", False)
-        # Links whose target ends in their own name (usr/lib for /lib) take one `ln`.
+        view = system_view(self.programs)
+        for sysdir in view.dirs:
+            bind(str(sysdir), "ro,nosuid,nodev", False)
+        for sysfile in view.files:
+            bind(str(sysfile), "ro,nosuid,nodev", True)
+        # Links whose target ends in their own name (usr/lib for /lib) take one `ln`. Where
+        # /lib is a directory of its own, the files bound above are made at their paths in it.
         same_name: list[str] = []
         links: list[str] = []
         for link in USR_LINKS:
@@ -186,8 +283,6 @@ class Jail:
                     same_name.append(q(target))
                 else:
                     links.append(f'ln -s {q(target)} "$R"{q(link)}')
-            elif p.is_dir():
-                bind(link, "ro,nosuid,nodev", False)
         if same_name:
             links.append(f'ln -s {" ".join(same_name)} "$R"/')
         for d in self.rw_dirs:

@@ -7,7 +7,6 @@ import contextlib
 import json
 import logging
 import os
-import shutil
 import signal
 import time
 from collections.abc import Callable
@@ -279,7 +278,12 @@ class QemuVM:
     def _jail(self) -> vm_confine.Jail:
         """The root this VM's QEMU gets: everything it opens, nothing else (reads disk
         headers: not on the event loop)."""
-        jail = vm_confine.Jail(self.uid, self.gid, rw_dirs=[self.launch_workdir])
+        jail = vm_confine.Jail(
+            self.uid,
+            self.gid,
+            rw_dirs=[self.launch_workdir],
+            programs=(self.qemu_binary, *vm_confine.QEMU_HELPERS),
+        )
         if not self.qmp_socket.is_relative_to(self.launch_workdir):
             jail.rw_dirs.append(self.qmp_socket.parent)
         jail.add_ro(self.boot.kernel)
@@ -300,9 +304,6 @@ class QemuVM:
                 jail.add_ro(m.mem_file)
         if private_ram(m) and self.ram_shim is not None:
             jail.add_ro(self.ram_shim)
-        binary = shutil.which(self.qemu_binary)
-        if binary is not None and not Path(binary).is_relative_to("/usr"):
-            jail.add_ro(Path(binary))
         if self.net is not None:
             jail.devices.append("/dev/net/tun")
             if self.net.detached:
