@@ -5,6 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from agentenv.config import Settings
 from agentenv.vmm.accel import detect
 
@@ -67,17 +69,26 @@ def test_doctor_says_when_confinement_is_off() -> None:
     assert "VMM confinement: command" not in proc.stderr
 
 
-def test_doctor_reports_the_network_limits_in_effect() -> None:
-    proc = _doctor(AGENTENV_NET_RATE_MBIT="20", AGENTENV_SLOT_MAX_CONNECTIONS="0")
-    assert "network per sandbox: 20 Mbit/s each way" in proc.stderr, proc.stderr
-    assert "no connection cap" in proc.stderr, proc.stderr
-    bad = _doctor(AGENTENV_NET_RATE_MBIT="-3")
-    assert bad.returncode != 0 and "AGENTENV_NET_RATE_MBIT=-3" in bad.stderr, bad.stderr
-
-
-def test_doctor_reports_the_disk_limits_in_effect() -> None:
-    proc = _doctor(AGENTENV_DISK_BPS_MB="7", AGENTENV_DISK_IOPS="0")
-    assert "disk IO per sandbox: 7 MiB/s" in proc.stderr, proc.stderr
-    assert "no IO/s limit" in proc.stderr, proc.stderr
-    bad = _doctor(AGENTENV_DISK_IOPS="lots")
-    assert bad.returncode != 0 and "AGENTENV_DISK_IOPS" in bad.stderr, bad.stderr
+@pytest.mark.parametrize(
+    ("env", "said", "bad"),
+    [
+        (
+            {"AGENTENV_NET_RATE_MBIT": "20", "AGENTENV_SLOT_MAX_CONNECTIONS": "0"},
+            ("network per sandbox: 20 Mbit/s each way", "no connection cap"),
+            ("AGENTENV_NET_RATE_MBIT", "-3"),
+        ),
+        (
+            {"AGENTENV_DISK_BPS_MB": "7", "AGENTENV_DISK_IOPS": "0"},
+            ("disk IO per sandbox: 7 MiB/s", "no IO/s limit"),
+            ("AGENTENV_DISK_IOPS", "-1"),
+        ),
+    ],
+)
+def test_doctor_reports_the_limits_in_effect(
+    env: dict[str, str], said: tuple[str, ...], bad: tuple[str, str]
+) -> None:
+    proc = _doctor(**env)
+    for text in said:
+        assert text in proc.stderr, proc.stderr
+    refused = _doctor(**{bad[0]: bad[1]})
+    assert refused.returncode != 0 and f"{bad[0]}={bad[1]}" in refused.stderr, refused.stderr
