@@ -123,14 +123,19 @@ def system_view(programs: tuple[str, ...]) -> SystemView:
     """What of the host's system the root needs to run `programs` (names looked up on PATH):
     each program, every shared object it loads; for QEMU also its data and module
     directories, the libraries its accelerator modules load and files its data links point
-    to."""
+    to. Worked out once per set of program files (a few ms of stats and listings that every
+    VM start would otherwise repeat); a reinstalled program changes its mtime, and the key."""
+    found = [shutil.which(name) for name in programs]
+    key = tuple((f, os.stat(f).st_mtime_ns) for f in found if f is not None)
+    return _system_view(key)
+
+
+@functools.lru_cache(maxsize=16)
+def _system_view(key: tuple[tuple[str, int], ...]) -> SystemView:
     files: dict[Path, None] = {}
     dirs: list[Path] = []
     objects: list[str] = []
-    for name in programs:
-        found = shutil.which(name)
-        if found is None:
-            continue
+    for found, _ in key:
         objects.append(found)
         files[_normal(found)] = None
         if Path(found).name.startswith("qemu-system-"):
