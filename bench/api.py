@@ -23,7 +23,7 @@ import httpx
 from e2b import Sandbox
 
 from agentenv.api.devserver import ServerProcess, prepare_home
-from agentenv.orchestrator.store import Store
+from agentenv.control.store import Store
 
 GUEST_PORT = 8080
 

@@ -19,7 +19,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from agentenv.config import Settings
-from agentenv.orchestrator.node import Node
+from agentenv.node.host import Node
 
 
 def _fmt(xs: list[float]) -> str:

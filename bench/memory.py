@@ -28,14 +28,14 @@ from pathlib import Path
 
 from agentenv.config import Settings
 from agentenv.guest.envd.client import EnvdClient
-from agentenv.orchestrator.memory import (
+from agentenv.node.host import Node, SandboxHandle
+from agentenv.node.memory import (
     DEFLATED_SLACK,
     MemoryManager,
     MemoryPolicy,
     host_memory,
     read_pressure,
 )
-from agentenv.orchestrator.node import Node, SandboxHandle
 
 MIB = 1024 * 1024
 MEM_MB = 512

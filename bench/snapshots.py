@@ -29,9 +29,9 @@ from pathlib import Path
 
 from agentenv.config import Settings
 from agentenv.guest.envd.client import EnvdClient
-from agentenv.orchestrator.memory import read_pressure
-from agentenv.orchestrator.node import Node, SandboxHandle
-from agentenv.orchestrator.warm import Shape
+from agentenv.node.host import Node, SandboxHandle
+from agentenv.node.memory import read_pressure
+from agentenv.node.warm import Shape
 
 sys.path.insert(0, str(Path(__file__).parent))
 import memory as membench

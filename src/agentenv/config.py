@@ -139,7 +139,7 @@ class Settings:
     max_cpu: int = 8
     slot_pool_low: int = 0
     slot_pool_high: int = 0
-    # Pre-spawned restores per recently used template shape (orchestrator.warm); 0: off.
+    # Pre-spawned restores per recently used template shape (node.warm); 0: off.
     # An entry waiting costs ~no CPU and a few MB of host memory (a QEMU over a private
     # mapping it has not touched) and one network slot. Two per shape lets a pair of creates
     # (a test and its fixture, a parent and its helper) both skip the spawn; refilling only
@@ -162,7 +162,7 @@ class Settings:
     # Whether proxy traffic resumes a paused sandbox whose create request did not say
     # (`autoResume`); off by default, as E2B: only `autoResume: {"enabled": true}` resumes.
     auto_resume: bool = False
-    # Admission (orchestrator.admission): running + starting sandboxes (0: no count limit,
+    # Admission (node.admission): running + starting sandboxes (0: no count limit,
     # memory, disk and slots still apply), starts at once, starts waiting (FIFO) beyond that,
     # host memory kept free after what running sandboxes may still grow into, and the free
     # space the data dir must keep.
@@ -277,7 +277,7 @@ class Settings:
 
     @property
     def warm_dir(self) -> Path:
-        """Workdirs of warm pool entries (orchestrator.warm), outside `sandboxes_dir` until
+        """Workdirs of warm pool entries (node.warm), outside `sandboxes_dir` until
         a create takes one and moves it there; same filesystem, so that is a rename."""
         return self.home / "warm"
 

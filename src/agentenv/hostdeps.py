@@ -49,12 +49,17 @@ KERNEL_BUILD_PACKAGES = [
     "make",
 ]
 
-# What the test suite runs besides Python (the E2B JS SDK leg, tests/e2e/test_js_sdk.py; musl-gcc
-# for the musl image of tests/e2e/test_image_templates_sdk.py): command -> the Debian package
-# that provides it. Checked by command, not by package: a Node.js
-# from another source (one whose `nodejs` package bundles npm and conflicts with Debian's `npm`)
-# must not be replaced.
-TEST_COMMANDS = {"node": "nodejs", "npm": "npm", "musl-gcc": "musl-tools"}
+# What the test suite runs besides Python, as command -> the Debian package that provides it:
+# node and npm (the E2B JS SDK leg, tests/e2e/test_js_sdk.py), musl-gcc (the musl image of
+# tests/e2e/test_image_templates_sdk.py), etcd (tests/cluster). Checked by command, not by
+# package: a Node.js from another source (one whose `nodejs` package bundles npm and conflicts
+# with Debian's `npm`) must not be replaced.
+TEST_COMMANDS = {
+    "node": "nodejs",
+    "npm": "npm",
+    "musl-gcc": "musl-tools",
+    "etcd": "etcd-server",
+}
 # What the benchmarks compare against (bench/templates.py: `skopeo copy` as the pull baseline).
 BENCH_COMMANDS = {"skopeo": "skopeo"}
 

@@ -15,7 +15,7 @@ import pytest
 
 from agentenv.api.devserver import ServerProcess
 from agentenv.api.keys import KeyRing
-from agentenv.orchestrator.store import Store
+from agentenv.control.store import Store
 
 from .conftest import REQUEST_TIMEOUT_S, db_path, qemu_processes
 

@@ -23,8 +23,8 @@ from e2b.exceptions import SandboxException, SandboxNotFoundException, ServiceBu
 from agentenv.api.devserver import ServerProcess
 from agentenv.api.keys import KeyRing, hash_key
 from agentenv.api.views import iso as views_iso
-from agentenv.orchestrator.store import SandboxRecord, Store
-from agentenv.orchestrator.store import SandboxState as RowState
+from agentenv.control.store import SandboxRecord, Store
+from agentenv.control.store import SandboxState as RowState
 
 from .conftest import REQUEST_TIMEOUT_S, db_path
 

@@ -17,7 +17,7 @@ import pytest
 from e2b import Sandbox
 
 from agentenv.api.devserver import ServerProcess, prepare_home
-from agentenv.orchestrator.store import Store
+from agentenv.control.store import Store
 from agentenv.snapshot.repository import SnapshotRepository
 from agentenv.storage.layers import LayerStore
 

@@ -20,12 +20,12 @@ from agentenv.api.control import ControlContext, build_control_app
 from agentenv.api.keys import KeyRing
 from agentenv.build.templates import DEFAULT_TAG, NO_BUILD, BuiltTemplates, image_template_name
 from agentenv.config import Settings
+from agentenv.contract.errors import TemplateNotFound
+from agentenv.contract.runtime import Placement, SnapshotInfo
+from agentenv.control.metrics import Metrics
+from agentenv.control.sandboxes import CreateSpec, SandboxManager
+from agentenv.control.store import BUILD_METADATA, SandboxRecord, SandboxState, Store
 from agentenv.network.egress import OPEN, Egress
-from agentenv.orchestrator.errors import TemplateNotFound
-from agentenv.orchestrator.metrics import Metrics
-from agentenv.orchestrator.runtime import Placement, SnapshotInfo
-from agentenv.orchestrator.sandboxes import CreateSpec, SandboxManager
-from agentenv.orchestrator.store import BUILD_METADATA, SandboxRecord, SandboxState, Store
 from agentenv.template import image as image_module
 
 

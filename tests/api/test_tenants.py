@@ -20,18 +20,18 @@ from agentenv.api.control import ControlContext, build_control_app
 from agentenv.api.keys import KeyRing
 from agentenv.build.templates import DEFAULT_TAG, BuiltTemplates, image_template_name
 from agentenv.config import Settings
-from agentenv.network.egress import OPEN, Egress
-from agentenv.orchestrator.memory import HostMemory
-from agentenv.orchestrator.metrics import Metrics
-from agentenv.orchestrator.runtime import (
+from agentenv.contract.runtime import (
     Found,
+    HostMemory,
     Placement,
     SnapshotInfo,
     TemplateInfo,
     TemplateUnavailable,
 )
-from agentenv.orchestrator.sandboxes import SandboxManager
-from agentenv.orchestrator.store import DEFAULT_TEAM, SandboxState, Store
+from agentenv.control.metrics import Metrics
+from agentenv.control.sandboxes import SandboxManager
+from agentenv.control.store import DEFAULT_TEAM, SandboxState, Store
+from agentenv.network.egress import OPEN, Egress
 from agentenv.snapshot.errors import SnapshotError
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from agentenv.build.state import BuildRecord, BuildState, TemplateRecord
 from agentenv.build.templates import BuiltTemplates
-from agentenv.orchestrator.runtime import TemplateInfo, TemplateUnavailable
+from agentenv.contract.runtime import TemplateInfo, TemplateUnavailable
 from agentenv.snapshot.errors import SnapshotNotFound
 from agentenv.snapshot.model import Snapshot
 

@@ -14,7 +14,7 @@ from agentenv.build.templates import (
     clean_tags,
     split_name,
 )
-from agentenv.orchestrator.runtime import TemplateUnavailable
+from agentenv.contract.runtime import TemplateUnavailable
 
 from .fakes import FakeCatalog, FakeRepo, add_build, built_templates
 

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from agentenv.api.keys import KeyRing
-from agentenv.orchestrator.store import Store
+from agentenv.control.store import Store
 
 AENV = [sys.executable, "-m", "agentenv.cli"]
 

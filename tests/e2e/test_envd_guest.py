@@ -29,7 +29,7 @@ from agentenv.guest.envd.gen.filesystem import filesystem_pb as fpb
 from agentenv.guest.envd.gen.filesystem.filesystem_connect import FilesystemClient
 from agentenv.guest.envd.gen.process import process_pb as pb
 from agentenv.guest.envd.gen.process.process_connect import ProcessClient
-from agentenv.orchestrator.node import Node, SandboxHandle
+from agentenv.node.host import Node, SandboxHandle
 
 pytestmark = pytest.mark.vm
 

@@ -17,14 +17,14 @@ import pytest
 
 from agentenv.config import Settings
 from agentenv.guest.envd.client import EnvdClient
-from agentenv.orchestrator.node import Node, SandboxHandle
-from agentenv.orchestrator.node_errors import (
+from agentenv.node.errors import (
     CpuOutOfRange,
     DiskTooSmallForTemplate,
     MemoryOutOfRange,
     UnknownSandbox,
     UnknownTemplate,
 )
+from agentenv.node.host import Node, SandboxHandle
 from agentenv.storage import LayerStore
 
 pytestmark = pytest.mark.vm

@@ -19,7 +19,7 @@ import pytest
 
 from agentenv.config import Settings
 from agentenv.guest.envd.client import EnvdClient
-from agentenv.orchestrator.node import Node, SandboxHandle
+from agentenv.node.host import Node, SandboxHandle
 
 pytestmark = pytest.mark.vm
 

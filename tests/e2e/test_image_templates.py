@@ -18,7 +18,7 @@ from template.imagebuild import BUSYBOX_ENV, DEBIAN_ENV, push_busybox, push_debi
 
 from agentenv.config import Settings
 from agentenv.guest.envd.client import EnvdClient
-from agentenv.orchestrator.node import Node, SandboxHandle
+from agentenv.node.host import Node, SandboxHandle
 from agentenv.snapshot.templates import find_template_snapshot
 from agentenv.storage.layers import LayerStore
 from agentenv.template.image import import_image

@@ -15,9 +15,9 @@ import pytest
 
 from agentenv.config import Settings
 from agentenv.guest.envd.client import EnvdClient
-from agentenv.orchestrator import node as node_module
-from agentenv.orchestrator.node import Node, SandboxHandle
-from agentenv.orchestrator.node_errors import BootFailed, SandboxPaused, UnknownSandbox
+from agentenv.node import host as node_module
+from agentenv.node.errors import BootFailed, SandboxPaused, UnknownSandbox
+from agentenv.node.host import Node, SandboxHandle
 from agentenv.snapshot.errors import RestoreFailed
 
 pytestmark = pytest.mark.vm

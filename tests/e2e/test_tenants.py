@@ -18,7 +18,7 @@ from e2b import AuthenticationException, NotFoundException, RateLimitException, 
 
 from agentenv.api.devserver import ServerProcess
 from agentenv.api.keys import KeyRing
-from agentenv.orchestrator.store import Store
+from agentenv.control.store import Store
 
 pytestmark = pytest.mark.vm
 

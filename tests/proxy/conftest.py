@@ -21,7 +21,7 @@ import websockets
 from e2b import Sandbox
 
 from agentenv.api.devserver import ServerProcess, prepare_home
-from agentenv.orchestrator.store import Store
+from agentenv.control.store import Store
 
 # A create restores a snapshot in about a second, but can boot a VM under emulation.
 REQUEST_TIMEOUT_S = 300.0

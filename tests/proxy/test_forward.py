@@ -18,7 +18,7 @@ from websockets.asyncio.client import connect as ws_connect
 from websockets.exceptions import InvalidStatus
 
 from agentenv.api.devserver import ServerProcess
-from agentenv.orchestrator.store import Store
+from agentenv.control.store import Store
 
 from .conftest import (
     TLS_HTTP_PORT,

@@ -13,7 +13,7 @@ import pytest
 
 from agentenv.config import Settings
 from agentenv.guest.envd.client import EnvdClient
-from agentenv.orchestrator.node import Node, SandboxHandle
+from agentenv.node.host import Node, SandboxHandle
 from agentenv.snapshot.errors import SnapshotError
 from agentenv.snapshot.pause import STREAM, convert_stream, paused_state
 

@@ -1,5 +1,5 @@
 """Balloon rules of QemuVM that hold before any guest runs: which device a VM gets, and which
-balloon moves are refused (the guest-side effects are in tests/orchestrator/test_memory.py)."""
+balloon moves are refused (the guest-side effects are in tests/node/test_memory.py)."""
 
 from __future__ import annotations
 

@@ -8,9 +8,9 @@ from typing import Any
 
 from agentenv.api.control import ControlContext, build_control_app
 from agentenv.api.keys import KeyRing
-from agentenv.orchestrator.runtime import TemplateSource
-from agentenv.orchestrator.sandboxes import SandboxManager
-from agentenv.orchestrator.store import LIVE_STATES, SandboxRecord, SandboxState
+from agentenv.contract.runtime import TemplateSource
+from agentenv.control.sandboxes import SandboxManager
+from agentenv.control.store import LIVE_STATES, SandboxRecord, SandboxState
 from agentenv.proxy.forward import SandboxProxy
 from agentenv.proxy.routing import (
     ENVD_PORT,

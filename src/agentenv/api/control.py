@@ -42,17 +42,16 @@ from agentenv.api.templates import mount_templates
 from agentenv.api.tenancy import template_team
 from agentenv.build.state import TemplateRecord
 from agentenv.build.templates import is_internal_name, split_name
-from agentenv.network.egress import BadTarget, Egress
-from agentenv.orchestrator.errors import (
+from agentenv.contract.errors import (
     BadRequest,
     Conflict,
     OrchestratorError,
     SandboxNotFound,
     TemplateNotFound,
 )
-from agentenv.orchestrator.runtime import TemplateInfo, TemplateSource, TemplateUnavailable
-from agentenv.orchestrator.sandboxes import DEFAULT_TIMEOUT_S, CreateSpec, SandboxManager
-from agentenv.orchestrator.store import (
+from agentenv.contract.runtime import TemplateInfo, TemplateSource, TemplateUnavailable
+from agentenv.control.sandboxes import DEFAULT_TIMEOUT_S, CreateSpec, SandboxManager
+from agentenv.control.store import (
     BUILD_METADATA,
     DEFAULT_TEAM,
     LIVE_STATES,
@@ -60,6 +59,7 @@ from agentenv.orchestrator.store import (
     SandboxRecord,
     SandboxState,
 )
+from agentenv.network.egress import BadTarget, Egress
 
 log = logging.getLogger("agentenv.api")
 

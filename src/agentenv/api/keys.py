@@ -19,7 +19,7 @@ import os
 import secrets
 from pathlib import Path
 
-from agentenv.orchestrator.store import DEFAULT_TEAM, ApiKey, Store, Team
+from agentenv.control.store import DEFAULT_TEAM, ApiKey, Store, Team
 
 KEY_PREFIX = "e2b_"
 

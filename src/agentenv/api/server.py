@@ -12,10 +12,10 @@ from agentenv.api.app import AgentenvApp
 from agentenv.api.keys import KeyRing, key_file
 from agentenv.api.logs import configure as configure_logs
 from agentenv.config import ConfigError, Settings
-from agentenv.orchestrator.metrics import Metrics
-from agentenv.orchestrator.runtime import Runtime, TemplateSource
-from agentenv.orchestrator.sandboxes import SandboxManager
-from agentenv.orchestrator.store import Store
+from agentenv.contract.runtime import Runtime, TemplateSource
+from agentenv.control.metrics import Metrics
+from agentenv.control.sandboxes import SandboxManager
+from agentenv.control.store import Store
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
@@ -34,7 +34,7 @@ def envd_version() -> str:
 def build_runtime(settings: Settings) -> tuple[Runtime, TemplateSource]:
     from agentenv.build.state import BuildState, builds_dir
     from agentenv.build.templates import BuiltTemplates
-    from agentenv.orchestrator.node_runtime import CatalogTemplates, NodeRuntime
+    from agentenv.node.runtime import CatalogTemplates, NodeRuntime
 
     catalog = CatalogTemplates(settings)
     # Built templates (`name:tag`) first, then the catalog and snapshots.

@@ -48,8 +48,8 @@ from agentenv.build.templates import (
     split_name,
 )
 from agentenv.config import Settings
-from agentenv.orchestrator.runtime import TemplateUnavailable
-from agentenv.orchestrator.store import BUILD_METADATA, LIVE_STATES, SandboxState
+from agentenv.contract.runtime import TemplateUnavailable
+from agentenv.control.store import BUILD_METADATA, LIVE_STATES, SandboxState
 from agentenv.snapshot.errors import SnapshotError
 from agentenv.snapshot.repository import SnapshotRepository
 from agentenv.storage import LayerStore

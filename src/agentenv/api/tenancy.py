@@ -26,8 +26,8 @@ import re
 
 from agentenv.build.state import TemplateRecord
 from agentenv.build.templates import BuiltTemplates, image_template_name, split_name
-from agentenv.orchestrator.errors import SandboxNotFound
-from agentenv.orchestrator.store import DEFAULT_TEAM, LIVE_STATES, SandboxRecord, Store
+from agentenv.contract.errors import SandboxNotFound
+from agentenv.control.store import DEFAULT_TEAM, LIVE_STATES, SandboxRecord, Store
 from agentenv.snapshot.errors import SnapshotError
 
 _SANDBOX_LABEL = re.compile(r'sandbox_id="([^"]*)"')

@@ -6,9 +6,8 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from agentenv.build.state import BuildRecord
-from agentenv.orchestrator.memory import HostMemory
-from agentenv.orchestrator.runtime import TemplateInfo
-from agentenv.orchestrator.store import BUILD_METADATA, LogLine, SandboxRecord, SandboxState
+from agentenv.contract.runtime import HostMemory, TemplateInfo
+from agentenv.control.store import BUILD_METADATA, LogLine, SandboxRecord, SandboxState
 from agentenv.snapshot.model import Snapshot
 
 CLIENT_ID = "agentenv"

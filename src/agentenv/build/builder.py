@@ -28,10 +28,10 @@ from agentenv.build.spec import BuildSpec, Step, chain_key
 from agentenv.build.state import BuildRecord, BuildState, TemplateRecord
 from agentenv.build.templates import image_template_name
 from agentenv.config import Settings
-from agentenv.orchestrator.errors import SandboxNotFound
-from agentenv.orchestrator.runtime import TemplateUnavailable
-from agentenv.orchestrator.sandboxes import CreateSpec, SandboxManager
-from agentenv.orchestrator.store import BUILD_METADATA, DEFAULT_TEAM, SandboxRecord
+from agentenv.contract.errors import SandboxNotFound
+from agentenv.contract.runtime import TemplateUnavailable
+from agentenv.control.sandboxes import CreateSpec, SandboxManager
+from agentenv.control.store import BUILD_METADATA, DEFAULT_TEAM, SandboxRecord
 from agentenv.snapshot.errors import SnapshotError
 from agentenv.snapshot.repository import SnapshotRepository
 from agentenv.storage.layers import LayerStore

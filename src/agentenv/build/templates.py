@@ -25,7 +25,7 @@ import uuid
 from dataclasses import replace
 
 from agentenv.build.state import BuildRecord, BuildState, TemplateRecord
-from agentenv.orchestrator.runtime import (
+from agentenv.contract.runtime import (
     TagUnavailable,
     TemplateInfo,
     TemplateSource,

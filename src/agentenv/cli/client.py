@@ -440,7 +440,7 @@ def logs(sandbox_id: str) -> None:
 def _keyring() -> Any:
     from agentenv.api.keys import KeyRing
     from agentenv.api.server import db_path
-    from agentenv.orchestrator.store import Store
+    from agentenv.control.store import Store
 
     path = db_path(Settings.from_env())
     if not path.exists():

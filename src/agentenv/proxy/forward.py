@@ -24,8 +24,8 @@ from websockets.asyncio.client import connect as ws_connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus
 from websockets.typing import Subprotocol
 
-from agentenv.orchestrator.metrics import Metrics
-from agentenv.orchestrator.store import SandboxRecord, SandboxState
+from agentenv.control.metrics import Metrics
+from agentenv.control.store import SandboxRecord, SandboxState
 from agentenv.proxy.routing import ENVD_PORT, ROUTING_HEADERS, TRAFFIC_TOKEN_HEADER, Sandbox
 from agentenv.proxy.wire import Receive, Scope, Send, send_json
 

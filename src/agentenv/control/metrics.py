@@ -12,8 +12,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from agentenv.orchestrator.memory import HostMemory
-from agentenv.orchestrator.store import SandboxState
+from agentenv.contract.runtime import HostMemory
+from agentenv.control.store import SandboxState
 
 _LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 3, 5, 8, 13, 20, 30, 60, 120)
 

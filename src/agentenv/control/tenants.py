@@ -2,7 +2,7 @@
 
 A team's limits are its `teams` row (`Store.team`), read at every check, so `aenv teams
 set-limits` run in another process applies from the next request on. 0 means no limit of
-the team's own; the node's admission limits (`orchestrator.admission`) apply either way.
+the team's own; the node's admission limits (`node.admission`) apply either way.
 
 - Concurrency: the team's sandboxes that hold a VM or are about to (`store.ACTIVE_STATES`;
   paused ones are disk only, build sandboxes are the server's) plus those asked for must fit
@@ -26,8 +26,8 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from agentenv.orchestrator.errors import TooManyRequests
-from agentenv.orchestrator.store import Store, Team
+from agentenv.contract.errors import TooManyRequests
+from agentenv.control.store import Store, Team
 
 MAX_CONCURRENCY_RETRY_S = 30
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from agentenv.contract.runtime import HostMemory
 from agentenv.vmm.base import VMM
 from agentenv.vmm.errors import BalloonUnsupported, VMMError
 
@@ -38,17 +39,6 @@ MIB = 1024 * 1024
 DEFLATED_SLACK = 4 * MIB
 DEFLATE_WAIT_S = 15.0
 DEFLATE_POLL_S = 0.05
-
-
-@dataclass(frozen=True)
-class HostMemory:
-    """Memory a process holds on the host, in bytes."""
-
-    rss: int
-    pss: int
-    pss_anon: int
-    pss_file: int
-    pss_shmem: int
 
 
 def host_memory(pid: int) -> HostMemory | None:
@@ -109,7 +99,7 @@ def read_pressure(
 
 
 class Guest(Protocol):
-    """What the manager needs of a sandbox (`orchestrator.node.SandboxHandle` is one)."""
+    """What the manager needs of a sandbox (`node.host.SandboxHandle` is one)."""
 
     @property
     def id(self) -> str: ...

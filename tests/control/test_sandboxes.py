@@ -18,9 +18,7 @@ import httpx
 import pytest
 
 from agentenv.config import Settings
-from agentenv.guest.envd.client import EnvdClient
-from agentenv.network import OPEN, Egress
-from agentenv.orchestrator.errors import (
+from agentenv.contract.errors import (
     BadRequest,
     Conflict,
     CreateFailed,
@@ -29,10 +27,12 @@ from agentenv.orchestrator.errors import (
     SandboxNotFound,
     TemplateNotFound,
 )
-from agentenv.orchestrator.node_runtime import CatalogTemplates, NodeRuntime
-from agentenv.orchestrator.runtime import Placement
-from agentenv.orchestrator.sandboxes import CreateSpec, SandboxManager
-from agentenv.orchestrator.store import SandboxRecord, SandboxState, Store
+from agentenv.contract.runtime import Placement
+from agentenv.control.sandboxes import CreateSpec, SandboxManager
+from agentenv.control.store import SandboxRecord, SandboxState, Store
+from agentenv.guest.envd.client import EnvdClient
+from agentenv.network import OPEN, Egress
+from agentenv.node.runtime import CatalogTemplates, NodeRuntime
 
 
 class ClaimedEnvdRuntime(NodeRuntime):

@@ -1,4 +1,4 @@
-"""`orchestrator.admission`: capacity refused at once (with the numbers), starts beyond the
+"""`node.admission`: capacity refused at once (with the numbers), starts beyond the
 limit wait in arrival order in a bounded queue, and every exit releases what it held."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from agentenv.orchestrator.admission import MIB, Admission, Limits
-from agentenv.orchestrator.node_errors import NoCapacity
+from agentenv.node.admission import MIB, Admission, Limits
+from agentenv.node.errors import NoCapacity
 
 GIB = 1024 * MIB
 
@@ -310,9 +310,9 @@ class _RefusingNode:
 async def test_runtime_maps_refusals_to_503_and_full_disks_to_507(tmp_path: Path) -> None:
     import errno
 
-    from agentenv.orchestrator.errors import InsufficientStorage, Unavailable
-    from agentenv.orchestrator.node_errors import BootFailed
-    from agentenv.orchestrator.node_runtime import NodeRuntime
+    from agentenv.contract.errors import InsufficientStorage, Unavailable
+    from agentenv.node.errors import BootFailed
+    from agentenv.node.runtime import NodeRuntime
 
     def runtime(exc: BaseException) -> NodeRuntime:
         return NodeRuntime(None, _RefusingNode(tmp_path, exc))  # type: ignore[arg-type]

@@ -17,8 +17,8 @@ import pytest
 
 from agentenv.config import Settings
 from agentenv.guest.envd.client import EnvdClient
-from agentenv.orchestrator.node import Node, SandboxHandle
-from agentenv.orchestrator.warm import Shape
+from agentenv.node.host import Node, SandboxHandle
+from agentenv.node.warm import Shape
 from agentenv.template.catalog import TemplateCatalog
 
 pytestmark = pytest.mark.vm

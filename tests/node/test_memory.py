@@ -19,7 +19,8 @@ import pytest
 
 from agentenv.config import ConfigError, Settings
 from agentenv.guest.envd.client import EnvdClient
-from agentenv.orchestrator.memory import (
+from agentenv.node.host import Node, SandboxHandle
+from agentenv.node.memory import (
     DEFLATED_SLACK,
     HostPressure,
     MemoryManager,
@@ -27,7 +28,6 @@ from agentenv.orchestrator.memory import (
     host_memory,
     read_pressure,
 )
-from agentenv.orchestrator.node import Node, SandboxHandle
 from agentenv.snapshot.digest import sparse_digest
 
 MIB = 1024 * 1024

@@ -7,7 +7,7 @@ identity through envd `/init`; nobody boots a kernel, also not for a disk larger
 template's (the restored guest's disk and ext4 are grown online). A cold boot remains the
 fallback when the template snapshot cannot be built. `pause`/`resume`, `snapshot` and `fork`
 use `snapshot/`; a paused sandbox lives only in its workdir, so it survives a restart of the
-node. Warm pool entries (`orchestrator.warm`) live in `settings.warm_dir` until a create takes
+node. Warm pool entries (`node.warm`) live in `settings.warm_dir` until a create takes
 one and moves its workdir into the sandboxes dir.
 
 Creation is ordered so that validation happens before any resource exists, and every step
@@ -36,15 +36,15 @@ import httpx
 
 from agentenv import snapshot as snaps
 from agentenv.config import ENVD_PORT, Settings
+from agentenv.contract.runtime import HostMemory
 from agentenv.faults import crash_point
 from agentenv.guest.envd.client import EnvdClient, EnvdError
 from agentenv.network import OPEN, Egress, Slot, SlotPool, recover_slots, slot_for
 from agentenv.network.dns import DnsForwarder
 from agentenv.network.slot import NETNS_PREFIX
-from agentenv.orchestrator.admission import Admission, Limits
-from agentenv.orchestrator.conversions import PausedConversions
-from agentenv.orchestrator.memory import HostMemory, MemoryManager, MemoryPolicy, host_memory
-from agentenv.orchestrator.node_errors import (
+from agentenv.node.admission import Admission, Limits
+from agentenv.node.conversions import PausedConversions
+from agentenv.node.errors import (
     BootFailed,
     CpuOutOfRange,
     DiskTooSmallForTemplate,
@@ -56,7 +56,8 @@ from agentenv.orchestrator.node_errors import (
     UnknownSandbox,
     UnknownTemplate,
 )
-from agentenv.orchestrator.warm import Shape, WarmPool
+from agentenv.node.memory import MemoryManager, MemoryPolicy, host_memory
+from agentenv.node.warm import Shape, WarmPool
 from agentenv.snapshot import GuestImage, Machine, MemoryMode, Snapshot, SnapshotError
 from agentenv.snapshot.fork import MAX_CHILDREN, ForkTarget
 from agentenv.snapshot.machine import disk_limits, new_vm, wait_envd
@@ -238,7 +239,7 @@ class Node:
         self._layer_mb: dict[str, int] = {}
         self._boot: _Boot | None = None
         self._image: GuestImage | None = None
-        # Balloons of idle sandboxes (orchestrator.memory); captures hold it off a sandbox.
+        # Balloons of idle sandboxes (node.memory); captures hold it off a sandbox.
         # Paused sandboxes' RAM streams become memory files of their own in the background.
         self.conversions = PausedConversions(lambda: self.image)
         self.memory = MemoryManager(

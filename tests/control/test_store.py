@@ -5,7 +5,7 @@ from __future__ import annotations
 import sqlite3
 from pathlib import Path
 
-from agentenv.orchestrator.store import SandboxRecord, SandboxState, Store
+from agentenv.control.store import SandboxRecord, SandboxState, Store
 
 # The sandboxes table as the first schema made it (before auto_pause_memory and pause_mode).
 _OLD_TABLE = """

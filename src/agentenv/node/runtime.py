@@ -1,4 +1,4 @@
-"""Adapters from this host's ``Node`` and ``TemplateCatalog`` to the orchestrator protocols."""
+"""Adapters from this host's ``Node`` and ``TemplateCatalog`` to the contract's protocols."""
 
 from __future__ import annotations
 
@@ -9,19 +9,10 @@ from pathlib import Path
 
 from agentenv import snapshot as snaps
 from agentenv.config import Settings
-from agentenv.network.egress import OPEN, Egress
-from agentenv.orchestrator.errors import BadRequest, InsufficientStorage, Unavailable
-from agentenv.orchestrator.memory import HostMemory
-from agentenv.orchestrator.node import Node, SandboxHandle
-from agentenv.orchestrator.node_errors import (
-    InvalidResources,
-    NoCapacity,
-    NotPausable,
-    UnknownSandbox,
-    UnknownTemplate,
-)
-from agentenv.orchestrator.runtime import (
+from agentenv.contract.errors import BadRequest, InsufficientStorage, Unavailable
+from agentenv.contract.runtime import (
     Found,
+    HostMemory,
     Lost,
     Placement,
     SnapshotInfo,
@@ -29,6 +20,15 @@ from agentenv.orchestrator.runtime import (
     TemplateUnavailable,
     Unsupported,
 )
+from agentenv.network.egress import OPEN, Egress
+from agentenv.node.errors import (
+    InvalidResources,
+    NoCapacity,
+    NotPausable,
+    UnknownSandbox,
+    UnknownTemplate,
+)
+from agentenv.node.host import Node, SandboxHandle
 from agentenv.snapshot.fork import MAX_CHILDREN
 from agentenv.storage import LayerStore, info
 from agentenv.template.catalog import Template, TemplateCatalog, TemplateNotFound

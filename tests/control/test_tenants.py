@@ -1,5 +1,5 @@
 """Teams in the store (the migration of a store from before teams) and the per-team limits
-(`orchestrator.tenants`), without a server."""
+(`control.tenants`), without a server."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from agentenv.api.keys import KeyRing, TeamExists, UnknownTeam, hash_key
-from agentenv.orchestrator.errors import TooManyRequests
-from agentenv.orchestrator.store import DEFAULT_TEAM, SandboxRecord, SandboxState, Store
-from agentenv.orchestrator.tenants import TeamLimits
+from agentenv.contract.errors import TooManyRequests
+from agentenv.control.store import DEFAULT_TEAM, SandboxRecord, SandboxState, Store
+from agentenv.control.tenants import TeamLimits
 
 # The schema as the last release before teams left it (no team_id anywhere, no teams table).
 _OLD_SCHEMA = """

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Protocol
 
 from agentenv.config import Settings
-from agentenv.orchestrator.node_errors import NoCapacity
+from agentenv.node.errors import NoCapacity
 
 MIB = 1024 * 1024
 # What a QEMU holds besides guest RAM, for accounting: measured ~47 MiB RssAnon for a fresh
@@ -55,7 +55,7 @@ FIRST_START_S = 2.0
 
 
 class Running(Protocol):
-    """A running sandbox as admission sees it (`orchestrator.node.SandboxHandle` is one)."""
+    """A running sandbox as admission sees it (`node.host.SandboxHandle` is one)."""
 
     @property
     def memory_mb(self) -> int: ...

@@ -1,4 +1,4 @@
-"""What the orchestrator needs from whatever runs sandboxes.
+"""What the control plane needs from whatever runs sandboxes (one node in-process, or many).
 
 The state machine talks only to this protocol, so the single-host ``Node``, a future
 snapshot-capable node and a multi-node gateway can all sit behind it.
@@ -11,7 +11,17 @@ from dataclasses import dataclass
 from typing import Literal, Protocol
 
 from agentenv.network.egress import OPEN, Egress
-from agentenv.orchestrator.memory import HostMemory
+
+
+@dataclass(frozen=True)
+class HostMemory:
+    """Memory a process holds on the host, in bytes (what a sandbox's VMM costs its node)."""
+
+    rss: int
+    pss: int
+    pss_anon: int
+    pss_file: int
+    pss_shmem: int
 
 
 @dataclass(frozen=True)

@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 
 from agentenv.config import Settings
+from agentenv.contract.errors import SandboxNotFound
+from agentenv.control.sandboxes import CreateSpec, SandboxManager
+from agentenv.control.store import SandboxState, Store
 from agentenv.guest.envd.client import EnvdClient
-from agentenv.orchestrator.errors import SandboxNotFound
-from agentenv.orchestrator.node_runtime import CatalogTemplates, NodeRuntime
-from agentenv.orchestrator.sandboxes import CreateSpec, SandboxManager
-from agentenv.orchestrator.store import SandboxState, Store
+from agentenv.node.runtime import CatalogTemplates, NodeRuntime
 
 pytestmark = pytest.mark.vm
 

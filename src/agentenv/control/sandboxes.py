@@ -24,8 +24,7 @@ from typing import Any
 
 import httpx
 
-from agentenv.network.egress import Egress
-from agentenv.orchestrator.errors import (
+from agentenv.contract.errors import (
     BadRequest,
     Conflict,
     CreateFailed,
@@ -36,9 +35,8 @@ from agentenv.orchestrator.errors import (
     TemplateNotFound,
     Unavailable,
 )
-from agentenv.orchestrator.memory import HostMemory
-from agentenv.orchestrator.metrics import Metrics
-from agentenv.orchestrator.runtime import (
+from agentenv.contract.runtime import (
+    HostMemory,
     Lost,
     Placement,
     Runtime,
@@ -48,7 +46,8 @@ from agentenv.orchestrator.runtime import (
     TemplateUnavailable,
     Unsupported,
 )
-from agentenv.orchestrator.store import (
+from agentenv.control.metrics import Metrics
+from agentenv.control.store import (
     BUILD_METADATA,
     DEFAULT_TEAM,
     LIVE_STATES,
@@ -56,7 +55,8 @@ from agentenv.orchestrator.store import (
     SandboxState,
     Store,
 )
-from agentenv.orchestrator.tenants import TeamLimits
+from agentenv.control.tenants import TeamLimits
+from agentenv.network.egress import Egress
 
 log = logging.getLogger("agentenv.sandboxes")
 

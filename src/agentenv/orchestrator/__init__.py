@@ -1,1 +1,0 @@
-"""agentenv.orchestrator"""
