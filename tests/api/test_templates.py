@@ -21,11 +21,10 @@ from agentenv.api.keys import KeyRing
 from agentenv.build.templates import DEFAULT_TAG, NO_BUILD, BuiltTemplates, image_template_name
 from agentenv.config import Settings
 from agentenv.contract.errors import TemplateNotFound
-from agentenv.contract.runtime import Placement, SnapshotInfo
+from agentenv.contract.runtime import Placement, SandboxSpec, SnapshotInfo
 from agentenv.control.metrics import Metrics
 from agentenv.control.sandboxes import CreateSpec, SandboxManager
 from agentenv.control.store import BUILD_METADATA, SandboxRecord, SandboxState, Store
-from agentenv.network.egress import OPEN, Egress
 from agentenv.template import image as image_module
 
 
@@ -41,16 +40,14 @@ class NoVMs:
         self.created: list[str] = []
         self.listed: list[SnapshotInfo] = []
 
-    async def create(
-        self, template: str, cpu: int, memory_mb: int, disk_size_mb: int, *, egress: Egress = OPEN
-    ) -> Placement:
-        self.created.append(template)
-        raise Refused(template)
+    async def create(self, spec: SandboxSpec) -> Placement:
+        self.created.append(spec.template)
+        raise Refused(spec.template)
 
-    def snapshots(self) -> list[SnapshotInfo]:
+    async def snapshots(self) -> list[SnapshotInfo]:
         return self.listed
 
-    def host_memory(self, runtime_id: str) -> None:
+    async def host_memory(self, runtime_id: str) -> None:
         return None
 
 

@@ -10,6 +10,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -24,6 +25,7 @@ from agentenv.contract.runtime import (
     Found,
     HostMemory,
     Placement,
+    SandboxSpec,
     SnapshotInfo,
     TemplateInfo,
     TemplateUnavailable,
@@ -31,7 +33,7 @@ from agentenv.contract.runtime import (
 from agentenv.control.metrics import Metrics
 from agentenv.control.sandboxes import SandboxManager
 from agentenv.control.store import DEFAULT_TEAM, SandboxState, Store
-from agentenv.network.egress import OPEN, Egress
+from agentenv.network.egress import Egress
 from agentenv.snapshot.errors import SnapshotError
 
 
@@ -43,8 +45,7 @@ class PaperRuntime:
         self.held: dict[str, str] = {}  # runtime id -> "running" | "paused"
         self.made: list[SnapshotInfo] = []
 
-    def _place(self) -> Placement:
-        rid = "rt-" + uuid.uuid4().hex[:8]
+    def _place(self, rid: str) -> Placement:
         self.held[rid] = "running"
         return Placement(rid, "127.0.0.1", "http://envd.test")
 
@@ -54,10 +55,8 @@ class PaperRuntime:
     async def close(self) -> None:
         pass
 
-    async def create(
-        self, template: str, cpu: int, memory_mb: int, disk_size_mb: int, *, egress: Egress = OPEN
-    ) -> Placement:
-        return self._place()
+    async def create(self, spec: SandboxSpec) -> Placement:
+        return self._place(spec.sandbox_id)
 
     async def update_egress(self, runtime_id: str, egress: Egress) -> None:
         pass
@@ -68,14 +67,25 @@ class PaperRuntime:
     async def pause(self, runtime_id: str, **_: object) -> None:
         self.held[runtime_id] = "paused"
 
-    async def resume(self, runtime_id: str, *, memory: bool = True) -> Placement:
-        self.held[runtime_id] = "running"
-        return Placement(runtime_id, "127.0.0.1", "http://envd.test")
+    async def resume(self, spec: SandboxSpec, *, memory: bool = True) -> Placement:
+        self.held[spec.sandbox_id] = "running"
+        return Placement(spec.sandbox_id, "127.0.0.1", "http://envd.test")
 
-    def is_alive(self, runtime_id: str) -> bool:
+    async def init_guest(self, spec: SandboxSpec) -> None:
+        pass
+
+    async def guest_metrics(self, runtime_id: str, envd_token: str | None) -> dict[str, Any] | None:
+        if self.held.get(runtime_id) != "running":
+            return None
+        return {"ts": time.time(), "cpu_count": 1, "mem_total": 1}
+
+    async def guest_health(self, runtime_id: str) -> str | None:
+        return None
+
+    async def is_alive(self, runtime_id: str) -> bool:
         return runtime_id in self.held
 
-    def find(self, runtime_id: str) -> Found | None:
+    async def find(self, runtime_id: str) -> Found | None:
         state = self.held.get(runtime_id)
         if state is None:
             return None
@@ -85,10 +95,10 @@ class PaperRuntime:
             else Found("paused", None)
         )
 
-    def sandbox_ids(self) -> list[str]:
+    async def sandbox_ids(self) -> list[str]:
         return list(self.held)
 
-    def lost_reason(self, runtime_id: str) -> str | None:
+    async def lost_reason(self, runtime_id: str) -> str | None:
         return None
 
     def watch_lost(self, handler: Callable[[str, str], None]) -> None:
@@ -102,16 +112,18 @@ class PaperRuntime:
         self.made.append(info)
         return info
 
-    async def fork(self, runtime_id: str, count: int, envd_token: str | None) -> list[Placement]:
-        return [self._place() for _ in range(count)]
+    async def fork(
+        self, runtime_id: str, children: list[SandboxSpec], envd_token: str | None
+    ) -> list[Placement]:
+        return [self._place(c.sandbox_id) for c in children]
 
-    def snapshots(self) -> list[SnapshotInfo]:
+    async def snapshots(self) -> list[SnapshotInfo]:
         return [replace(s, names=self.repo.get(s.snapshot_id).names) for s in self.made]
 
     def note_activity(self, runtime_id: str) -> None:
         pass
 
-    def host_memory(self, runtime_id: str) -> HostMemory | None:
+    async def host_memory(self, runtime_id: str) -> HostMemory | None:
         if self.held.get(runtime_id) != "running":
             return None
         return HostMemory(rss=1 << 20, pss=1 << 20, pss_anon=0, pss_file=0, pss_shmem=0)
@@ -132,12 +144,6 @@ class SnapshotCatalog(FakeCatalog):
         except SnapshotError as exc:
             raise TemplateUnavailable(name) from exc
         return TemplateInfo(name, 100, snap.created_at, snap.created_at, 1, 512)
-
-
-def _envd(request: httpx.Request) -> httpx.Response:
-    if request.url.path == "/metrics":
-        return httpx.Response(200, json={"ts": time.time(), "cpu_count": 1, "mem_total": 1})
-    return httpx.Response(204)
 
 
 @dataclass
@@ -164,9 +170,8 @@ def env(tmp_path: Path, settings: Settings) -> Iterator[Env]:
     store = Store(home / "db.sqlite")
     runtime = PaperRuntime(repo)
     mgr = SandboxManager(store, runtime, built, envd_version="0.6.4", metrics=Metrics())
-    mgr._http = httpx.AsyncClient(transport=httpx.MockTransport(_envd))
     mgr.metrics.watch_states(store.count_by_state, store.count_builds)
-    mgr.metrics.watch_host_memory(mgr.host_memory_all)
+    mgr.metrics.watch_host_memory(lambda: mgr.host_memory_seen)
     keys = KeyRing(store)
     _, secret_a = keys.create("alice")  # the default team
     team_b = keys.create_team("bravo")

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import secrets
 import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
@@ -27,34 +26,26 @@ from agentenv.contract.errors import (
     SandboxNotFound,
     TemplateNotFound,
 )
-from agentenv.contract.runtime import Placement
+from agentenv.contract.runtime import Placement, SandboxSpec
 from agentenv.control.sandboxes import CreateSpec, SandboxManager
 from agentenv.control.store import SandboxRecord, SandboxState, Store
 from agentenv.guest.envd.client import EnvdClient
-from agentenv.network import OPEN, Egress
 from agentenv.node.runtime import CatalogTemplates, NodeRuntime
 
 
-class ClaimedEnvdRuntime(NodeRuntime):
-    """Boots a real sandbox, then claims its envd with an access token of its own.
-
-    The manager's `/init` then arrives without that token and the real envd refuses it (401),
-    so the create fails after a VM exists: the fault a manager must tear down.
-    """
+class RowFlippingRuntime(NodeRuntime):
+    """Boots a real sandbox, and before handing it back moves the sandbox's row out of
+    `creating` (as a concurrent kill would): the create then fails after a VM exists, the
+    fault a manager must tear down."""
 
     last_pid: int | None = None
+    store: Store | None = None
 
-    async def create(
-        self, template: str, cpu: int, memory_mb: int, disk_size_mb: int, *, egress: Egress = OPEN
-    ) -> Placement:
-        placed = await super().create(template, cpu, memory_mb, disk_size_mb, egress=egress)
+    async def create(self, spec: SandboxSpec) -> Placement:
+        placed = await super().create(spec)
         self.last_pid = self.node.get(placed.runtime_id).pid
-        async with httpx.AsyncClient(trust_env=False, timeout=30) as http:
-            claim = await http.post(
-                f"{placed.envd_url}/init", json={"accessToken": secrets.token_urlsafe(16)}
-            )
-        if claim.status_code != 204:
-            raise AssertionError(f"claiming envd failed: {claim.status_code} {claim.text}")
+        assert self.store is not None
+        self.store.transition(spec.sandbox_id, SandboxState.CREATING, SandboxState.KILLING)
         return placed
 
 
@@ -183,14 +174,15 @@ def test_compare_and_set_refuses_a_stale_expected_state(tmp_path: Path) -> None:
 
 
 @pytest.mark.vm
-async def test_failed_init_tears_the_sandbox_down(
+async def test_a_create_failing_after_its_vm_exists_is_torn_down(
     settings: Settings, base_template: object, tmp_path: Path
 ) -> None:
-    runtime = ClaimedEnvdRuntime(settings)
+    runtime = RowFlippingRuntime(settings)
     m = _manager(settings, tmp_path / "db.sqlite", runtime)
+    runtime.store = m.store
     await m.start()
     try:
-        with pytest.raises(CreateFailed, match="401"):
+        with pytest.raises(CreateFailed, match="left 'creating' unexpectedly"):
             await m.create(CreateSpec("base", timeout=60))
         # The VM that did boot was stopped and nothing is left in a live state.
         assert runtime.last_pid is not None
@@ -268,7 +260,7 @@ async def test_without_snapshots_pause_rolls_back_and_auto_pause_kills(
             await m.pause(rec.id)
         assert m.get(rec.id).state is SandboxState.RUNNING
         # Still the same live VM, still answering.
-        assert _alive(pid) and _node_runtime(m).is_alive(rec.runtime_id or "")
+        assert _alive(pid) and await _node_runtime(m).is_alive(rec.runtime_id or "")
         async with httpx.AsyncClient(trust_env=False, timeout=30) as http:
             assert (await http.get(f"{rec.envd_url}/health")).status_code == 204
         with pytest.raises(Conflict):
@@ -319,4 +311,3 @@ async def test_restart_marks_rows_of_vanished_sandboxes_lost(
             m2.get(rec.id)
     finally:
         await m2.close()
-        await m._http.aclose()

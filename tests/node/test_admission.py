@@ -311,6 +311,7 @@ async def test_runtime_maps_refusals_to_503_and_full_disks_to_507(tmp_path: Path
     import errno
 
     from agentenv.contract.errors import InsufficientStorage, Unavailable
+    from agentenv.contract.runtime import SandboxSpec
     from agentenv.node.errors import BootFailed
     from agentenv.node.runtime import NodeRuntime
 
@@ -319,7 +320,7 @@ async def test_runtime_maps_refusals_to_503_and_full_disks_to_507(tmp_path: Path
 
     refusal = NoCapacity("no capacity: 2 of 2 sandboxes", resource="sandboxes", retry_after_s=7)
     with pytest.raises(Unavailable) as busy:
-        await runtime(refusal).create("base", 1, 512, 0)
+        await runtime(refusal).create(SandboxSpec("i" + "0" * 19, "base", 1, 512))
     assert (busy.value.status, busy.value.retry_after) == (503, 7)
     assert busy.value.message == "no capacity: 2 of 2 sandboxes"
 
@@ -334,7 +335,9 @@ async def test_runtime_maps_refusals_to_503_and_full_disks_to_507(tmp_path: Path
         wrapped = BootFailed("sandbox i1: create failed")
         wrapped.__cause__ = tool
     with pytest.raises(InsufficientStorage):
-        await runtime(wrapped).create("base", 1, 512, 0)
+        await runtime(wrapped).create(SandboxSpec("i" + "0" * 19, "base", 1, 512))
     # Anything else passes unchanged.
     with pytest.raises(BootFailed):
-        await runtime(BootFailed("envd not healthy")).create("base", 1, 512, 0)
+        await runtime(BootFailed("envd not healthy")).create(
+            SandboxSpec("i" + "0" * 19, "base", 1, 512)
+        )

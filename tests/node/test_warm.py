@@ -16,10 +16,12 @@ from typing import Any
 import pytest
 
 from agentenv.config import Settings
-from agentenv.guest.envd.client import EnvdClient
-from agentenv.node.host import Node, SandboxHandle
+from agentenv.guest.envd.client import EnvdClient, EnvdError
+from agentenv.node.errors import InvalidResources
+from agentenv.node.host import GuestInit, Node, SandboxHandle, new_sandbox_id
 from agentenv.node.warm import Shape
 from agentenv.template.catalog import TemplateCatalog
+from agentenv.vmm import registry as vm_registry
 
 pytestmark = pytest.mark.vm
 
@@ -104,6 +106,54 @@ async def test_create_takes_prespawned_qemu_and_pool_refills(
         await node.close()
     assert not list(settings.sandboxes_dir.glob("*/rootfs.qcow2"))
     assert not warm_entries(settings) and not list(settings.warm_dir.iterdir())
+
+
+async def test_a_warm_guest_takes_the_id_and_init_the_caller_gives(
+    settings: Settings, base_template: Any
+) -> None:
+    """The control plane chooses a sandbox's id before a node runs it; a warm entry was
+    spawned under a name of its own, so taking it renames it (references, cgroup, VM record)
+    and its envd gets the caller's token and env vars in the one `/init`."""
+    node = Node(replace(settings, warm_low=1, warm_high=1))
+    await node.start()
+    try:
+        await node.delete((await node.create("base", memory_mb=MEM)).id)
+        await wait_ready(node, 1)
+        (entry,) = node.warm.ready(SHAPE)
+        old_name, pid = entry.name, entry.vm.pid
+        chosen = new_sandbox_id()
+        token = "tok-" + chosen
+        sb = await node.create(
+            "base",
+            memory_mb=MEM,
+            sandbox_id=chosen,
+            init=GuestInit({"FROM_CALLER": "yes"}, token),
+        )
+        assert sb.origin == "warm" and sb.id == chosen and sb.pid == pid
+        assert sb.workdir == settings.sandboxes_dir / chosen
+        # Its VM record and cgroup follow the new name; nothing is left under the old one.
+        names = {r.name: r for r in vm_registry.load_all(settings.vms_dir)}
+        assert chosen in names and old_name not in names
+        assert names[chosen].pid == pid and names[chosen].workdir == str(sb.workdir)
+        procs = (sb.vm.cgroup.dirs[0] / "cgroup.procs").read_text().split()  # type: ignore[union-attr]
+        assert sb.vm.cgroup.name == chosen and procs  # type: ignore[union-attr]
+        assert not any((d.parent / old_name).exists() for d in sb.vm.cgroup.dirs)  # type: ignore[union-attr]
+        assert node.layers.held_by(chosen) and not node.layers.held_by(old_name)
+        # One `/init`: hostname, the caller's env var, and its token required from now on.
+        async with EnvdClient(sb.envd_url, token) as envd:
+            code, out, _ = await envd.run("hostname; echo $FROM_CALLER", user="root", timeout=60)
+        assert code == 0 and out.split() == [chosen, "yes"]
+        async with EnvdClient(sb.envd_url) as anonymous:
+            with pytest.raises(EnvdError):
+                await anonymous.run("true", user="root", timeout=30)
+        # An id in use is refused before anything is made.
+        with pytest.raises(InvalidResources, match="already in use"):
+            await node.create("base", memory_mb=MEM, sandbox_id=chosen)
+        await node.delete(chosen)
+        assert not (settings.sandboxes_dir / chosen).exists()
+    finally:
+        await node.close()
+    assert not vm_registry.load_all(settings.vms_dir)
 
 
 async def test_entries_of_a_deleted_template_and_of_idle_shapes_are_dropped(

@@ -47,7 +47,7 @@ class AgentenvApp:
         manager.metrics.watch_states(manager.store.count_by_state, manager.store.count_builds)
         # Pooled connections to a killed or paused sandbox's VM are dead: never reuse them.
         manager.on_release.append(self.proxy.drop)
-        manager.metrics.watch_host_memory(manager.host_memory_all)
+        manager.metrics.watch_host_memory(lambda: manager.host_memory_seen)
         self.signed = SignedUrls(manager.store.envd_tokens, self._envd_token)
         self._started = False
 

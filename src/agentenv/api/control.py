@@ -163,6 +163,7 @@ def build_control_app(ctx: ControlContext) -> FastAPI:
     @app.get("/metrics", tags=["server"], response_class=Response)
     async def metrics(key: Auth) -> Response:
         # Per-sandbox series only for the caller's team; node-wide ones for every key.
+        await mgr.host_memory_all()
         text = generate_latest(mgr.metrics.registry).decode()
         return Response(tenancy.filter_metrics(text, key.team_id), media_type=CONTENT_TYPE_LATEST)
 
@@ -310,7 +311,9 @@ def build_control_app(ctx: ControlContext) -> FastAPI:
         if len(rows) > limit:
             last_us, last = page[-1]
             headers["x-next-token"] = _encode_token(last_us, last.id, desc)
-        body = [views.host_memory(views.listed(r), mgr.host_memory(r)) for _, r in page]
+        recs = [r for _, r in page]
+        mems = await mgr.host_memories(recs)
+        body = [views.host_memory(views.listed(r), m) for r, m in zip(recs, mems, strict=True)]
         return JSONResponse(body, headers=headers)
 
     @app.get("/sandboxes", tags=["sandboxes"])
@@ -325,7 +328,10 @@ def build_control_app(ctx: ControlContext) -> FastAPI:
         ]
         # Newest first, as E2B's v1 list.
         recs.sort(key=lambda r: (-views.micros(r.started_at), r.id))
-        return JSONResponse([views.host_memory(views.listed(r), mgr.host_memory(r)) for r in recs])
+        mems = await mgr.host_memories(recs)
+        return JSONResponse(
+            [views.host_memory(views.listed(r), m) for r, m in zip(recs, mems, strict=True)]
+        )
 
     # -- one sandbox -----------------------------------------------------------------------
 
@@ -335,7 +341,8 @@ def build_control_app(ctx: ControlContext) -> FastAPI:
         rec = mgr.get(sandbox_id)
         if views.listed_state(rec) is None:
             raise SandboxNotFound(sandbox_id)
-        return JSONResponse(views.host_memory(views.detail(rec, ctx.domain), mgr.host_memory(rec)))
+        mem = await mgr.host_memory(rec)
+        return JSONResponse(views.host_memory(views.detail(rec, ctx.domain), mem))
 
     @app.delete("/sandboxes/{sandbox_id}", status_code=204, tags=["sandboxes"])
     async def kill(sandbox_id: str, key: Auth) -> Response:
@@ -415,7 +422,7 @@ def build_control_app(ctx: ControlContext) -> FastAPI:
             runtime_id = (rec.runtime_id or rec.id) if rec is not None else sandboxID
         rows = [
             s
-            for s in sorted(mgr.snapshots(), key=lambda s: (s.created_at, s.snapshot_id))
+            for s in sorted(await mgr.snapshots(), key=lambda s: (s.created_at, s.snapshot_id))
             if not (s.names and all(map(is_internal_name, s.names)))
             and mgr.store.snapshot_owner(s.snapshot_id) == key.team_id
             and (runtime_id is None or s.source == runtime_id)
@@ -470,7 +477,7 @@ def build_control_app(ctx: ControlContext) -> FastAPI:
         at = int(sample["timestampUnix"])
         if (start is not None and at < start) or (end is not None and at > end):
             return JSONResponse([])
-        return JSONResponse([views.host_memory(sample, mgr.host_memory(rec))])
+        return JSONResponse([views.host_memory(sample, await mgr.host_memory(rec))])
 
     @app.get("/sandboxes/{sandbox_id}/logs", tags=["sandboxes"])
     async def logs_v1(

@@ -22,7 +22,6 @@ from typing import Any
 
 import httpx
 
-from agentenv.build.guest import run_streamed, upload_file
 from agentenv.build.progress import BuildProgress, receiver
 from agentenv.build.spec import BuildSpec, Step, chain_key
 from agentenv.build.state import BuildRecord, BuildState, TemplateRecord
@@ -32,6 +31,7 @@ from agentenv.contract.errors import SandboxNotFound
 from agentenv.contract.runtime import TemplateUnavailable
 from agentenv.control.sandboxes import CreateSpec, SandboxManager
 from agentenv.control.store import BUILD_METADATA, DEFAULT_TEAM, SandboxRecord
+from agentenv.guest.envd.client import EnvdClient, EnvdError
 from agentenv.snapshot.errors import SnapshotError
 from agentenv.snapshot.repository import SnapshotRepository
 from agentenv.storage.layers import LayerStore
@@ -161,13 +161,6 @@ class Builder:
         # Image pulls of running builds, per build id (the progress route reads them); kept
         # until the build ends, so a client that polls late still sees every layer complete.
         self.pulls: dict[str, BuildProgress] = {}
-        # No keep-alive: a killed build sandbox's slot address goes to the next sandbox, and
-        # a pooled connection to the old VM there would break the next build's first call.
-        self._http = httpx.AsyncClient(
-            trust_env=False,
-            timeout=httpx.Timeout(30.0),
-            limits=httpx.Limits(max_keepalive_connections=0),
-        )
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -191,7 +184,6 @@ class Builder:
             task.cancel()
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
-        await self._http.aclose()
 
     def running(self, build_id: str) -> bool:
         return build_id in self._tasks
@@ -438,17 +430,12 @@ class Builder:
     ) -> int:
         assert sandbox.envd_url is not None
         emit = (lambda _l, _s: None) if quiet else self._log(rec, label)
-        return await run_streamed(
-            self._http,
-            sandbox.envd_url,
-            sandbox.envd_token,
-            cmd,
-            user=user,
-            on_line=emit,
-            envs=envs,
-            cwd=cwd,
-            timeout_s=STEP_TIMEOUT_S,
-        )
+        # A client per command: a killed build sandbox's slot address goes to the next
+        # sandbox, and a pooled connection to the old VM there would break its first call.
+        async with EnvdClient(sandbox.envd_url, sandbox.envd_token) as envd:
+            return await envd.run_streamed(
+                cmd, user=user, on_line=emit, envs=envs, cwd=cwd, timeout_s=STEP_TIMEOUT_S
+            )
 
     async def _run_step(
         self, rec: BuildRecord, sandbox: SandboxRecord, step: Step, ctx: Context, label: str
@@ -468,7 +455,8 @@ class Builder:
         if not local.exists():
             raise StepFailed(label, f"step {label}: files {step.files_hash} were not uploaded")
         staging = f"/tmp/.agentenv-copy-{step.files_hash[:16]}.tar"
-        await upload_file(self._http, sandbox.envd_url, sandbox.envd_token, local, staging)
+        async with EnvdClient(sandbox.envd_url, sandbox.envd_token) as envd:
+            await envd.upload_file(local, staging)
         dest = _join(ctx.workdir, step.args[1]) + ("/" if step.args[1].endswith("/") else "")
         owner = step.args[2] if len(step.args) > 2 and step.args[2] else ctx.user
         mode = step.args[3] if len(step.args) > 3 else ""
@@ -494,14 +482,11 @@ class Builder:
         assert sandbox.envd_url is not None
         # The last USER/WORKDIR are the sandbox's defaults, as in E2B; envd keeps them in the
         # snapshot's memory.
-        headers = {"X-Access-Token": sandbox.envd_token} if sandbox.envd_token else {}
-        resp = await self._http.post(
-            f"{sandbox.envd_url}/init",
-            json={"defaultUser": ctx.user, "defaultWorkdir": ctx.workdir},
-            headers=headers,
-        )
-        if resp.status_code >= 300:
-            raise StepFailed("finalize", f"envd /init answered {resp.status_code}")
+        try:
+            async with EnvdClient(sandbox.envd_url, sandbox.envd_token) as envd:
+                await envd.init(default_user=ctx.user, default_workdir=ctx.workdir)
+        except (EnvdError, httpx.HTTPError) as exc:
+            raise StepFailed("finalize", f"envd /init failed: {exc}") from exc
         if spec.start_cmd:
             self.state.log(bid, f"Starting: {spec.start_cmd}", step="finalize")
             # No terminal, so no hangup to survive: a plain background job outlives the

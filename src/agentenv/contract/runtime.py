@@ -1,14 +1,17 @@
 """What the control plane needs from whatever runs sandboxes (one node in-process, or many).
 
-The state machine talks only to this protocol, so the single-host ``Node``, a future
-snapshot-capable node and a multi-node gateway can all sit behind it.
+The state machine talks only to this protocol. Everything a sandbox needs travels in the call
+(`SandboxSpec`): the node gives the guest its identity, env vars and access token in one envd
+`/init`, so the control plane never talks to a guest's envd itself, and the same calls work
+in-process (`node.runtime.NodeRuntime`) or over RPC to a node on another host. A sandbox has
+one id, chosen by the control plane: the node runs it under that id.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Literal, Protocol
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
 
 from agentenv.network.egress import OPEN, Egress
 
@@ -22,6 +25,26 @@ class HostMemory:
     pss_anon: int
     pss_file: int
     pss_shmem: int
+
+
+@dataclass(frozen=True)
+class SandboxSpec:
+    """Everything a node needs to run one sandbox, whole in every create and resume (a resume
+    may land on a node that has never seen the sandbox)."""
+
+    sandbox_id: str
+    template: str
+    cpu: int
+    memory_mb: int
+    # None: the template's own size.
+    disk_size_mb: int | None = None
+    egress: Egress = OPEN
+    # The caller's env vars for every command (on top of the template's defaults).
+    env_vars: Mapping[str, str] = field(default_factory=dict)
+    # What envd requires of every request (`X-Access-Token`); None: a sandbox without one.
+    envd_token: str | None = None
+    # The caller's metadata: the node keeps it with the sandbox (listing, logs), unread.
+    metadata: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -84,11 +107,11 @@ class Runtime(Protocol):
 
     async def close(self) -> None: ...
 
-    async def create(
-        self, template: str, cpu: int, memory_mb: int, disk_size_mb: int, *, egress: Egress = OPEN
-    ) -> Placement:
-        """A running sandbox whose guest may open connections only as `egress` says, from
-        the start (kept across pause/resume and given to fork children)."""
+    async def create(self, spec: SandboxSpec) -> Placement:
+        """A running sandbox under `spec.sandbox_id` whose envd has had its one `/init`
+        (hostname, clock, entropy, the template's defaults, `spec.env_vars`, `spec.envd_token`)
+        and whose guest may open connections only as `spec.egress` says, from the start (kept
+        across pause/resume and given to fork children)."""
         ...
 
     async def update_egress(self, runtime_id: str, egress: Egress) -> None:
@@ -110,24 +133,40 @@ class Runtime(Protocol):
         ``strict`` a guest whose envd cannot flush it is not paused (``Unavailable``)."""
         ...
 
-    async def resume(self, runtime_id: str, *, memory: bool = True) -> Placement:
-        """Bring a paused sandbox back; may raise ``Unsupported``. A filesystem-only pause,
-        or ``memory=False``, comes back by a cold boot over its disk (``booted``)."""
+    async def resume(self, spec: SandboxSpec, *, memory: bool = True) -> Placement:
+        """Bring a paused sandbox back and re-initialise its envd (clock, entropy, with
+        `spec.envd_token`); may raise ``Unsupported``. A filesystem-only pause, or
+        ``memory=False``, comes back by a cold boot over its disk (``booted``), whose new envd
+        gets the full `/init` of a create from `spec`."""
         ...
 
-    def is_alive(self, runtime_id: str) -> bool:
+    async def init_guest(self, spec: SandboxSpec) -> None:
+        """Give a running sandbox's envd the full `/init` of a create again (env vars, token,
+        clock, entropy): after a crash that may have cut a start short before its `/init`."""
+        ...
+
+    async def guest_metrics(self, runtime_id: str, envd_token: str | None) -> dict[str, Any] | None:
+        """The running sandbox's envd `/metrics` sample, None when the guest cannot say."""
+        ...
+
+    async def guest_health(self, runtime_id: str) -> str | None:
+        """Why the running sandbox's envd does not answer `/health` now (bounded by a short
+        deadline), or None when it does."""
+        ...
+
+    async def is_alive(self, runtime_id: str) -> bool:
         """Whether the runtime still holds this sandbox, running or paused."""
         ...
 
-    def find(self, runtime_id: str) -> Found | None:
+    async def find(self, runtime_id: str) -> Found | None:
         """Running (where) or paused, None if the runtime does not hold it."""
         ...
 
-    def sandbox_ids(self) -> list[str]:
+    async def sandbox_ids(self) -> list[str]:
         """Every sandbox the runtime holds, running or paused."""
         ...
 
-    def lost_reason(self, runtime_id: str) -> str | None:
+    async def lost_reason(self, runtime_id: str) -> str | None:
         """Why a sandbox the runtime no longer holds was lost, if it knows."""
         ...
 
@@ -144,20 +183,23 @@ class Runtime(Protocol):
         its disk only; creates from it cold-boot."""
         ...
 
-    async def fork(self, runtime_id: str, count: int, envd_token: str | None) -> list[Placement]:
-        """`count` new sandboxes from one capture of a running one; each child's envd has no
-        access token yet (the caller initialises it)."""
+    async def fork(
+        self, runtime_id: str, children: list[SandboxSpec], envd_token: str | None
+    ) -> list[Placement]:
+        """One new running sandbox per `children` entry (its id, env vars and envd token;
+        template and shape are the source's) from one capture of a running sandbox whose
+        envd token is `envd_token`; each child's envd has had its `/init`. All or none."""
         ...
 
-    def snapshots(self) -> list[SnapshotInfo]:
+    async def snapshots(self) -> list[SnapshotInfo]:
         """Persistent snapshots (not template snapshots or fork captures)."""
         ...
 
     def note_activity(self, runtime_id: str) -> None:
-        """Traffic reached the sandbox (the proxy calls this): it is not idle."""
+        """Traffic reached the sandbox (the proxy calls this): it is not idle. Never waits."""
         ...
 
-    def host_memory(self, runtime_id: str) -> HostMemory | None:
+    async def host_memory(self, runtime_id: str) -> HostMemory | None:
         """What a running sandbox holds on the host (PSS of its VMM), None if not running."""
         ...
 

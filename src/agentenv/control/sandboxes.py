@@ -11,7 +11,6 @@ resume) or torn down to ``gone`` (create), never left in a transitional state.
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import logging
 import secrets
@@ -19,10 +18,7 @@ import string
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field, replace
-from datetime import UTC, datetime
 from typing import Any
-
-import httpx
 
 from agentenv.contract.errors import (
     BadRequest,
@@ -40,6 +36,7 @@ from agentenv.contract.runtime import (
     Lost,
     Placement,
     Runtime,
+    SandboxSpec,
     SnapshotInfo,
     TagUnavailable,
     TemplateSource,
@@ -161,17 +158,12 @@ class SandboxManager:
         self._locks: dict[str, asyncio.Lock] = {}
         self._reaper: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
-        # No keep-alive: a freed slot's address goes to the next sandbox, and a pooled
-        # connection to the previous VM there would fail that sandbox's first `/init`.
-        self._http = httpx.AsyncClient(
-            timeout=httpx.Timeout(10.0),
-            trust_env=False,
-            limits=httpx.Limits(max_keepalive_connections=0),
-        )
         # Called with a sandbox id once it stops being reachable (killed or paused), e.g. so
         # the proxy closes its connections to it.
         self.on_release: list[Callable[[str], Awaitable[None]]] = []
         self._tasks: set[asyncio.Task[None]] = set()
+        # The last `host_memory_all` (the metrics route refreshes it before each scrape).
+        self.host_memory_seen: dict[str, HostMemory] = {}
 
     # -- lifecycle of the manager ----------------------------------------------------------
 
@@ -195,7 +187,6 @@ class SandboxManager:
             with contextlib.suppress(SandboxNotFound):
                 await self.kill(rec.id, reason="server shutdown")
         await self.runtime.close()
-        await self._http.aclose()
 
     async def _reconcile(self) -> None:
         """Match the rows a previous server left with what the runtime re-adopted.
@@ -210,7 +201,7 @@ class SandboxManager:
         now = time.time()
         for rec in self.store.select(LIVE_STATES):
             rid = rec.runtime_id
-            found = self.runtime.find(rid) if rid else None
+            found = await self.runtime.find(rid) if rid else None
             was = rec.state.value
             if found is None or rec.state in (SandboxState.CREATING, SandboxState.KILLING):
                 if found is not None and rid is not None:
@@ -222,7 +213,7 @@ class SandboxManager:
                 elif rec.state is SandboxState.CREATING:
                     self.store.log(rec.id, "create cut short by a server restart", "warn")
                 else:
-                    why = (rid and self.runtime.lost_reason(rid)) or (
+                    why = (rid and await self.runtime.lost_reason(rid)) or (
                         "the server restarted and found nothing of it"
                     )
                     self.store.log(rec.id, f"{LOST}{why} (was {was})", "error")
@@ -250,8 +241,8 @@ class SandboxManager:
                     # The crash may have come before the control plane's `/init`: a guest
                     # booted from its disk would run with an envd that has no token yet.
                     try:
-                        await self._init_envd(rec, found.placement)
-                    except (httpx.HTTPError, CreateFailed) as exc:
+                        await self.runtime.init_guest(self._spec(rec, rid))
+                    except Exception as exc:
                         self.store.log(
                             rec.id, f"envd /init after the restart failed: {exc}", "warn"
                         )
@@ -266,7 +257,7 @@ class SandboxManager:
                 )
                 if rec.state is not SandboxState.PAUSED:
                     self.store.log(rec.id, f"paused, as a restarted server found it (was {was})")
-        for rid in self.runtime.sandbox_ids():
+        for rid in await self.runtime.sandbox_ids():
             if rid not in named:
                 log.warning("runtime sandbox %s belongs to no sandbox; deleting it", rid)
                 with contextlib.suppress(Exception):
@@ -291,7 +282,7 @@ class SandboxManager:
                 rec is None
                 or rec.state is not SandboxState.RUNNING
                 or rec.runtime_id != runtime_id
-                or self.runtime.is_alive(runtime_id)
+                or await self.runtime.is_alive(runtime_id)
             ):
                 return
             self.metrics.sandboxes_lost.inc()
@@ -328,49 +319,49 @@ class SandboxManager:
 
     async def guest_metrics(self, rec: SandboxRecord) -> dict[str, Any] | None:
         """envd's current `/metrics` sample, or None when the guest cannot say."""
-        if rec.state is not SandboxState.RUNNING or not rec.envd_url:
+        if rec.state is not SandboxState.RUNNING:
             return None
-        headers = {"X-Access-Token": rec.envd_token} if rec.envd_token else {}
-        try:
-            resp = await self._http.get(f"{rec.envd_url}/metrics", headers=headers, timeout=5.0)
-            resp.raise_for_status()
-            body = resp.json()
-        except (httpx.HTTPError, ValueError) as exc:
-            log.info(
-                "sandbox %s metrics unavailable: %r", rec.id, exc, extra={"sandbox_id": rec.id}
-            )
-            return None
-        return body if isinstance(body, dict) else None
+        return await self.runtime.guest_metrics(rec.runtime_id or rec.id, rec.envd_token)
 
     async def _envd_unhealthy(self, rec: SandboxRecord) -> str | None:
         """Why the sandbox's envd does not answer `/health` now, or None when it does."""
-        if not rec.envd_url:
-            return "no address"
-        try:
-            resp = await self._http.get(f"{rec.envd_url}/health", timeout=ENVD_HEALTH_TIMEOUT_S)
-        except httpx.HTTPError as exc:
-            return f"{type(exc).__name__} after at most {ENVD_HEALTH_TIMEOUT_S:g} s"
-        if resp.status_code >= 300:
-            return f"/health answered {resp.status_code}"
-        return None
+        return await self.runtime.guest_health(rec.runtime_id or rec.id)
 
     def note_activity(self, rec: SandboxRecord) -> None:
         """The proxy passed traffic to this sandbox (it is not idle)."""
         self.runtime.note_activity(rec.runtime_id or rec.id)
 
-    def host_memory(self, rec: SandboxRecord) -> HostMemory | None:
+    async def host_memory(self, rec: SandboxRecord) -> HostMemory | None:
         if rec.state is not SandboxState.RUNNING:
             return None
-        return self.runtime.host_memory(rec.runtime_id or rec.id)
+        return await self.runtime.host_memory(rec.runtime_id or rec.id)
 
-    def host_memory_all(self) -> dict[str, HostMemory]:
-        """Host memory of every running sandbox, by sandbox id."""
-        out: dict[str, HostMemory] = {}
-        for rec in self.store.select([SandboxState.RUNNING]):
-            mem = self.host_memory(rec)
-            if mem is not None:
-                out[rec.id] = mem
+    async def host_memories(self, recs: list[SandboxRecord]) -> list[HostMemory | None]:
+        """`host_memory` of each, asked concurrently (a list of many sandboxes on nodes)."""
+        return list(await asyncio.gather(*(self.host_memory(r) for r in recs)))
+
+    async def host_memory_all(self) -> dict[str, HostMemory]:
+        """Host memory of every running sandbox, by sandbox id; also kept as
+        `host_memory_seen` for the Prometheus collector, which cannot await."""
+        recs = self.store.select([SandboxState.RUNNING])
+        mems = await self.host_memories(recs)
+        out = {r.id: m for r, m in zip(recs, mems, strict=True) if m is not None}
+        self.host_memory_seen = out
         return out
+
+    def _spec(self, rec: SandboxRecord, runtime_id: str | None = None) -> SandboxSpec:
+        """Everything the node needs of this sandbox (`contract.runtime.SandboxSpec`)."""
+        return SandboxSpec(
+            sandbox_id=runtime_id or rec.runtime_id or rec.id,
+            template=rec.template,
+            cpu=rec.cpu,
+            memory_mb=rec.memory_mb,
+            disk_size_mb=rec.disk_mb,
+            egress=egress_of(rec),
+            env_vars=dict(rec.env_vars),
+            envd_token=rec.envd_token,
+            metadata=dict(rec.metadata),
+        )
 
     # -- transitions -----------------------------------------------------------------------
 
@@ -445,9 +436,8 @@ class SandboxManager:
             placement: Placement | None = None
             try:
                 placement = await self.runtime.create(
-                    tpl.ref or rec.template, cpu, memory, disk, egress=egress_of(rec)
+                    replace(self._spec(rec, rec.id), template=tpl.ref or rec.template)
                 )
-                await self._init_envd(rec, placement)
                 # The sandbox's life (and its timeout) starts when it is usable, not when the
                 # request arrived: a slow boot must not eat into the caller's timeout.
                 ready_at = time.time()
@@ -500,38 +490,12 @@ class SandboxManager:
                 log.error("sandbox %s teardown after failed create: %r", rec.id, del_exc)
         self.store.transition(rec.id, SandboxState.KILLING, SandboxState.GONE)
 
-    async def _init_envd(self, rec: SandboxRecord, placement: Placement) -> None:
-        body = {
-            "envVars": rec.env_vars,
-            "accessToken": rec.envd_token,
-            "timestamp": datetime.now(UTC).isoformat(),
-            # Every VM boots from the same image; give each its own RNG state.
-            "entropy": base64.b64encode(secrets.token_bytes(32)).decode(),
-        }
-        # A fresh envd (no token yet) ignores it; one that has the token (a resume that a
-        # restart rolled forward) needs it.
-        headers = {"X-Access-Token": rec.envd_token} if rec.envd_token else {}
-        resp = await self._http.post(f"{placement.envd_url}/init", json=body, headers=headers)
-        if resp.status_code >= 300:
-            raise CreateFailed(f"envd /init answered {resp.status_code}: {resp.text[:200]}")
-
     async def _released(self, sandbox_id: str) -> None:
         for hook in self.on_release:
             try:
                 await hook(sandbox_id)
             except Exception as exc:
                 log.warning("sandbox %s release hook failed: %r", sandbox_id, exc)
-
-    async def _reinit_envd(self, rec: SandboxRecord, placement: Placement) -> None:
-        """After a resume: the guest's clock stood still while it was paused."""
-        body = {
-            "timestamp": datetime.now(UTC).isoformat(),
-            "entropy": base64.b64encode(secrets.token_bytes(32)).decode(),
-        }
-        headers = {"X-Access-Token": rec.envd_token} if rec.envd_token else {}
-        resp = await self._http.post(f"{placement.envd_url}/init", json=body, headers=headers)
-        if resp.status_code >= 300:
-            raise CreateFailed(f"envd /init answered {resp.status_code}: {resp.text[:200]}")
 
     async def snapshot(
         self, sandbox_id: str, name: str | None, *, memory: bool = True
@@ -564,27 +528,35 @@ class SandboxManager:
             if src.state is not SandboxState.RUNNING:
                 raise Conflict(f"sandbox {sandbox_id} is {src.state.value}, not running")
             with self.limits.reserve(src.team_id, count):
+                # The children's rows come first (as creating): a crash during the fork
+                # finds them and finishes them as kills.
+                recs = self._fork_rows(src, count, lifetime_s, api_key_id)
                 try:
                     placements = await self.runtime.fork(
-                        src.runtime_id or src.id, count, src.envd_token
+                        src.runtime_id or src.id,
+                        [replace(self._spec(r, r.id), env_vars=dict(src.env_vars)) for r in recs],
+                        src.envd_token,
                     )
-                except Unsupported as exc:
-                    raise NotSupported(str(exc)) from exc
+                except BaseException as exc:
+                    for rec in recs:
+                        await self._teardown_failed_create(rec, None, exc)
+                    if isinstance(exc, Unsupported):
+                        raise NotSupported(str(exc)) from exc
+                    raise
                 self.store.log(sandbox_id, f"forked {len(placements)} sandbox(es)")
-                recs = self._fork_rows(src, placements, lifetime_s, api_key_id)
-        return await self._start_forks(recs, placements)
+        return self._start_forks(recs, placements)
 
     def _fork_rows(
         self,
         src: SandboxRecord,
-        placements: list[Placement],
+        count: int,
         lifetime_s: int | None,
         api_key_id: str | None,
     ) -> list[SandboxRecord]:
         sandbox_id = src.id
         seconds = lifetime_s if lifetime_s is not None else DEFAULT_TIMEOUT_S
         recs: list[SandboxRecord] = []
-        for _ in placements:
+        for _ in range(count):
             now = time.time()
             rec = SandboxRecord(
                 id=new_sandbox_id(),
@@ -614,25 +586,10 @@ class SandboxManager:
             recs.append(rec)
         return recs
 
-    async def _start_forks(
+    def _start_forks(
         self, recs: list[SandboxRecord], placements: list[Placement]
     ) -> list[SandboxRecord]:
-        # The children's envd get their tokens concurrently (one round trip each, ~0.3 s
-        # under TCG); all children or none.
-        gate = asyncio.Semaphore(_FORK_INIT_CONCURRENCY)
-
-        async def init(rec: SandboxRecord, placement: Placement) -> None:
-            async with gate:
-                await self._init_envd(rec, placement)
-
-        results = await asyncio.gather(
-            *(init(r, p) for r, p in zip(recs, placements, strict=True)), return_exceptions=True
-        )
-        failed = next((r for r in results if isinstance(r, BaseException)), None)
-        if failed is not None:
-            for rec, placement in zip(recs, placements, strict=True):
-                await self._teardown_failed_create(rec, placement, failed)
-            raise failed
+        # Each child's envd had its `/init` (its own token) on the node.
         children: list[SandboxRecord] = []
         for rec, placement in zip(recs, placements, strict=True):
             self.store.transition(
@@ -647,8 +604,8 @@ class SandboxManager:
         self._wake.set()
         return children
 
-    def snapshots(self) -> list[SnapshotInfo]:
-        return self.runtime.snapshots()
+    async def snapshots(self) -> list[SnapshotInfo]:
+        return await self.runtime.snapshots()
 
     async def kill(self, sandbox_id: str, *, reason: str = "killed") -> None:
         async with self._locked(sandbox_id):
@@ -772,28 +729,12 @@ class SandboxManager:
         started = time.monotonic()
         rid = rec.runtime_id or rec.id
         try:
+            # The node re-inits envd (clock, entropy; a guest booted from its disk gets the
+            # full `/init` of a create) and pauses it again if that fails.
+            spec = self._spec(rec, rid)
             placement = await (
-                self.runtime.resume(rid) if memory else self.runtime.resume(rid, memory=False)
+                self.runtime.resume(spec) if memory else self.runtime.resume(spec, memory=False)
             )
-            try:
-                if placement.booted:
-                    # A guest booted from its disk: a new envd, told everything as at create.
-                    await self._init_envd(rec, placement)
-                else:
-                    await self._reinit_envd(rec, placement)
-            except BaseException:
-                with contextlib.suppress(Exception):
-                    if placement.booted:
-                        # Nothing in its memory is worth keeping: back to its disk only.
-                        await self.runtime.pause(
-                            placement.runtime_id,
-                            memory=False,
-                            envd_token=rec.envd_token,
-                            strict=False,
-                        )
-                    else:
-                        await self.runtime.pause(placement.runtime_id)
-                raise
         except BaseException as exc:
             if isinstance(exc, Lost):
                 # The guest ran again and failed: nothing paused is left to go back to.
@@ -802,7 +743,7 @@ class SandboxManager:
                 await self._released(rec.id)
                 raise SandboxLost(rec.id, str(exc)) from exc
             # A resume without memory may have dropped it before it failed.
-            found = self.runtime.find(rid)
+            found = await self.runtime.find(rid)
             mode = rec.pause_mode
             if found is not None and found.state == "paused":
                 mode = _pause_mode(found.memory)

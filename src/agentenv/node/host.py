@@ -28,9 +28,10 @@ import shutil
 import signal
 import string
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -48,6 +49,7 @@ from agentenv.node.errors import (
     BootFailed,
     CpuOutOfRange,
     DiskTooSmallForTemplate,
+    InvalidResources,
     MemoryOutOfRange,
     NotPausable,
     SandboxError,
@@ -60,6 +62,7 @@ from agentenv.node.memory import MemoryManager, MemoryPolicy, host_memory
 from agentenv.node.warm import Shape, WarmPool
 from agentenv.snapshot import GuestImage, Machine, MemoryMode, Snapshot, SnapshotError
 from agentenv.snapshot.fork import MAX_CHILDREN, ForkTarget
+from agentenv.snapshot.identity import ENTROPY_BYTES
 from agentenv.snapshot.machine import disk_limits, new_vm, wait_envd
 from agentenv.snapshot.pause import DISK, PAUSED, STATE, STREAM, tidy
 from agentenv.snapshot.restore import (
@@ -69,6 +72,9 @@ from agentenv.snapshot.restore import (
     prepare,
     relocate,
     unlink_relocated,
+)
+from agentenv.snapshot.restore import (
+    rename as rename_prepared,
 )
 from agentenv.storage import (
     DiskTooSmall,
@@ -132,6 +138,22 @@ class TemplateDefaults:
         return bool(self.env) or self.user is not None or self.workdir is not None
 
 
+@dataclass(frozen=True)
+class GuestInit:
+    """What the caller gives a new guest in its one envd `/init`, on top of the template's
+    defaults: env vars for every command and the access token envd requires from then on."""
+
+    env_vars: Mapping[str, str] = field(default_factory=dict)
+    envd_token: str | None = None
+
+    def env_over(self, defaults: TemplateDefaults | None) -> dict[str, str]:
+        """The template's env with the caller's on top (the caller's value wins)."""
+        return {**(defaults.env if defaults is not None else {}), **self.env_vars}
+
+
+NO_INIT = GuestInit()
+
+
 def new_sandbox_id() -> str:
     return "i" + "".join(secrets.choice(_ID_ALPHABET) for _ in range(19))
 
@@ -160,9 +182,11 @@ class SandboxHandle:
     # pre-spawned QEMU of the warm pool), "boot" (cold), "fork", or "adopted" (left running
     # by a server that died, taken over by this one).
     origin: str = "boot"
-    # Its last start was a cold boot over its disk (a filesystem-only resume): its envd is
-    # fresh and knows nothing of the sandbox (token, env vars) until it is initialised.
+    # Its last start was a cold boot over its disk (a filesystem-only resume): its envd was
+    # fresh and got the full `/init` of a create.
     booted: bool = False
+    # The token its envd requires (the node's own calls into the guest send it).
+    envd_token: str | None = field(default=None, repr=False)
 
     @property
     def address(self) -> str:
@@ -613,22 +637,45 @@ class Node:
         disk_size_mb: int | None = None,
         *,
         egress: Egress = OPEN,
+        sandbox_id: str | None = None,
+        init: GuestInit = NO_INIT,
+        metadata: Mapping[str, str] | None = None,
     ) -> SandboxHandle:
         """`egress` (`network.egress`: internet off, destinations allowed or denied) holds
-        from before the guest first runs, on every resume and in its fork children."""
+        from before the guest first runs, on every resume and in its fork children. The
+        sandbox runs as `sandbox_id` (a new id if None); its envd gets one `/init` with its
+        hostname, clock, entropy, the template's defaults and `init`. `metadata` is kept
+        with it."""
         if self._boot is None or self._accel is None:
             raise SandboxError("node is not started")
+        if sandbox_id is not None:
+            await asyncio.to_thread(self._check_new_id, sandbox_id)
         named = await asyncio.to_thread(self._named_snapshot, template)
         if named is not None:
-            return await self._create_from_snapshot(named, template, egress)
+            return await self._create_from_snapshot(
+                named, template, egress, sandbox_id, init, metadata
+            )
         top, top_path, disk_mb, base_mb, defaults = await asyncio.to_thread(
             self._validate, template, cpu, memory_mb, disk_size_mb
         )
         async with self.admission.start(f"a create of {template!r}", memory_mb):
             return await self._create(
                 template, cpu, memory_mb, disk_size_mb, top, top_path, disk_mb, base_mb, egress,
-                defaults,
+                defaults, sandbox_id, init, metadata,
             )  # fmt: skip
+
+    def _check_new_id(self, sandbox_id: str) -> None:
+        """An id the caller chose: a DNS label of ours, not held by anything here."""
+        if not (
+            len(sandbox_id) == 20
+            and sandbox_id[0] == "i"
+            and all(c in _ID_ALPHABET for c in sandbox_id[1:])
+        ):
+            raise InvalidResources(
+                f"sandbox id {sandbox_id!r} is not 'i' and 19 lowercase letters or digits"
+            )
+        if sandbox_id in self._sandboxes or (self.settings.sandboxes_dir / sandbox_id).exists():
+            raise InvalidResources(f"sandbox id {sandbox_id!r} is already in use on this node")
 
     async def _create(
         self,
@@ -642,9 +689,12 @@ class Node:
         base_mb: int,
         egress: Egress,
         defaults: TemplateDefaults | None = None,
+        given_id: str | None = None,
+        init: GuestInit = NO_INIT,
+        metadata: Mapping[str, str] | None = None,
     ) -> SandboxHandle:
         """`create` once the input is valid and the start admitted. `defaults` (the
-        template's env, user and workdir for commands) reach envd before anyone else's
+        template's env, user and workdir for commands) and `init` reach envd in its one
         `/init`, on a restore and on a cold boot alike."""
         if self._boot is None or self._accel is None:
             raise SandboxError("node is not started")
@@ -655,7 +705,7 @@ class Node:
         warm: Prepared | None = None
         if snap is not None:
             warm = self.warm.take(Shape(template, cpu, memory_mb), snap.id)
-        sandbox_id = warm.name if warm is not None else new_sandbox_id()
+        sandbox_id = given_id or (warm.name if warm is not None else new_sandbox_id())
         workdir = self.settings.sandboxes_dir / sandbox_id
         undo: list[Callable[[], Awaitable[None]]] = []
         try:
@@ -670,6 +720,9 @@ class Node:
                 undo.append(lambda: discard(prep, self.repo, self.layers))
                 undo.append(lambda: asyncio.to_thread(shutil.rmtree, warm_workdir, True))
                 undo.append(lambda: asyncio.to_thread(unlink_relocated, warm_workdir))
+                if prep.name != sandbox_id:
+                    # The entry was made before anyone knew the id; it takes the caller's.
+                    await rename_prepared(prep, sandbox_id, self.repo, self.layers)
                 # From here on it is an ordinary sandbox, in the sandboxes dir.
                 await relocate(prep, workdir)
                 crash_point("create:relocated")
@@ -686,12 +739,12 @@ class Node:
 
             upper = workdir / ROOTFS
             await self._write_meta(
-                workdir, template, cpu, memory_mb, disk_mb, top, egress, defaults
+                workdir, template, cpu, memory_mb, disk_mb, top, egress, defaults, metadata
             )
             if snap is not None:
                 handle = await self._restore(
                     snap.id, sandbox_id, template, workdir, slot, top, prepared=warm,
-                    defaults=defaults,
+                    defaults=defaults, init=init,
                 )  # fmt: skip
                 handle.egress = egress
                 undo.append(lambda: self._release(handle))
@@ -748,8 +801,7 @@ class Node:
                     tools_image=self._boot.tools_image,
                 )
             await self._wait_healthy(handle)
-            if defaults is not None and defaults.any:
-                await self._apply_defaults(handle, defaults)
+            await self._init_booted(handle, defaults, init)
             now = time.monotonic()
             handle.boot_s = now - t0
             handle.spawn_to_healthy_s = now - (vm.started_at or t0)
@@ -769,22 +821,17 @@ class Node:
 
     async def _wait_healthy(self, sb: SandboxHandle) -> None:
         deadline = time.monotonic() + self.settings.boot_timeout_s
-        url = f"{sb.envd_url}/health"
-        last = "no answer"
-        async with httpx.AsyncClient(timeout=HEALTH_REQUEST_TIMEOUT_S, trust_env=False) as client:
+        last: str | None = "no answer"
+        async with EnvdClient(sb.envd_url, timeout=HEALTH_REQUEST_TIMEOUT_S) as envd:
             while time.monotonic() < deadline:
                 if sb.vm.exit_code is not None:
                     raise BootFailed(
                         f"sandbox {sb.id}: VM exited with {sb.vm.exit_code} during boot: "
                         f"{_tail(sb.serial_log)}"
                     )
-                try:
-                    resp = await client.get(url)
-                    if resp.status_code < 300:
-                        return
-                    last = f"HTTP {resp.status_code}"
-                except httpx.TransportError as exc:
-                    last = type(exc).__name__
+                last = await envd.unhealthy(HEALTH_REQUEST_TIMEOUT_S)
+                if last is None:
+                    return
                 await asyncio.sleep(HEALTH_POLL_S)
         raise BootFailed(
             f"sandbox {sb.id}: envd not healthy after {self.settings.boot_timeout_s:.0f}s "
@@ -871,8 +918,9 @@ class Node:
         top: str,
         egress: Egress,
         defaults: TemplateDefaults | None = None,
+        metadata: Mapping[str, str] | None = None,
     ) -> None:
-        meta = {
+        meta: dict[str, object] = {
             "template": template,
             "cpu": cpu,
             "memory_mb": memory_mb,
@@ -885,6 +933,8 @@ class Node:
             # the template has been replaced or deleted by then.
             meta["defaults"] = {"env": defaults.env, "user": defaults.user,
                                 "workdir": defaults.workdir}  # fmt: skip
+        if metadata:
+            meta["metadata"] = dict(metadata)
         await asyncio.to_thread(_replace_json, workdir / META, meta)
 
     async def _restore(
@@ -898,9 +948,11 @@ class Node:
         origin: str = "restore",
         prepared: Prepared | None = None,
         defaults: TemplateDefaults | None = None,
+        init: GuestInit = NO_INIT,
     ) -> SandboxHandle:
         """Restore `ref` as `sandbox_id` (into `prepared`, a warm pool's guest spawned for
-        it, if given) and give it its hostname; cleans up after itself."""
+        it, if given) and give it, in one `/init`, its hostname, the template's defaults and
+        `init`; cleans up after itself."""
         t0 = time.monotonic()
         if prepared is not None:
             machine = await load(prepared, self.repo, self.layers)
@@ -912,37 +964,82 @@ class Node:
         handle.origin = "warm" if prepared is not None else origin
         token = (await asyncio.to_thread(self.repo.get, ref)).envd_token
         try:
-            # The caller (the control plane) sets the sandbox's own token next.
             d = defaults or TemplateDefaults()
+            env = init.env_over(d)
             await snaps.identify(
                 machine.envd_url,
                 hostname=sandbox_id,
                 current_token=token,
-                access_token="" if token else None,
-                env_vars=d.env or None,
+                # The captured guest's token (if any) is replaced by the sandbox's own.
+                access_token=init.envd_token or ("" if token else None),
+                env_vars=env or None,
                 default_user=d.user,
                 default_workdir=d.workdir,
             )
+            handle.envd_token = init.envd_token
         except BaseException:
             await self._release(handle)
             raise
         handle.spawn_to_healthy_s = time.monotonic() - t0
         return handle
 
-    async def _apply_defaults(self, handle: SandboxHandle, defaults: TemplateDefaults) -> None:
-        """A cold-booted guest's envd starts with envd's own defaults: give it the
-        template's (a restored one gets them with its identity, `_restore`)."""
+    async def _init_booted(
+        self, handle: SandboxHandle, defaults: TemplateDefaults | None, init: GuestInit
+    ) -> None:
+        """A cold-booted guest's envd knows nothing yet (its hostname came on the kernel
+        command line): its one `/init` carries the clock, entropy, the template's defaults
+        and `init` (a restored guest gets the same with its identity, `_restore`)."""
+        d = defaults or TemplateDefaults()
+        env = init.env_over(d)
         try:
-            async with EnvdClient(handle.envd_url) as envd:
+            # A fresh envd ignores the header; one that has the token (a start cut short
+            # after its `/init`, given it again) needs it.
+            async with EnvdClient(handle.envd_url, init.envd_token) as envd:
                 await envd.init(
-                    env_vars=defaults.env or None,
-                    default_user=defaults.user,
-                    default_workdir=defaults.workdir,
+                    env_vars=env or None,
+                    access_token=init.envd_token,
+                    default_user=d.user,
+                    default_workdir=d.workdir,
+                    entropy=os.urandom(ENTROPY_BYTES),
                 )
         except (EnvdError, httpx.HTTPError) as exc:
-            raise BootFailed(
-                f"sandbox {handle.id}: envd refused the template's defaults: {exc}"
-            ) from exc
+            raise BootFailed(f"sandbox {handle.id}: envd refused its /init: {exc}") from exc
+        handle.envd_token = init.envd_token
+
+    async def init_guest(self, sandbox_id: str, init: GuestInit) -> None:
+        """The full `/init` of a create again, for a running sandbox (`Runtime.init_guest`)."""
+        sb = self.get(sandbox_id)
+        if sb.paused:
+            raise SandboxPaused(f"sandbox {sandbox_id} is paused")
+        meta = await asyncio.to_thread((sb.workdir / META).read_text)
+        await self._init_booted(sb, _defaults_of(json.loads(meta)), init)
+
+    async def guest_metrics(self, sandbox_id: str, envd_token: str | None) -> dict[str, Any] | None:
+        """envd's current `/metrics` sample of a running sandbox, None when it cannot say."""
+        sb = self._sandboxes.get(sandbox_id)
+        if sb is None or sb.paused:
+            return None
+        try:
+            async with EnvdClient(sb.envd_url, envd_token, timeout=5.0) as envd:
+                return await envd.metrics()
+        except (EnvdError, httpx.HTTPError, ValueError) as exc:
+            log.info("sandbox %s metrics unavailable: %r", sandbox_id, exc)
+            return None
+
+    async def reinit(self, sandbox_id: str) -> None:
+        """After a resume with its memory: the guest's clock stood still while it was paused
+        and its RNG state is the one it was saved with."""
+        sb = self.get(sandbox_id)
+        async with EnvdClient(sb.envd_url, sb.envd_token) as envd:
+            await envd.init(entropy=os.urandom(ENTROPY_BYTES))
+
+    async def guest_health(self, sandbox_id: str, timeout_s: float) -> str | None:
+        """Why the running sandbox's envd does not answer `/health`, None when it does."""
+        sb = self._sandboxes.get(sandbox_id)
+        if sb is None or sb.paused:
+            return "not running"
+        async with EnvdClient(sb.envd_url, timeout=timeout_s) as envd:
+            return await envd.unhealthy(timeout_s)
 
     async def update_egress(self, sandbox_id: str, egress: Egress) -> None:
         """Replace a sandbox's egress policy: at once while it runs (on its slot), from its
@@ -969,7 +1066,7 @@ class Node:
         t0 = time.monotonic()
         try:
             await handle.vm.resize_disk("vda", size)
-            async with EnvdClient(handle.envd_url) as envd:
+            async with EnvdClient(handle.envd_url, handle.envd_token) as envd:
                 res = await envd.run(
                     GROW_FS.format(sectors=size // 512),
                     user="root",
@@ -1066,13 +1163,28 @@ class Node:
             await snaps.release(handle.machine, self.repo, self.layers)
 
     async def _create_from_snapshot(
-        self, snap: Snapshot, ref: str, egress: Egress
+        self,
+        snap: Snapshot,
+        ref: str,
+        egress: Egress,
+        sandbox_id: str | None = None,
+        init: GuestInit = NO_INIT,
+        metadata: Mapping[str, str] | None = None,
     ) -> SandboxHandle:
         async with self.admission.start(f"a create from snapshot {ref!r}", snap.memory_mb):
-            return await self._from_snapshot(snap, ref, egress)
+            return await self._from_snapshot(
+                snap, ref, egress, sandbox_id or new_sandbox_id(), init, metadata
+            )
 
-    async def _from_snapshot(self, snap: Snapshot, ref: str, egress: Egress) -> SandboxHandle:
-        sandbox_id = new_sandbox_id()
+    async def _from_snapshot(
+        self,
+        snap: Snapshot,
+        ref: str,
+        egress: Egress,
+        sandbox_id: str,
+        init: GuestInit,
+        metadata: Mapping[str, str] | None,
+    ) -> SandboxHandle:
         workdir = self.settings.sandboxes_dir / sandbox_id
         t0 = time.monotonic()
         await asyncio.to_thread(workdir.mkdir, 0o700, False, False)
@@ -1082,14 +1194,21 @@ class Node:
             if not egress.open:
                 await self.pool.set_egress(slot, egress)
             await self._write_meta(
-                workdir, ref, snap.vcpus, snap.memory_mb, 0, snap.top_layer, egress
-            )
+                workdir, ref, snap.vcpus, snap.memory_mb, 0, snap.top_layer, egress,
+                metadata=metadata,
+            )  # fmt: skip
             if snap.memory:
                 handle = await self._restore(
-                    snap.id, sandbox_id, ref, workdir, slot, snap.top_layer
+                    snap.id, sandbox_id, ref, workdir, slot, snap.top_layer, init=init
                 )
             else:
                 handle = await self._boot_snapshot(snap, sandbox_id, ref, workdir, slot)
+                try:
+                    await self._init_booted(handle, None, init)
+                except BaseException:
+                    await handle.vm.kill()
+                    await asyncio.to_thread(self.layers.unref_holder, sandbox_id)
+                    raise
             handle.egress = egress
         except BaseException:
             if slot is not None:
@@ -1179,10 +1298,15 @@ class Node:
         # last holder of a deleted one.
         await asyncio.to_thread(self.repo.gc)
 
-    async def resume(self, sandbox_id: str, *, memory: bool = True) -> SandboxHandle:
+    async def resume(
+        self, sandbox_id: str, *, memory: bool = True, init: GuestInit = NO_INIT
+    ) -> SandboxHandle:
         """Bring a paused sandbox back on a free slot (also one paused by an earlier node).
         A filesystem-only pause, or `memory=False`, comes back by a cold boot over its disk
-        (`handle.booted`); the saved RAM of a memory pause is then dropped."""
+        (`handle.booted`) whose new envd gets the full `/init` of a create (the recorded
+        template defaults and `init`); the saved RAM of a memory pause is then dropped. A
+        guest resumed with its memory gets a new clock and entropy (with `init.envd_token`,
+        which it already holds). If that `/init` fails it is paused again, as it was."""
         sb = self._sandboxes.get(sandbox_id)
         if sb is not None and not sb.paused:
             raise SandboxNotPaused(f"sandbox {sandbox_id} is running")
@@ -1192,7 +1316,29 @@ class Node:
         else:
             memory_mb = sb.memory_mb
         async with self.admission.start(f"a resume of {sandbox_id}", memory_mb):
-            return await self._resume(sandbox_id, memory)
+            sb = await self._resume(sandbox_id, memory)
+            try:
+                if sb.booted:
+                    meta = await asyncio.to_thread((sb.workdir / META).read_text)
+                    await self._init_booted(sb, _defaults_of(json.loads(meta)), init)
+                else:
+                    sb.envd_token = init.envd_token
+                    await self.reinit(sandbox_id)
+            except BaseException as exc:
+                # Back to how it was: paused, its disk only if it was booted from its disk.
+                try:
+                    await self.pause(
+                        sandbox_id, memory=not sb.booted, envd_token=init.envd_token,
+                        strict=False,
+                    )  # fmt: skip
+                except Exception:
+                    log.exception("sandbox %s: pausing again after a failed /init", sandbox_id)
+                if isinstance(exc, Exception) and not isinstance(exc, BootFailed):
+                    raise BootFailed(
+                        f"sandbox {sandbox_id} resumed but its envd refused /init: {exc}"
+                    ) from exc
+                raise
+            return sb
 
     def _paused_record(self, sandbox_id: str) -> snaps.PausedState:
         record = None
@@ -1244,12 +1390,6 @@ class Node:
             False,
             booted,
         )
-        defaults = _defaults_of(meta)
-        if booted and defaults is not None:
-            try:
-                await self._apply_defaults(sb, defaults)
-            except BootFailed as exc:
-                log.warning("sandbox %s resumed without its template defaults: %s", sb.id, exc)
         sb.spawn_to_healthy_s = sb.boot_s = time.monotonic() - t0
         return sb
 
@@ -1286,20 +1426,39 @@ class Node:
         return cap.snapshot
 
     async def fork(
-        self, sandbox_id: str, count: int, envd_token: str | None = None
+        self,
+        sandbox_id: str,
+        count: int,
+        envd_token: str | None = None,
+        *,
+        children: Sequence[tuple[str, GuestInit]] | None = None,
     ) -> builtins.list[SandboxHandle]:
         """`count` new sandboxes from one capture of a running sandbox, which keeps running
-        (admitted as `count` starts of its size)."""
+        (admitted as `count` starts of its size). `children`: each child's id and what its
+        envd's one `/init` carries (its token, env vars); else new ids and no token."""
         sb, _ = self._machine(sandbox_id)
+        if children is not None:
+            count = len(children)
+            for child_id, _init in children:
+                await asyncio.to_thread(self._check_new_id, child_id)
         async with self.admission.start(f"a fork of {sandbox_id}", sb.memory_mb, count):
-            return await self._fork(sandbox_id, count, envd_token)
+            return await self._fork(sandbox_id, count, envd_token, children)
 
     async def _fork(
-        self, sandbox_id: str, count: int, envd_token: str | None
+        self,
+        sandbox_id: str,
+        count: int,
+        envd_token: str | None,
+        children: Sequence[tuple[str, GuestInit]] | None = None,
     ) -> builtins.list[SandboxHandle]:
         sb, machine = self._machine(sandbox_id)
         if not 1 <= count <= MAX_CHILDREN:
             raise SandboxError(f"fork count must be between 1 and {MAX_CHILDREN}, got {count}")
+        named = (
+            list(children)
+            if children is not None
+            else [(new_sandbox_id(), NO_INIT) for _ in range(count)]
+        )
         targets: list[ForkTarget] = []
         loop = asyncio.get_running_loop()
         futures: list[asyncio.Future[ForkTarget]] = [loop.create_future() for _ in range(count)]
@@ -1308,8 +1467,7 @@ class Node:
             # One at a time (a slot build takes a host-wide lock, ~60 ms under TCG), while
             # the capture and the first children's restores run.
             try:
-                for fut in futures:
-                    child_id = new_sandbox_id()
+                for fut, (child_id, child_init) in zip(futures, named, strict=True):
                     workdir = self.settings.sandboxes_dir / child_id
                     # Synchronous (one mkdir), so that no cancel falls between it and its undo.
                     workdir.mkdir(0o700)
@@ -1318,7 +1476,15 @@ class Node:
                     except BaseException:
                         await asyncio.to_thread(shutil.rmtree, workdir, True)
                         raise
-                    targets.append(ForkTarget(child_id, workdir, slot))
+                    targets.append(
+                        ForkTarget(
+                            child_id,
+                            workdir,
+                            slot,
+                            access_token=child_init.envd_token,
+                            env_vars=child_init.env_vars or None,
+                        )
+                    )
                     if not sb.egress.open:
                         # The children inherit the source's policy before they run.
                         await self.pool.set_egress(slot, sb.egress)
@@ -1366,6 +1532,7 @@ class Node:
             )
             h = self._handle(child, sb.template, top)
             h.origin = "fork"
+            h.envd_token = dict(named).get(child.name, NO_INIT).envd_token
             h.egress = sb.egress
             self._sandboxes[child.name] = h
             handles.append(h)

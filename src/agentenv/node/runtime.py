@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import errno
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 from agentenv import snapshot as snaps
 from agentenv.config import Settings
@@ -15,20 +17,22 @@ from agentenv.contract.runtime import (
     HostMemory,
     Lost,
     Placement,
+    SandboxSpec,
     SnapshotInfo,
     TemplateInfo,
     TemplateUnavailable,
     Unsupported,
 )
-from agentenv.network.egress import OPEN, Egress
+from agentenv.network.egress import Egress
 from agentenv.node.errors import (
+    BootFailed,
     InvalidResources,
     NoCapacity,
     NotPausable,
     UnknownSandbox,
     UnknownTemplate,
 )
-from agentenv.node.host import Node, SandboxHandle
+from agentenv.node.host import GuestInit, Node, SandboxHandle
 from agentenv.snapshot.fork import MAX_CHILDREN
 from agentenv.storage import LayerStore, info
 from agentenv.template.catalog import Template, TemplateCatalog, TemplateNotFound
@@ -39,6 +43,14 @@ _TEMPLATE_SOURCE = "template:"
 
 def snapshot_info(s: snaps.Snapshot) -> SnapshotInfo:
     return SnapshotInfo(s.id, list(s.names), s.source, s.created_at, s.vcpus, s.memory_mb)
+
+
+# The control plane asks before a pause that needs a live guest; a stuck envd must not hold it.
+GUEST_HEALTH_TIMEOUT_S = 3.0
+
+
+def _init(spec: SandboxSpec) -> GuestInit:
+    return GuestInit(dict(spec.env_vars), spec.envd_token)
 
 
 def _placement(h: SandboxHandle) -> Placement:
@@ -84,13 +96,18 @@ class NodeRuntime:
     async def close(self) -> None:
         await self.node.close()
 
-    async def create(
-        self, template: str, cpu: int, memory_mb: int, disk_size_mb: int, *, egress: Egress = OPEN
-    ) -> Placement:
+    async def create(self, spec: SandboxSpec) -> Placement:
         try:
             with _capacity(self.node.settings.home):
                 handle = await self.node.create(
-                    template, cpu, memory_mb, disk_size_mb, egress=egress
+                    spec.template,
+                    spec.cpu,
+                    spec.memory_mb,
+                    spec.disk_size_mb,
+                    egress=spec.egress,
+                    sandbox_id=spec.sandbox_id,
+                    init=_init(spec),
+                    metadata=spec.metadata,
                 )
         except UnknownTemplate as exc:
             raise TemplateUnavailable(str(exc)) from exc
@@ -128,20 +145,36 @@ class NodeRuntime:
                 f"sandbox {runtime_id} was not paused: {exc}; it keeps running"
             ) from exc
 
-    async def resume(self, runtime_id: str, *, memory: bool = True) -> Placement:
+    async def resume(self, spec: SandboxSpec, *, memory: bool = True) -> Placement:
         try:
             with _capacity(self.node.settings.home):
-                return _placement(await self.node.resume(runtime_id, memory=memory))
+                handle = await self.node.resume(spec.sandbox_id, memory=memory, init=_init(spec))
         except snaps.ResumedButLost as exc:
             raise Lost(str(exc)) from exc
+        except BootFailed as exc:
+            # Paused again as it was (`Node.resume`); the caller may retry.
+            raise Unavailable(f"sandbox {spec.sandbox_id} was not resumed: {exc}", 5) from exc
+        return _placement(handle)
+
+    async def init_guest(self, spec: SandboxSpec) -> None:
+        try:
+            await self.node.init_guest(spec.sandbox_id, _init(spec))
+        except UnknownSandbox as exc:
+            raise Lost(str(exc)) from exc
+
+    async def guest_metrics(self, runtime_id: str, envd_token: str | None) -> dict[str, Any] | None:
+        return await self.node.guest_metrics(runtime_id, envd_token)
+
+    async def guest_health(self, runtime_id: str) -> str | None:
+        return await self.node.guest_health(runtime_id, GUEST_HEALTH_TIMEOUT_S)
 
     async def update_egress(self, runtime_id: str, egress: Egress) -> None:
         await self.node.update_egress(runtime_id, egress)
 
-    def is_alive(self, runtime_id: str) -> bool:
+    async def is_alive(self, runtime_id: str) -> bool:
         return self.node.is_alive(runtime_id)
 
-    def find(self, runtime_id: str) -> Found | None:
+    async def find(self, runtime_id: str) -> Found | None:
         if not self.node.is_alive(runtime_id):
             return None
         sb = self.node.running(runtime_id)
@@ -149,10 +182,10 @@ class NodeRuntime:
             return Found("running", _placement(sb))
         return Found("paused", None, memory=self.node.paused_memory(runtime_id) is not False)
 
-    def sandbox_ids(self) -> list[str]:
+    async def sandbox_ids(self) -> list[str]:
         return self.node.sandbox_ids()
 
-    def lost_reason(self, runtime_id: str) -> str | None:
+    async def lost_reason(self, runtime_id: str) -> str | None:
         return self.node.lost.pop(runtime_id, None)
 
     def watch_lost(self, handler: Callable[[str, str], None]) -> None:
@@ -175,26 +208,36 @@ class NodeRuntime:
             raise BadRequest(str(exc)) from exc
         return snapshot_info(snap)
 
-    async def fork(self, runtime_id: str, count: int, envd_token: str | None) -> list[Placement]:
-        if not 1 <= count <= MAX_CHILDREN:
+    async def fork(
+        self, runtime_id: str, children: list[SandboxSpec], envd_token: str | None
+    ) -> list[Placement]:
+        if not 1 <= len(children) <= MAX_CHILDREN:
             raise BadRequest(f"count must be between 1 and {MAX_CHILDREN}")
         try:
             with _capacity(self.node.settings.home):
-                children = await self.node.fork(runtime_id, count, envd_token)
+                made = await self.node.fork(
+                    runtime_id,
+                    len(children),
+                    envd_token,
+                    children=[(c.sandbox_id, _init(c)) for c in children],
+                )
         except NotPausable as exc:
             raise Unsupported(str(exc)) from exc
-        return [_placement(h) for h in children]
+        except InvalidResources as exc:
+            raise BadRequest(str(exc)) from exc
+        return [_placement(h) for h in made]
 
     def note_activity(self, runtime_id: str) -> None:
         self.node.memory.note_activity(runtime_id)
 
-    def host_memory(self, runtime_id: str) -> HostMemory | None:
+    async def host_memory(self, runtime_id: str) -> HostMemory | None:
         return self.node.host_memory(runtime_id)
 
-    def snapshots(self) -> list[SnapshotInfo]:
+    async def snapshots(self) -> list[SnapshotInfo]:
+        listed = await asyncio.to_thread(self.node.repo.list)
         return [
             snapshot_info(s)
-            for s in self.node.repo.list()
+            for s in listed
             if s.names and not s.source.startswith(_TEMPLATE_SOURCE)
         ]
 

@@ -32,6 +32,10 @@ class ForkTarget:
     name: str
     workdir: Path
     slot: Slot
+    # The child's own envd token (None: the source's is cleared) and env vars, set in the
+    # same `/init` that gives it its hostname.
+    access_token: str | None = None
+    env_vars: Mapping[str, str] | None = None
 
 
 @dataclass(frozen=True)
@@ -89,12 +93,13 @@ async def fork(
                 repo, layers, image, cap.snapshot.id, name=t.name, workdir=t.workdir, slot=t.slot
             )
             crash_point("fork:child")
+            env = {**(env_vars or {}), **(t.env_vars or {})}
             await identify(
                 made[i].envd_url,
                 hostname=t.name,
-                env_vars=env_vars,
+                env_vars=env or None,
                 current_token=envd_token,
-                access_token="" if envd_token else None,
+                access_token=t.access_token or ("" if envd_token else None),
             )
 
     claimed = True

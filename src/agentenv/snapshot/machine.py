@@ -20,9 +20,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
-
 from agentenv.config import ENVD_PORT, Settings
+from agentenv.guest.envd.client import EnvdClient
 from agentenv.network import Slot
 from agentenv.snapshot.errors import RestoreFailed
 from agentenv.vmm.accel import AccelChoice, detect
@@ -289,17 +288,13 @@ async def stream_to_memory_file(
 async def wait_envd(url: str, vm: QemuVM, timeout_s: float, poll_s: float = HEALTH_POLL_S) -> None:
     """Until envd answers `/health` through the slot; fails early if QEMU exits."""
     deadline = time.monotonic() + timeout_s
-    last = "no answer"
-    async with httpx.AsyncClient(timeout=2.0, trust_env=False) as http:
+    last: str | None = "no answer"
+    async with EnvdClient(url, timeout=2.0) as envd:
         while time.monotonic() < deadline:
             if vm.exit_code is not None:
                 raise RestoreFailed(f"{vm.name}: QEMU exited with {vm.exit_code}")
-            try:
-                resp = await http.get(f"{url}/health")
-                if resp.is_success:
-                    return
-                last = f"HTTP {resp.status_code}"
-            except httpx.TransportError as exc:
-                last = type(exc).__name__
+            last = await envd.unhealthy(2.0)
+            if last is None:
+                return
             await asyncio.sleep(poll_s)
     raise RestoreFailed(f"{vm.name}: envd not healthy after {timeout_s:.0f}s ({last})")

@@ -122,6 +122,19 @@ async def prepare(
     return Prepared(snap, name, workdir, slot, upper, vm)
 
 
+async def rename(prep: Prepared, name: str, repo: SnapshotStore, layers: LayerStore) -> None:
+    """A prepared guest becomes the sandbox `name` (before `relocate` moves its workdir):
+    its references are taken under the new name before the old ones are dropped, so the
+    snapshot and layer are held throughout."""
+    old = prep.name
+    await asyncio.to_thread(repo.ref, prep.snap.id, name)
+    await asyncio.to_thread(layers.ref, prep.snap.top_layer, name)
+    prep.vm.rename(name)
+    prep.name = name
+    await asyncio.to_thread(repo.unref, prep.snap.id, old)
+    await asyncio.to_thread(layers.unref, prep.snap.top_layer, old)
+
+
 async def relocate(prep: Prepared, workdir: Path) -> None:
     """Move a prepared guest's workdir (a warm pool entry becoming a sandbox) while its QEMU
     waits; `workdir` must not exist and be on the same filesystem.

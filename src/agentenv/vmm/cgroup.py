@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -66,6 +67,16 @@ class Cgroup:
         self.dirs = [p / name for p in parent_dirs(root)]
         if not self.dirs:
             raise VMMError("no usable cgroup hierarchy (mount cgroup v2 or v1 memory/cpu/pids)")
+
+    def rename(self, new_name: str) -> None:
+        """Give the cgroup (with the processes in it) a new name in the same parent: cgroup
+        directories may be renamed within their parent, and membership follows."""
+        renamed = Cgroup(new_name, self.root)
+        created_here.add(new_name)
+        for old, new in zip(self.dirs, renamed.dirs, strict=True):
+            if old.exists():
+                os.rename(old, new)
+        self.name, self.dirs = renamed.name, renamed.dirs
 
     def create(self, limits: Limits) -> None:
         """Make the cgroup and set its limits; removes what it made if a limit fails."""

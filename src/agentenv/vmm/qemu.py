@@ -830,6 +830,18 @@ class QemuVM:
             raise VMMError(f"{self.name} has no drive {drive_id!r}")
         await self._execute("block_resize", {"node-name": self._top[drive_id], "size": size_bytes})
 
+    def rename(self, name: str) -> None:
+        """Run on under another name (a warm pool's guest taken by a sandbox whose id the
+        control plane chose): the cgroup follows, and the VM's record is written under the
+        new name before the old one goes, so a crash in between leaves the QEMU findable."""
+        old = self.name
+        if self.cgroup is not None:
+            self.cgroup.rename(name)
+        self.name = name
+        self._write_record()
+        if self.registry is not None:
+            vm_registry.remove(self.registry, old)
+
     def relocate(self, workdir: Path) -> None:
         """Follow a rename of the workdir that the caller made while QEMU runs. QEMU keeps
         the files it opened (disks, serial log) by descriptor and still listens on the moved

@@ -1,7 +1,9 @@
-"""A small async envd client for the host side: health, /init and running a command.
+"""The one host-side envd client: health, /init, metrics, running a command (whole or line
+by line), uploading a file. The node (create, resume, fork, pauses that sync the disk), the
+template builder and the e2e tests all use it.
 
-It speaks the Connect protocol by hand over httpx (JSON codec, envelope framing), so the
-orchestrator and e2e tests can check a guest without the generated stubs.
+It speaks the Connect protocol by hand over httpx (JSON codec, envelope framing), so the host
+needs no generated stubs to drive a guest.
 """
 
 from __future__ import annotations
@@ -11,7 +13,8 @@ import base64
 import json
 import struct
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
+from pathlib import Path
 from types import TracebackType
 from typing import Any, NamedTuple
 
@@ -59,6 +62,40 @@ async def iter_envelopes(chunks: AsyncIterator[bytes]) -> AsyncIterator[tuple[in
         raise EnvdError("internal", f"stream ended inside an envelope ({len(buf)} bytes left)")
 
 
+# A line longer than this is cut into pieces so one chatty step cannot grow a log entry
+# without bound.
+MAX_LINE = 8192
+
+
+class _Lines:
+    """Splits a byte stream into text lines for `emit(line, stream)`."""
+
+    def __init__(self, stream: str, emit: Callable[[str, str], None]) -> None:
+        self.stream = stream
+        self.emit = emit
+        self.buf = bytearray()
+
+    def feed(self, data: bytes) -> None:
+        self.buf += data
+        while True:
+            nl = self.buf.find(b"\n")
+            if nl < 0:
+                break
+            self._out(bytes(self.buf[:nl]))
+            del self.buf[: nl + 1]
+        while len(self.buf) > MAX_LINE:
+            self._out(bytes(self.buf[:MAX_LINE]))
+            del self.buf[:MAX_LINE]
+
+    def close(self) -> None:
+        if self.buf:
+            self._out(bytes(self.buf))
+            self.buf.clear()
+
+    def _out(self, raw: bytes) -> None:
+        self.emit(raw.decode(errors="replace").rstrip("\r"), self.stream)
+
+
 def basic_user(user: str) -> str:
     return "Basic " + base64.b64encode(f"{user}:".encode()).decode()
 
@@ -76,10 +113,12 @@ class EnvdClient:
     ) -> None:
         self.access_token = access_token
         base_headers = dict(headers or {})
+        # Never through a proxy from the environment: a guest is reached at its slot address.
         self._http = httpx.AsyncClient(
             base_url=base_url.rstrip("/"),
             timeout=httpx.Timeout(timeout),
             headers=base_headers,
+            trust_env=False,
         )
 
     async def __aenter__(self) -> EnvdClient:
@@ -106,11 +145,26 @@ class EnvdClient:
 
     async def health(self) -> bool:
         """True when envd answers `/health` with a 2xx; False if it is not reachable."""
+        return await self.unhealthy(5.0) is None
+
+    async def unhealthy(self, timeout_s: float) -> str | None:
+        """Why envd does not answer `/health` within `timeout_s` (a 2xx), None when it does."""
         try:
-            response = await self._http.get("/health", timeout=5.0)
-        except httpx.TransportError:
-            return False
-        return response.is_success
+            response = await self._http.get("/health", timeout=timeout_s)
+        except httpx.TimeoutException:
+            return f"no answer in {timeout_s:g} s"
+        except httpx.TransportError as exc:
+            return type(exc).__name__
+        if not response.is_success:
+            return f"/health answered {response.status_code}"
+        return None
+
+    async def metrics(self) -> dict[str, Any] | None:
+        """envd's `/metrics` sample (a JSON object), None if it answered something else."""
+        response = await self._http.get("/metrics", headers=self._headers())
+        _raise_for_http(response)
+        body = response.json()
+        return body if isinstance(body, dict) else None
 
     async def wait_healthy(self, timeout: float = 30.0, interval: float = 0.1) -> None:  # noqa: ASYNC109
         """Polls `/health` until it answers, at most `timeout` seconds."""
@@ -154,6 +208,88 @@ class EnvdClient:
         _raise_for_http(response)
         if access_token is not None:
             self.access_token = access_token or None
+
+    async def run_streamed(
+        self,
+        cmd: str,
+        *,
+        user: str,
+        on_line: Callable[[str, str], None],
+        envs: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+        timeout_s: float = 3600.0,
+    ) -> int:
+        """Runs `cmd` with `/bin/sh -c` (images need not have bash) as `user`; every output
+        line goes to `on_line(line, "stdout"|"stderr")` as it arrives. Returns the exit code."""
+        process: dict[str, Any] = {"cmd": "/bin/sh", "args": ["-c", cmd]}
+        if envs:
+            process["envs"] = dict(envs)
+        if cwd:
+            process["cwd"] = cwd
+        headers = self._headers(user)
+        headers.update(
+            {
+                "Content-Type": "application/connect+json",
+                "Connect-Protocol-Version": "1",
+                "Connect-Timeout-Ms": str(int(timeout_s * 1000)),
+            }
+        )
+        out, err = _Lines("stdout", on_line), _Lines("stderr", on_line)
+        end: dict[str, Any] | None = None
+        async with (
+            asyncio.timeout(timeout_s + 10.0),
+            self._http.stream(
+                "POST",
+                "/process.Process/Start",
+                content=encode_envelope({"process": process, "stdin": False}),
+                headers=headers,
+                timeout=httpx.Timeout(30.0, read=None),
+            ) as response,
+        ):
+            if response.status_code != 200:
+                body = (await response.aread()).decode(errors="replace")
+                raise EnvdError(str(response.status_code), body[:300])
+            async for flags, payload in iter_envelopes(response.aiter_bytes()):
+                message = json.loads(payload or b"{}")
+                if flags & _END_STREAM:
+                    if "error" in message:
+                        e = message["error"]
+                        raise EnvdError(str(e.get("code", "unknown")), str(e.get("message", "")))
+                    break
+                event = message.get("event", {})
+                data = event.get("data")
+                if data:
+                    if "stdout" in data:
+                        out.feed(base64.b64decode(data["stdout"]))
+                    elif "stderr" in data:
+                        err.feed(base64.b64decode(data["stderr"]))
+                elif "end" in event:
+                    end = event["end"]
+        out.close()
+        err.close()
+        if end is None:
+            raise EnvdError("internal", "the command's stream ended without an exit status")
+        return int(end.get("exitCode", 0))
+
+    async def upload_file(self, local: Path, dest: str) -> None:
+        """Writes the host file `local` to `dest` in the guest (as root), streamed."""
+
+        async def chunks() -> AsyncIterator[bytes]:
+            with local.open("rb") as f:
+                while block := await asyncio.to_thread(f.read, 1 << 20):
+                    yield block
+
+        headers = self._headers("root")
+        headers["Content-Type"] = "application/octet-stream"
+        response = await self._http.post(
+            "/files",
+            params={"path": dest, "username": "root"},
+            content=chunks(),
+            headers=headers,
+            timeout=httpx.Timeout(600.0),
+        )
+        if not response.is_success:
+            raise EnvdError(str(response.status_code), response.text[:300])
 
     async def run(
         self,
