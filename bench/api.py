@@ -13,6 +13,7 @@ The server is started as a child process on a free loopback port with its own da
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import statistics
 import tempfile
@@ -23,7 +24,7 @@ import httpx
 from e2b import Sandbox
 
 from agentenv.api.devserver import ServerProcess, prepare_home
-from agentenv.control.store import Store
+from agentenv.control.store import SandboxRecord, SqliteStore
 
 GUEST_PORT = 8080
 
@@ -57,10 +58,19 @@ def timed_gets(client: httpx.Client, url: str, headers: dict[str, str], n: int) 
     return times
 
 
+async def _row(db: Path, sandbox_id: str) -> SandboxRecord | None:
+    """The server's row of a sandbox (its own connection to the server's SQLite file)."""
+    store = SqliteStore(db)
+    try:
+        return await store.get(sandbox_id)
+    finally:
+        await store.close()
+
+
 def proxy_overhead(server: ServerProcess, opts: dict[str, str], n: int) -> dict[str, float]:
     sbx = Sandbox.create(template="base", timeout=600, request_timeout=300, **opts)  # type: ignore[arg-type]
     try:
-        rec = Store(server.home / "agentenv.db").get(sbx.sandbox_id)
+        rec = asyncio.run(_row(server.home / "agentenv.db", sbx.sandbox_id))
         assert rec is not None and rec.address
         www = f"/tmp/aenv-bench-{sbx.sandbox_id}"
         sbx.commands.run(f"mkdir -p {www} && echo hi > {www}/small && "

@@ -124,3 +124,39 @@ def test_disk_limits(monkeypatch: pytest.MonkeyPatch) -> None:
     # Both off: no throttling at all (QEMU is never asked).
     monkeypatch.setenv("AGENTENV_DISK_BPS_MB", "0")
     assert disk_limits(Settings.from_env()) is None
+
+
+def test_object_store_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in (
+        "AGENTENV_S3_ENDPOINT", "AGENTENV_S3_BUCKET", "AGENTENV_S3_ACCESS_KEY",
+        "AGENTENV_S3_SECRET_KEY", "AGENTENV_S3_REGION", "AWS_ACCESS_KEY_ID",
+        "AWS_SECRET_ACCESS_KEY", "AWS_REGION", "AGENTENV_BLOB_CACHE_MB",
+    ):  # fmt: skip
+        monkeypatch.delenv(name, raising=False)
+    assert Settings.from_env().object_store is None  # single node: no object storage
+    assert Settings.from_env().blob_cache_mb == 20480
+    monkeypatch.setenv("AGENTENV_S3_ENDPOINT", "http://127.0.0.1:8333")
+    with pytest.raises(ConfigError, match="go together"):
+        Settings.from_env()
+    monkeypatch.setenv("AGENTENV_S3_BUCKET", "snaps")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AK")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "SK")
+    cfg = Settings.from_env().object_store
+    assert cfg is not None and (cfg.bucket, cfg.access_key, cfg.region) == (
+        "snaps",
+        "AK",
+        "us-east-1",
+    )
+    assert "SK" not in repr(cfg)
+    monkeypatch.setenv("AGENTENV_S3_ACCESS_KEY", "mine")
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+    with pytest.raises(ConfigError, match="secret"):
+        Settings.from_env()
+    monkeypatch.setenv("AGENTENV_S3_SECRET_KEY", "s")
+    monkeypatch.setenv("AGENTENV_BLOB_CACHE_MB", "512")
+    settings = Settings.from_env()
+    assert settings.object_store is not None and settings.object_store.access_key == "mine"
+    assert settings.blob_cache_mb == 512
+    monkeypatch.setenv("AGENTENV_S3_ENDPOINT", "127.0.0.1:8333")
+    with pytest.raises(ConfigError, match="http"):
+        Settings.from_env()

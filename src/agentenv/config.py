@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import socket
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -121,6 +122,79 @@ class NetworkPlan:
 
 
 @dataclass(frozen=True)
+class ObjectStoreConfig:
+    """An S3 bucket that holds templates and paused sandboxes (`agentenv.objstore`), so any
+    node can create from or resume what another node captured."""
+
+    endpoint: str
+    bucket: str
+    access_key: str | None = None
+    secret_key: str | None = field(default=None, repr=False)
+    region: str = "us-east-1"
+
+    @classmethod
+    def from_env(cls) -> ObjectStoreConfig | None:
+        """`AGENTENV_S3_ENDPOINT` + `AGENTENV_S3_BUCKET`, both or neither (None: no object
+        storage, the single-node default). Keys: `AGENTENV_S3_ACCESS_KEY` /
+        `AGENTENV_S3_SECRET_KEY`, else the standard `AWS_ACCESS_KEY_ID` /
+        `AWS_SECRET_ACCESS_KEY`."""
+        endpoint = os.environ.get("AGENTENV_S3_ENDPOINT", "").strip()
+        bucket = os.environ.get("AGENTENV_S3_BUCKET", "").strip()
+        if not endpoint and not bucket:
+            return None
+        if not endpoint or not bucket:
+            raise ConfigError(
+                "AGENTENV_S3_ENDPOINT and AGENTENV_S3_BUCKET go together (set both or neither)"
+            )
+        if not endpoint.startswith(("http://", "https://")):
+            raise ConfigError(f"AGENTENV_S3_ENDPOINT={endpoint!r}: expected an http(s) URL")
+        access = os.environ.get("AGENTENV_S3_ACCESS_KEY") or os.environ.get("AWS_ACCESS_KEY_ID")
+        secret = os.environ.get("AGENTENV_S3_SECRET_KEY") or os.environ.get("AWS_SECRET_ACCESS_KEY")
+        if (access is None) != (secret is None):
+            raise ConfigError("an S3 access key needs its secret key (and the other way round)")
+        region = os.environ.get("AGENTENV_S3_REGION") or os.environ.get("AWS_REGION") or "us-east-1"
+        return cls(endpoint, bucket, access, secret, region)
+
+
+@dataclass(frozen=True)
+class NodeRpcConfig:
+    """Deadlines of the control plane's calls to a node agent (`agentenv.noderpc`), seconds.
+
+    `query_s`: lookups (find, is_alive, lists, health); `change_s`: delete and egress
+    updates; `long_s`: create, resume, pause, snapshot and fork, which under TCG take 30-90 s
+    and may wait in the node's start queue first. `retry_after_s` is the Retry-After the API
+    gives when a node does not answer.
+    """
+
+    query_s: float = 10.0
+    change_s: float = 60.0
+    long_s: float = 300.0
+    connect_s: float = 5.0
+    retry_after_s: int = 5
+
+    @classmethod
+    def from_env(cls) -> NodeRpcConfig:
+        values: dict[str, float] = {}
+        for attr, name in (
+            ("query_s", "AGENTENV_NODE_RPC_TIMEOUT_S"),
+            ("change_s", "AGENTENV_NODE_RPC_CHANGE_TIMEOUT_S"),
+            ("long_s", "AGENTENV_NODE_RPC_LONG_TIMEOUT_S"),
+            ("connect_s", "AGENTENV_NODE_RPC_CONNECT_TIMEOUT_S"),
+        ):
+            raw = os.environ.get(name, "").strip()
+            if not raw:
+                continue
+            try:
+                value = float(raw)
+            except ValueError as exc:
+                raise ConfigError(f"{name}={raw!r} is not a number of seconds") from exc
+            if not 0 < value <= 24 * 3600:
+                raise ConfigError(f"{name}={raw!r}: expected more than 0 and at most a day")
+            values[attr] = value
+        return cls(**values)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
 class Settings:
     """Where things live and how sandboxes are shaped."""
 
@@ -179,6 +253,26 @@ class Settings:
     # not take the host disk from its neighbours or the server's own database and logs.
     disk_bps_mb: int = 100
     disk_iops: int = 2000
+    # Snapshots and templates in an S3 bucket (None: this node's disk only), and how much
+    # local disk the blob cache of what was fetched from it may use before it evicts.
+    object_store: ObjectStoreConfig | None = None
+    blob_cache_mb: int = 20480
+    # Members (`host:port`) of the etcd that holds the cluster's shared state (agentenv.cluster);
+    # empty: one node, no etcd. All cluster keys live under `etcd_prefix`.
+    etcd_endpoints: tuple[str, ...] = ()
+    etcd_prefix: str = "/agentenv/"
+    # How long a node's membership lease outlives its last heartbeat: the time a dead node
+    # still looks alive, against the time a paused agent (GC, SIGSTOP) has before it is dead.
+    node_ttl_s: int = 10
+    # The shared secret every node RPC carries (`Authorization: Bearer`); None: a node agent
+    # refuses to serve and a control plane cannot call one.
+    node_token: str | None = field(default=None, repr=False)
+    node_rpc: NodeRpcConfig = field(default_factory=NodeRpcConfig)
+    # A node agent (`aenv node`): its id in the cluster (default: the host name), where it
+    # serves the node RPC, and the URL the control plane calls it at (default: from the bind).
+    node_id: str = ""
+    node_bind: str = "127.0.0.1:7100"
+    node_url: str = ""
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -223,6 +317,7 @@ class Settings:
                 ("AGENTENV_MIN_FREE_DISK_MB", cls.min_free_disk_mb),
                 ("AGENTENV_DISK_BPS_MB", cls.disk_bps_mb),
                 ("AGENTENV_DISK_IOPS", cls.disk_iops),
+                ("AGENTENV_BLOB_CACHE_MB", cls.blob_cache_mb),
             )
         }
         for name, value in limits.items():
@@ -235,9 +330,24 @@ class Settings:
                 raise ConfigError(
                     f"{name}={limits[name]}: at most {MAX_DISK_LIMIT[name]} (0 = no limit)"
                 )
+        etcd_prefix = os.environ.get("AGENTENV_ETCD_PREFIX") or cls.etcd_prefix
+        if not (etcd_prefix.startswith("/") and etcd_prefix.endswith("/")):
+            raise ConfigError(f"AGENTENV_ETCD_PREFIX={etcd_prefix!r}: expected /name/")
+        node_ttl = _env_int("AGENTENV_NODE_TTL_S", cls.node_ttl_s)
+        # etcd raises shorter leases to 1.5 election timeouts; 2 s is the shortest we promise.
+        if node_ttl < 2:
+            raise ConfigError(f"AGENTENV_NODE_TTL_S={node_ttl}: expected 2 or more")
         return cls(
             home=_env_path("AGENTENV_HOME", Path("/var/lib/agentenv")),
             cache=_env_path("AGENTENV_CACHE", Path.home() / ".cache" / "agentenv"),
+            etcd_endpoints=_etcd_endpoints(),
+            etcd_prefix=etcd_prefix,
+            node_ttl_s=node_ttl,
+            node_token=os.environ.get("AGENTENV_NODE_TOKEN") or None,
+            node_rpc=NodeRpcConfig.from_env(),
+            node_id=_node_id(os.environ.get("AGENTENV_NODE_ID") or socket.gethostname()),
+            node_bind=os.environ.get("AGENTENV_NODE_BIND") or cls.node_bind,
+            node_url=os.environ.get("AGENTENV_NODE_URL", ""),
             kernel=_env_opt_path("AGENTENV_KERNEL"),
             initramfs=_env_opt_path("AGENTENV_INITRAMFS"),
             accel=accel,
@@ -264,6 +374,8 @@ class Settings:
             confine=_env_switch("AGENTENV_CONFINE", True),
             disk_bps_mb=limits["AGENTENV_DISK_BPS_MB"],
             disk_iops=limits["AGENTENV_DISK_IOPS"],
+            object_store=ObjectStoreConfig.from_env(),
+            blob_cache_mb=limits["AGENTENV_BLOB_CACHE_MB"],
         )
 
     # Layout of the data dir. Components create what they use.
@@ -296,9 +408,39 @@ class Settings:
         return self.run_dir / "vms"
 
     @property
+    def blobs_dir(self) -> Path:
+        """Blobs fetched from object storage (`objstore.cache`) and the records of uploads
+        under way (`objstore/uploads`), so a killed upload resumes."""
+        return self.home / "blobs"
+
+    @property
     def slots_dir(self) -> Path:
         """One marker per network slot this data dir holds (`network.slot`)."""
         return self.run_dir / "slots"
+
+
+def _node_id(raw: str) -> str:
+    """A node id is one etcd key part and a DNS label: lowercase letters, digits and '-'."""
+    value = raw.strip().lower()
+    if not (
+        value.isascii() and 0 < len(value) <= 63 and all(c.isalnum() or c == "-" for c in value)
+    ):
+        raise ConfigError(f"AGENTENV_NODE_ID={raw!r}: expected letters, digits and '-'")
+    return value
+
+
+def _etcd_endpoints() -> tuple[str, ...]:
+    """AGENTENV_ETCD: `host:port,host:port` (an http:// scheme is dropped)."""
+    endpoints: list[str] = []
+    for item in os.environ.get("AGENTENV_ETCD", "").split(","):
+        text = item.strip().removeprefix("http://").rstrip("/")
+        if not text:
+            continue
+        host, sep, port = text.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ConfigError(f"AGENTENV_ETCD: {item.strip()!r} is not host:port")
+        endpoints.append(f"{host}:{int(port)}")
+    return tuple(endpoints)
 
 
 def _dns_servers() -> tuple[str, ...]:

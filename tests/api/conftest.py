@@ -6,19 +6,43 @@ seconds, and tests that never create a sandbox run against it without booting an
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 import httpx
 import pytest
 
 from agentenv.api.devserver import ServerProcess, prepare_home
+from agentenv.control.store import SandboxRecord, SqliteStore, Store
 from agentenv.vmm import registry
+
+T = TypeVar("T")
 
 # Generous: a create boots a VM under software emulation while other tests share the CPUs.
 REQUEST_TIMEOUT_S = 300.0
+
+
+def on_store(db: Path, fn: Callable[[Store], Awaitable[T]]) -> T:
+    """`fn(store)` on a server's SQLite store, from a sync test (the store is async): a
+    connection of its own, opened and closed around the call."""
+
+    async def run() -> T:
+        store = SqliteStore(db)
+        try:
+            return await fn(store)
+        finally:
+            await store.close()
+
+    return asyncio.run(run())
+
+
+def stored_row(home: Path, sandbox_id: str) -> SandboxRecord | None:
+    """The row a server in `home` keeps for a sandbox (read from outside, from a sync test)."""
+    return on_store(home / "agentenv.db", lambda store: store.get(sandbox_id))
 
 
 def qemu_processes(home: Path, *, warm: bool = False, converters: bool = False) -> list[str]:

@@ -15,9 +15,8 @@ import pytest
 
 from agentenv.api.devserver import ServerProcess
 from agentenv.api.keys import KeyRing
-from agentenv.control.store import Store
 
-from .conftest import REQUEST_TIMEOUT_S, db_path, qemu_processes
+from .conftest import REQUEST_TIMEOUT_S, db_path, on_store, qemu_processes
 
 SANDBOX_KEYS = {"templateID", "sandboxID", "clientID", "envdVersion", "envdAccessToken"}
 
@@ -91,11 +90,10 @@ def test_api_key_is_required_and_checked(server: ServerProcess) -> None:
 def test_keys_created_and_revoked_in_the_store_apply_to_the_running_server(
     server: ServerProcess,
 ) -> None:
-    ring = KeyRing(Store(db_path(server)))
-    key, secret = ring.create("second")
+    key, secret = on_store(db_path(server), lambda store: KeyRing(store).create("second"))
     with httpx.Client(base_url=server.url, timeout=10) as client:
         assert client.get("/v2/sandboxes", headers={"X-API-Key": secret}).status_code == 200
-        ring.revoke(key.id)
+        on_store(db_path(server), lambda store: KeyRing(store).revoke(key.id))
         _assert_error(client.get("/v2/sandboxes", headers={"X-API-Key": secret}), 401)
     assert secret not in db_path(server).read_bytes().decode("latin-1")
 

@@ -226,22 +226,24 @@ def test_sigkill_keeps_a_sandbox_made_from_a_warm_entry(home: Path, restore_env:
         Sandbox.create(timeout=TIMEOUT_S).kill()  # the shape joins the warm pool
         warm_dir = str(home / "warm")
 
-        def warm_names() -> set[str]:
+        def warm_pids() -> set[int]:
             return {
-                r.name
+                r.pid
                 for r in load_all(home / "run" / "vms")
                 if r.workdir.startswith(warm_dir) and r.pid is not None
             }
 
         deadline = time.monotonic() + 120
-        while not warm_names() and time.monotonic() < deadline:
+        while not warm_pids() and time.monotonic() < deadline:
             time.sleep(0.2)
-        ready = warm_names()
+        ready = warm_pids()
         assert ready, "the warm pool never filled"
         time.sleep(2)  # its QMP connected: the entry is ready, not only spawned
         sbx = Sandbox.create(timeout=TIMEOUT_S)
         rid = _runtime_id(sbx)
-        assert rid in ready, "the create did not take a warm entry"
+        # One id: the entry's QEMU runs on under the sandbox's id, renamed when taken.
+        assert rid == sbx.sandbox_id
+        assert _record(home, rid).pid in ready, "the create did not take a warm entry"
         sbx.files.write("/home/user/w.txt", "warm")
         pid = _record(home, rid).pid
         srv.crash()

@@ -23,10 +23,10 @@ from e2b.exceptions import SandboxException, SandboxNotFoundException, ServiceBu
 from agentenv.api.devserver import ServerProcess
 from agentenv.api.keys import KeyRing, hash_key
 from agentenv.api.views import iso as views_iso
-from agentenv.control.store import SandboxRecord, Store
+from agentenv.control.store import ApiKey, SandboxRecord, Store
 from agentenv.control.store import SandboxState as RowState
 
-from .conftest import REQUEST_TIMEOUT_S, db_path
+from .conftest import REQUEST_TIMEOUT_S, db_path, on_store
 
 # The JS SDK (2.27 to 2.45, packages/js-sdk/src/api/index.ts) refuses any other key before
 # sending anything; E2B issues `e2b_` + hex of 20 random bytes (packages/shared/pkg/keys).
@@ -65,16 +65,21 @@ def _error(resp: httpx.Response, status: int) -> str:
 
 def test_keys_are_issued_in_e2b_format_and_older_keys_still_work(server: ServerProcess) -> None:
     assert E2B_KEY.fullmatch(server.api_key) and JS_SDK_KEY_PATTERN.match(server.api_key)
-    store = Store(db_path(server))
-    ring = KeyRing(store)
-    key, secret = ring.create("js")
-    assert E2B_KEY.fullmatch(secret) and key.prefix == secret[:8]
     # A key issued before the change (another prefix) is found by its hash as before.
     legacy = "aenv_" + secrets.token_hex(20)
-    store.add_key("klegacy" + secrets.token_hex(3), "legacy", legacy[:9], hash_key(legacy))
+
+    async def issue(store: Store) -> tuple[ApiKey, str]:
+        made = await KeyRing(store).create("js")
+        await store.add_key(
+            "klegacy" + secrets.token_hex(3), "legacy", legacy[:9], hash_key(legacy)
+        )
+        return made
+
+    key, secret = on_store(db_path(server), issue)
+    assert E2B_KEY.fullmatch(secret) and key.prefix == secret[:8]
     for k in (server.api_key, secret, legacy):
         assert Sandbox.list(**sdk_opts(server, k)).next_items() == []  # type: ignore[arg-type]
-    ring.revoke(key.id)
+    on_store(db_path(server), lambda store: KeyRing(store).revoke(key.id))
     with httpx.Client(base_url=server.url, timeout=10) as client:
         assert client.get("/v2/sandboxes", headers={"X-API-Key": secret}).status_code == 401
 
@@ -186,7 +191,7 @@ def test_list_is_newest_first_with_e2b_cursors_and_an_inclusive_started_after(
     server: ServerProcess, api: httpx.Client
 ) -> None:
     suite = secrets.token_hex(4)
-    store = Store(db_path(server))
+    db = db_path(server)
     # Not inserted in start order. `b` and `c` start in the same microsecond (ids break the
     # tie); `d` starts a fraction of a microsecond before the one the API shows it at, as a
     # float timestamp does.
@@ -196,8 +201,12 @@ def test_list_is_newest_first_with_e2b_cursors_and_an_inclusive_started_after(
     ids = {k: "i" + suite + k * 11 for k in starts}
     assert views_iso(starts["d"]).endswith(".123457Z")
     newest_first = [ids[k] for k in "edbca"]
-    for k, ts in starts.items():
-        store.insert(_paused_row(ids[k], ts, suite))
+
+    async def insert(store: Store) -> None:
+        for k, ts in starts.items():
+            await store.insert(_paused_row(ids[k], ts, suite))
+
+    on_store(db, insert)
     opts = sdk_opts(server)
     query = SandboxQuery(metadata={"suite": suite}, state=[SandboxState.PAUSED])
     try:
@@ -237,8 +246,12 @@ def test_list_is_newest_first_with_e2b_cursors_and_an_inclusive_started_after(
         tied = api.get("/v2/sandboxes", params={**params, "limit": "10", "startedAfter": started})
         assert [s["sandboxID"] for s in tied.json()] == newest_first[:4]
     finally:
-        for sandbox_id in ids.values():
-            store.transition(sandbox_id, RowState.PAUSED, RowState.GONE)
+
+        async def remove(store: Store) -> None:
+            for sandbox_id in ids.values():
+                await store.transition(sandbox_id, RowState.PAUSED, RowState.GONE)
+
+        on_store(db, remove)
 
 
 # -- 4. metrics range, template aliases --------------------------------------------------------

@@ -17,11 +17,10 @@ import pytest
 from e2b import Sandbox
 
 from agentenv.api.devserver import ServerProcess, prepare_home
-from agentenv.control.store import Store
 from agentenv.snapshot.repository import SnapshotRepository
 from agentenv.storage.layers import LayerStore
 
-from .conftest import REQUEST_TIMEOUT_S, db_path, stop_and_check
+from .conftest import REQUEST_TIMEOUT_S, db_path, on_store, stop_and_check
 
 pytestmark = pytest.mark.vm
 
@@ -76,11 +75,7 @@ def _pause(api: httpx.Client, sid: str) -> None:
 
 
 def _runtime_id(server: ServerProcess, sid: str) -> str:
-    store = Store(db_path(server))
-    try:
-        rec = store.get(sid)
-    finally:
-        store.close()
+    rec = on_store(db_path(server), lambda store: store.get(sid))
     assert rec is not None
     return rec.runtime_id or rec.id
 

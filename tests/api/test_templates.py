@@ -5,6 +5,7 @@ tests/e2e/test_template_tags.py."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import Iterator
@@ -24,7 +25,7 @@ from agentenv.contract.errors import TemplateNotFound
 from agentenv.contract.runtime import Placement, SandboxSpec, SnapshotInfo
 from agentenv.control.metrics import Metrics
 from agentenv.control.sandboxes import CreateSpec, SandboxManager
-from agentenv.control.store import BUILD_METADATA, SandboxRecord, SandboxState, Store
+from agentenv.control.store import BUILD_METADATA, SandboxRecord, SandboxState, SqliteStore, Store
 from agentenv.template import image as image_module
 
 
@@ -68,17 +69,17 @@ def env(tmp_path: Path, settings: Settings) -> Iterator[Env]:
     settings = replace(settings, home=home)
     repo = FakeRepo()
     built = built_templates(home, FakeCatalog(["base"], settings), repo)
-    store = Store(home / "db.sqlite")
+    store = SqliteStore(home / "db.sqlite")
     runtime = NoVMs()
     mgr = SandboxManager(store, runtime, built, envd_version="0.6.4", metrics=Metrics())  # type: ignore[arg-type]
     # As `AgentenvApp` does.
-    mgr.metrics.watch_states(store.count_by_state, store.count_builds)
+    mgr.metrics.watch_states(lambda: mgr.state_counts_seen, lambda: mgr.builds_seen)
     keys = KeyRing(store)
-    _, secret = keys.create("test")
+    _, secret = asyncio.run(keys.create("test"))
     app = build_control_app(ControlContext(mgr, keys, built))
     with TestClient(app, headers={"X-API-Key": secret}) as client:
         yield Env(client, built, repo, store, runtime, mgr)
-    store.close()
+    asyncio.run(store.close())
 
 
 def sandbox(
@@ -102,7 +103,8 @@ def sandbox(
         metadata=metadata or {},
         runtime_id="rt-" + uuid.uuid4().hex[:8],
     )
-    store.insert(rec)
+    # Called from sync tests (the app runs in the TestClient's own loop).
+    asyncio.run(store.insert(rec))
     return rec
 
 
@@ -113,7 +115,7 @@ async def test_create_from_a_tag_asks_the_runtime_for_its_builds_snapshot(env: E
         with pytest.raises(Exception, match="sandbox creation failed"):
             await env.manager.create(CreateSpec(template=ref))
         assert env.runtime.created[-1] == build.snapshot_id
-        row = env.store.select()[-1]
+        row = (await env.store.select())[-1]
         # E2B reports the template, not the tag.
         assert (row.template, row.alias) == ("app", "app")
     with pytest.raises(TemplateNotFound):
@@ -274,10 +276,10 @@ def test_delete_is_refused_while_sandboxes_use_it(env: Env) -> None:
     live = sandbox(env.store, "app")
     r = c.delete("/templates/app")
     assert r.status_code == 400 and "running sandboxes" in r.json()["message"]
-    env.store.update(live.id, state=SandboxState.PAUSED)
+    asyncio.run(env.store.update(live.id, state=SandboxState.PAUSED))
     r = c.delete("/templates/app:v2")
     assert r.status_code == 400 and "paused sandboxes" in r.json()["message"]
-    env.store.update(live.id, state=SandboxState.GONE)
+    asyncio.run(env.store.update(live.id, state=SandboxState.GONE))
     # A build sandbox from it is the builder's, not a user of the template.
     sandbox(env.store, "app", metadata={BUILD_METADATA: "b"})
     assert c.delete("/templates/app").status_code == 204
@@ -321,7 +323,7 @@ def test_delete_releases_only_what_no_other_template_uses(
     user = sandbox(env.store, image_template_name("registry.test/app:1"))
     assert env.client.delete("/templates/b").status_code == 204
     assert removed == [] and env.repo.deleted == [a1.snapshot_id, shared.id]
-    env.store.update(user.id, state=SandboxState.GONE)
+    asyncio.run(env.store.update(user.id, state=SandboxState.GONE))
     add_build(env.built, env.repo, "c", [DEFAULT_TAG], spec=image)
     assert env.client.delete("/templates/c").status_code == 204
     assert removed == [image_template_name("registry.test/app:1")]

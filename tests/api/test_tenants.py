@@ -5,6 +5,7 @@ What a VM and the proxy add is tests/e2e/test_tenants.py."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -32,7 +33,7 @@ from agentenv.contract.runtime import (
 )
 from agentenv.control.metrics import Metrics
 from agentenv.control.sandboxes import SandboxManager
-from agentenv.control.store import DEFAULT_TEAM, SandboxState, Store
+from agentenv.control.store import DEFAULT_TEAM, SandboxState, SqliteStore
 from agentenv.network.egress import Egress
 from agentenv.snapshot.errors import SnapshotError
 
@@ -148,7 +149,7 @@ class SnapshotCatalog(FakeCatalog):
 
 @dataclass
 class Env:
-    store: Store
+    store: SqliteStore
     keys: KeyRing
     manager: SandboxManager
     runtime: PaperRuntime
@@ -167,15 +168,15 @@ def env(tmp_path: Path, settings: Settings) -> Iterator[Env]:
     settings = replace(settings, home=home)
     repo = FakeRepo()
     built = built_templates(home, SnapshotCatalog(["base"], settings, repo), repo)
-    store = Store(home / "db.sqlite")
+    store = SqliteStore(home / "db.sqlite")
     runtime = PaperRuntime(repo)
     mgr = SandboxManager(store, runtime, built, envd_version="0.6.4", metrics=Metrics())
-    mgr.metrics.watch_states(store.count_by_state, store.count_builds)
+    mgr.metrics.watch_states(lambda: mgr.state_counts_seen, lambda: mgr.builds_seen)
     mgr.metrics.watch_host_memory(lambda: mgr.host_memory_seen)
     keys = KeyRing(store)
-    _, secret_a = keys.create("alice")  # the default team
-    team_b = keys.create_team("bravo")
-    _, secret_b = keys.create("bob", "bravo")
+    _, secret_a = asyncio.run(keys.create("alice"))  # the default team
+    team_b = asyncio.run(keys.create_team("bravo"))
+    _, secret_b = asyncio.run(keys.create("bob", "bravo"))
     app = build_control_app(ControlContext(mgr, keys, built))
     clients: list[TestClient] = []
 
@@ -193,7 +194,7 @@ def env(tmp_path: Path, settings: Settings) -> Iterator[Env]:
     finally:
         for c in clients:
             c.__exit__(None, None, None)
-        store.close()
+        asyncio.run(store.close())
 
 
 def create(c: TestClient, **body: object) -> str:
@@ -210,9 +211,9 @@ def not_found(r: httpx.Response, sandbox_id: str) -> None:
 def test_another_teams_sandbox_is_a_404_on_every_route(env: Env) -> None:
     mine = create(env.a, metadata={"who": "a"})
     theirs = create(env.b)
-    made = env.store.get(mine)
+    made = asyncio.run(env.store.get(mine))
     assert made is not None and made.team_id == DEFAULT_TEAM
-    assert env.store.get(theirs).team_id == env.b_team  # type: ignore[union-attr]
+    assert asyncio.run(env.store.get(theirs)).team_id == env.b_team  # type: ignore[union-attr]
     # Lists: each team only its own.
     for c, own in ((env.a, mine), (env.b, theirs)):
         assert [s["sandboxID"] for s in c.get("/sandboxes").json()] == [own]
@@ -243,7 +244,7 @@ def test_another_teams_sandbox_is_a_404_on_every_route(env: Env) -> None:
             # The same answer for another team's id as for one that never existed.
             not_found(r, sid)
     # A's sandbox is untouched and A can still do all of it.
-    rec = env.store.get(mine)
+    rec = asyncio.run(env.store.get(mine))
     assert rec is not None and rec.state is SandboxState.RUNNING and rec.end_at == made.end_at
     a = env.a
     assert a.get(f"/sandboxes/{mine}").status_code == 200
@@ -253,7 +254,7 @@ def test_another_teams_sandbox_is_a_404_on_every_route(env: Env) -> None:
     forked = a.post(f"/sandboxes/{mine}/fork", json={"count": 1})
     assert forked.status_code == 201, forked.text
     child = forked.json()[0]["sandbox"]["sandboxID"]
-    assert env.store.get(child).team_id == DEFAULT_TEAM  # type: ignore[union-attr]
+    assert asyncio.run(env.store.get(child)).team_id == DEFAULT_TEAM  # type: ignore[union-attr]
     assert a.delete(f"/sandboxes/{mine}").status_code == 204
     # B's sandbox survived every call A made to its own.
     assert env.b.get(f"/sandboxes/{theirs}").status_code == 200
@@ -375,7 +376,7 @@ def test_an_imported_images_entry_is_seen_by_the_teams_that_pulled_it(env: Env) 
 
 
 def test_concurrency_limit_is_a_429_with_retry_after(env: Env) -> None:
-    env.keys.set_limits("bravo", max_sandboxes=2)
+    asyncio.run(env.keys.set_limits("bravo", max_sandboxes=2))
     first = create(env.b, timeout=20)
     create(env.b)
     r = env.b.post("/v2/sandboxes", json={"templateID": "base"})
@@ -395,18 +396,18 @@ def test_concurrency_limit_is_a_429_with_retry_after(env: Env) -> None:
     for path in (f"/sandboxes/{first}/resume", f"/sandboxes/{first}/connect"):
         r = env.b.post(path, json={})
         assert r.status_code == 429 and r.headers["retry-after"], r.text
-    assert env.store.get(first).state is SandboxState.PAUSED  # type: ignore[union-attr]
+    assert asyncio.run(env.store.get(first)).state is SandboxState.PAUSED  # type: ignore[union-attr]
     assert env.b.delete(f"/sandboxes/{third}").status_code == 204
     assert env.b.post(f"/sandboxes/{first}/connect", json={}).status_code == 201
     # The limit is read at every request: lifting it applies at once.
-    env.keys.set_limits("bravo", max_sandboxes=0)
+    asyncio.run(env.keys.set_limits("bravo", max_sandboxes=0))
     create(env.b)
 
 
 def test_create_rate_limit_is_a_429_with_retry_after(env: Env) -> None:
     now = [1000.0]
     env.manager.limits._clock = lambda: now[0]
-    env.keys.set_limits("bravo", creates_per_minute=2)
+    asyncio.run(env.keys.set_limits("bravo", creates_per_minute=2))
     create(env.b)
     create(env.b)
     r = env.b.post("/v2/sandboxes", json={"templateID": "base"})
@@ -427,16 +428,16 @@ def test_create_rate_limit_is_a_429_with_retry_after(env: Env) -> None:
 
 
 def test_a_revoked_key_gets_401_on_its_next_call(env: Env, tmp_path: Path) -> None:
-    key_b2, secret = env.keys.create("second", "bravo")
+    key_b2, secret = asyncio.run(env.keys.create("second", "bravo"))
     c = env.app_client(secret)
     sid = create(c)
     assert c.get(f"/sandboxes/{sid}").status_code == 200
     # Revoked from another connection to the same database, as `aenv keys revoke` does.
-    other = Store(env.store.path)
+    other = SqliteStore(env.store.path)
     try:
-        KeyRing(other).revoke(key_b2.id)
+        asyncio.run(KeyRing(other).revoke(key_b2.id))
     finally:
-        other.close()
+        asyncio.run(other.close())
     for r in (c.get(f"/sandboxes/{sid}"), c.get("/v2/sandboxes"), c.get("/templates")):
         assert r.status_code == 401, r.text
         assert r.json() == {"code": 401, "message": "invalid API key"}

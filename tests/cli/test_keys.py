@@ -3,6 +3,7 @@ a child process, as an operator runs it; every refusal is one line and a non-zer
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
@@ -10,7 +11,7 @@ import sys
 from pathlib import Path
 
 from agentenv.api.keys import KeyRing
-from agentenv.control.store import Store
+from agentenv.control.store import SqliteStore
 
 AENV = [sys.executable, "-m", "agentenv.cli"]
 
@@ -28,7 +29,7 @@ def test_teams_keys_and_limits(tmp_path: Path) -> None:
     # Before any server ran: one line, non-zero.
     r = _aenv(home, "teams", "ls")
     assert r.returncode != 0 and "aenv serve" in r.stderr and len(r.stderr.splitlines()) == 1
-    Store(home / "agentenv.db").close()
+    asyncio.run(SqliteStore(home / "agentenv.db").close())
     r = _aenv(home, "teams", "create", "bravo")
     assert r.returncode == 0, r.stderr
     r = _aenv(home, "teams", "create", "bravo")
@@ -52,14 +53,14 @@ def test_teams_keys_and_limits(tmp_path: Path) -> None:
     assert teams["bravo"]["max_sandboxes"] == "3"
     assert teams["bravo"]["creates_per_minute"] == "none"
     assert set(teams) == {"default", "bravo"}
-    store = Store(home / "agentenv.db")
+    store = SqliteStore(home / "agentenv.db")
     try:
         ring = KeyRing(store)
-        assert ring.verify(secret) is not None
+        assert asyncio.run(ring.verify(secret)) is not None
         r = _aenv(home, "keys", "revoke", keys[0]["id"])
         assert r.returncode == 0, r.stderr
-        assert ring.verify(secret) is None
+        assert asyncio.run(ring.verify(secret)) is None
         r = _aenv(home, "keys", "revoke", keys[0]["id"])
         assert r.returncode == 1 and "no active API key" in r.stderr
     finally:
-        store.close()
+        asyncio.run(store.close())

@@ -11,7 +11,7 @@ import pytest
 from agentenv.config import Settings
 from agentenv.contract.errors import SandboxNotFound
 from agentenv.control.sandboxes import CreateSpec, SandboxManager
-from agentenv.control.store import SandboxState, Store
+from agentenv.control.store import SandboxState, SqliteStore
 from agentenv.guest.envd.client import EnvdClient
 from agentenv.node.runtime import CatalogTemplates, NodeRuntime
 
@@ -27,7 +27,7 @@ async def mgr(
     # The background reaper checks retention once at start and then not for an hour: the
     # test decides when a sweep happens.
     m = SandboxManager(
-        Store(tmp_path / "db.sqlite"),
+        SqliteStore(tmp_path / "db.sqlite"),
         NodeRuntime(settings),
         CatalogTemplates(settings),
         envd_version="0.6.4",
@@ -38,7 +38,7 @@ async def mgr(
     try:
         yield m
     finally:
-        for rec in m.store.select([SandboxState.PAUSED]):
+        for rec in await m.store.select([SandboxState.PAUSED]):
             await m.kill(rec.id)
         await m.close()
 
@@ -57,8 +57,8 @@ async def test_sweep_spares_a_sandbox_resumed_while_it_ran(mgr: SandboxManager) 
     _, (resumed, was_paused) = await asyncio.gather(mgr.reap_expired(), mgr.connect(second.id, 60))
     assert was_paused and resumed.state is SandboxState.RUNNING
     with pytest.raises(SandboxNotFound):
-        mgr.get(first.id)
-    now = mgr.get(second.id)
+        await mgr.get(first.id)
+    now = await mgr.get(second.id)
     assert now.state is SandboxState.RUNNING and now.envd_url
     async with EnvdClient(now.envd_url, access_token=now.envd_token) as guest:
         assert (await guest.run("echo alive")).stdout.strip() == "alive"
@@ -68,10 +68,10 @@ async def test_sweep_spares_a_sandbox_resumed_while_it_ran(mgr: SandboxManager) 
 async def test_retention_counts_from_the_pause_not_from_the_timeout(mgr: SandboxManager) -> None:
     rec = await mgr.create(CreateSpec(template="base", timeout=3600))
     await mgr.pause(rec.id)
-    paused = mgr.get(rec.id)
+    paused = await mgr.get(rec.id)
     assert paused.end_at <= rec.end_at - 3000, "the hour left of the timeout does not count"
     await asyncio.sleep(RETENTION_S + 0.5)
     mgr.retention_check_s = 0.0
     await mgr.reap_expired()
     with pytest.raises(SandboxNotFound):
-        mgr.get(rec.id)
+        await mgr.get(rec.id)

@@ -28,7 +28,7 @@ from agentenv.contract.errors import (
 )
 from agentenv.contract.runtime import Placement, SandboxSpec
 from agentenv.control.sandboxes import CreateSpec, SandboxManager
-from agentenv.control.store import SandboxRecord, SandboxState, Store
+from agentenv.control.store import SandboxRecord, SandboxState, SqliteStore, Store
 from agentenv.guest.envd.client import EnvdClient
 from agentenv.node.runtime import CatalogTemplates, NodeRuntime
 
@@ -45,13 +45,13 @@ class RowFlippingRuntime(NodeRuntime):
         placed = await super().create(spec)
         self.last_pid = self.node.get(placed.runtime_id).pid
         assert self.store is not None
-        self.store.transition(spec.sandbox_id, SandboxState.CREATING, SandboxState.KILLING)
+        await self.store.transition(spec.sandbox_id, SandboxState.CREATING, SandboxState.KILLING)
         return placed
 
 
 def _manager(settings: Settings, db: Path, runtime: NodeRuntime | None = None) -> SandboxManager:
     return SandboxManager(
-        Store(db),
+        SqliteStore(db),
         runtime or NodeRuntime(settings),
         CatalogTemplates(settings),
         envd_version="0.6.4",
@@ -109,7 +109,7 @@ async def test_create_inits_envd_and_kill_releases_it(mgr: SandboxManager) -> No
         assert envs.json()["FOO"] == "bar"
     await mgr.kill(rec.id)
     assert _released(mgr, pid)
-    assert mgr.store.get(rec.id).state is SandboxState.GONE  # type: ignore[union-attr]
+    assert (await mgr.store.get(rec.id)).state is SandboxState.GONE  # type: ignore[union-attr]
     with pytest.raises(SandboxNotFound):
         await mgr.kill(rec.id)
 
@@ -149,12 +149,12 @@ async def test_timeout_change_racing_a_kill_never_resurrects(mgr: SandboxManager
     )
     assert results[0] is None
     assert results[1] is None or isinstance(results[1], SandboxNotFound)
-    assert mgr.store.get(rec.id).state is SandboxState.GONE  # type: ignore[union-attr]
+    assert (await mgr.store.get(rec.id)).state is SandboxState.GONE  # type: ignore[union-attr]
     assert _node_runtime(mgr).node.list() == []
 
 
-def test_compare_and_set_refuses_a_stale_expected_state(tmp_path: Path) -> None:
-    store = Store(tmp_path / "db.sqlite")
+async def test_compare_and_set_refuses_a_stale_expected_state(tmp_path: Path) -> None:
+    store = SqliteStore(tmp_path / "db.sqlite")
     rec = SandboxRecord(
         id="iabc",
         template="base",
@@ -167,10 +167,10 @@ def test_compare_and_set_refuses_a_stale_expected_state(tmp_path: Path) -> None:
         disk_mb=1024,
         envd_version="0.6.4",
     )
-    store.insert(rec)
-    assert store.transition("iabc", SandboxState.RUNNING, SandboxState.PAUSING)
-    assert not store.transition("iabc", SandboxState.RUNNING, SandboxState.KILLING)
-    assert store.get("iabc").state is SandboxState.PAUSING  # type: ignore[union-attr]
+    await store.insert(rec)
+    assert await store.transition("iabc", SandboxState.RUNNING, SandboxState.PAUSING)
+    assert not await store.transition("iabc", SandboxState.RUNNING, SandboxState.KILLING)
+    assert (await store.get("iabc")).state is SandboxState.PAUSING  # type: ignore[union-attr]
 
 
 @pytest.mark.vm
@@ -187,9 +187,9 @@ async def test_a_create_failing_after_its_vm_exists_is_torn_down(
         # The VM that did boot was stopped and nothing is left in a live state.
         assert runtime.last_pid is not None
         assert _released(m, runtime.last_pid)
-        rows = m.store.select()
+        rows = await m.store.select()
         assert [r.state for r in rows] == [SandboxState.GONE]
-        assert any("create failed" in ln.message for ln in m.store.logs(rows[0].id))
+        assert any("create failed" in ln.message for ln in await m.store.logs(rows[0].id))
         assert m.metrics.create_failures._value.get() == 1
     finally:
         await m.close()
@@ -204,7 +204,7 @@ async def test_bad_input_creates_nothing(mgr: SandboxManager) -> None:
         await mgr.create(CreateSpec("base", memory_mb=1))
     with pytest.raises(BadRequest):
         await mgr.create(CreateSpec("base", disk_mb=1))
-    assert mgr.store.select() == []
+    assert await mgr.store.select() == []
     assert _node_runtime(mgr).node.list() == []
 
 
@@ -213,7 +213,7 @@ async def _wait_states(
 ) -> dict[str, SandboxState]:
     deadline = time.monotonic() + timeout_s
     while True:
-        got = {sid: mgr.store.get(sid).state for sid in want}  # type: ignore[union-attr]
+        got = {sid: (await mgr.store.get(sid)).state for sid in want}  # type: ignore[union-attr]
         if got == want or time.monotonic() > deadline:
             return got
         await asyncio.sleep(0.1)
@@ -232,7 +232,7 @@ async def test_pause_and_resume_keep_the_guest_running_where_it_was(
     with pytest.raises(Conflict):
         await mgr.resume(rec.id, None)
     await mgr.pause(rec.id)
-    assert mgr.get(rec.id).state is SandboxState.PAUSED
+    assert (await mgr.get(rec.id)).state is SandboxState.PAUSED
     assert not _alive(pid)
     with pytest.raises(Conflict):
         await mgr.pause(rec.id)
@@ -258,7 +258,7 @@ async def test_without_snapshots_pause_rolls_back_and_auto_pause_kills(
         pid = _qemu_pid(m, rec)
         with pytest.raises(NotSupported, match="snapshot"):
             await m.pause(rec.id)
-        assert m.get(rec.id).state is SandboxState.RUNNING
+        assert (await m.get(rec.id)).state is SandboxState.RUNNING
         # Still the same live VM, still answering.
         assert _alive(pid) and await _node_runtime(m).is_alive(rec.runtime_id or "")
         async with httpx.AsyncClient(trust_env=False, timeout=30) as http:
@@ -269,7 +269,7 @@ async def test_without_snapshots_pause_rolls_back_and_auto_pause_kills(
         await m.set_timeout(rec.id, 1)
         assert await _wait_states(m, {rec.id: SandboxState.GONE}) == {rec.id: SandboxState.GONE}
         assert _released(m, pid)
-        assert any("auto-pause unavailable" in ln.message for ln in m.store.logs(rec.id))
+        assert any("auto-pause unavailable" in ln.message for ln in await m.store.logs(rec.id))
     finally:
         await m.close()
 
@@ -283,8 +283,8 @@ async def test_expiry_kills_or_pauses(mgr: SandboxManager) -> None:
     want = {plain.id: SandboxState.GONE, paused.id: SandboxState.PAUSED}
     assert await _wait_states(mgr, want) == want
     assert not any(_alive(p) for p in pids)
-    assert any("paused on timeout" in ln.message for ln in mgr.store.logs(paused.id))
-    assert any("killed on timeout" in ln.message for ln in mgr.store.logs(plain.id))
+    assert any("paused on timeout" in ln.message for ln in await mgr.store.logs(paused.id))
+    assert any("killed on timeout" in ln.message for ln in await mgr.store.logs(plain.id))
     # A paused sandbox is not expired again; killing it frees what it kept on disk.
     await mgr.kill(paused.id)
     assert _node_runtime(mgr).node.list() == []
@@ -305,9 +305,9 @@ async def test_restart_marks_rows_of_vanished_sandboxes_lost(
     m2 = _manager(settings, db)
     await m2.start()
     try:
-        assert m2.store.get(rec.id).state is SandboxState.GONE  # type: ignore[union-attr]
-        assert any(ln.message.startswith("lost: ") for ln in m2.store.logs(rec.id))
+        assert (await m2.store.get(rec.id)).state is SandboxState.GONE  # type: ignore[union-attr]
+        assert any(ln.message.startswith("lost: ") for ln in await m2.store.logs(rec.id))
         with pytest.raises(SandboxLost, match=f"sandbox {rec.id} was lost"):
-            m2.get(rec.id)
+            await m2.get(rec.id)
     finally:
         await m2.close()

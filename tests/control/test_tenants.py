@@ -1,5 +1,5 @@
 """Teams in the store (the migration of a store from before teams) and the per-team limits
-(`control.tenants`), without a server."""
+(`control.tenants`), without a server; all but the migration on both stores (conftest.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 
 from agentenv.api.keys import KeyRing, TeamExists, UnknownTeam, hash_key
 from agentenv.contract.errors import TooManyRequests
-from agentenv.control.store import DEFAULT_TEAM, SandboxRecord, SandboxState, Store
+from agentenv.control.store import DEFAULT_TEAM, SandboxRecord, SandboxState, SqliteStore, Store
 from agentenv.control.tenants import TeamLimits
 
 # The schema as the last release before teams left it (no team_id anywhere, no teams table).
@@ -53,67 +53,66 @@ def _old_store(path: Path, secret: str) -> None:
     db.close()
 
 
-def test_a_store_from_before_teams_is_migrated_in_place(tmp_path: Path) -> None:
+async def test_a_store_from_before_teams_is_migrated_in_place(tmp_path: Path) -> None:
     path = tmp_path / "agentenv.db"
     secret = "e2b_" + "ab" * 20
     _old_store(path, secret)
-    store = Store(path)
+    store = SqliteStore(path)
     try:
-        teams = store.teams()
+        teams = await store.teams()
         assert [(t.id, t.name, t.max_sandboxes, t.creates_per_minute) for t in teams] == [
             (DEFAULT_TEAM, DEFAULT_TEAM, 0, 0)
         ]
-        key = KeyRing(store).verify(secret)
+        key = await KeyRing(store).verify(secret)
         assert key is not None and key.id == "kold" and key.team_id == DEFAULT_TEAM
         for sid in ("iwithkey", "inokey"):
-            rec = store.get(sid)
+            rec = await store.get(sid)
             # Nothing lost: the row as it was, now the default team's.
             assert rec is not None and rec.team_id == DEFAULT_TEAM
             assert rec.state is SandboxState.PAUSED and rec.metadata == {"k": "v"}
             assert rec.envd_token == "tok"
-        assert {r.id for r in store.select(team_id=DEFAULT_TEAM)} == {"iwithkey", "inokey"}
-        assert store.select(team_id="tother") == []
+        assert {r.id for r in await store.select(team_id=DEFAULT_TEAM)} == {"iwithkey", "inokey"}
+        assert await store.select(team_id="tother") == []
     finally:
-        store.close()
+        await store.close()
     # Opening it again changes nothing (the migration is idempotent).
-    again = Store(path)
+    again = SqliteStore(path)
     try:
-        assert len(again.teams()) == 1 and again.get("iwithkey") is not None
+        assert len(await again.teams()) == 1 and await again.get("iwithkey") is not None
     finally:
-        again.close()
+        await again.close()
 
 
-def test_teams_and_their_keys(tmp_path: Path) -> None:
-    store = Store(tmp_path / "db")
+async def test_teams_and_their_keys(store: Store, tmp_path: Path) -> None:
     ring = KeyRing(store)
     try:
-        team = ring.create_team("bravo")
+        team = await ring.create_team("bravo")
         with pytest.raises(TeamExists):
-            ring.create_team("bravo")
+            await ring.create_team("bravo")
         with pytest.raises(UnknownTeam):
-            ring.create("k", "nobody")
-        key, secret = ring.create("k", "bravo")
+            await ring.create("k", "nobody")
+        key, secret = await ring.create("k", "bravo")
         assert key.team_id == team.id
-        verified = ring.verify(secret)
+        verified = await ring.verify(secret)
         assert verified is not None and verified.team_id == team.id
         # By id or by name.
-        assert ring.team(team.id) == ring.team("bravo")
+        assert await ring.team(team.id) == await ring.team("bravo")
         with pytest.raises(ValueError, match="negative"):
-            ring.set_limits("bravo", max_sandboxes=-1)
-        updated = ring.set_limits("bravo", creates_per_minute=5)
+            await ring.set_limits("bravo", max_sandboxes=-1)
+        updated = await ring.set_limits("bravo", creates_per_minute=5)
         assert (updated.max_sandboxes, updated.creates_per_minute) == (0, 5)
         # The first key of a fresh server is the default team's.
-        first = KeyRing(Store(tmp_path / "fresh"))
-        assert first.ensure_initial(tmp_path / "home") is not None
-        assert [k.team_id for k in first.list()] == [DEFAULT_TEAM]
-        first.store.close()
+        first = KeyRing(SqliteStore(tmp_path / "fresh"))
+        assert await first.ensure_initial(tmp_path / "home") is not None
+        assert [k.team_id for k in await first.list()] == [DEFAULT_TEAM]
+        await first.store.close()
     finally:
-        store.close()
+        await store.close()
 
 
-def _running(store: Store, team: str, end_in: float = 300.0) -> None:
+async def _running(store: Store, team: str, end_in: float = 300.0) -> None:
     now = time.time()
-    store.insert(
+    await store.insert(
         SandboxRecord(
             id=f"i{now:.6f}".replace(".", ""), template="base", alias="base",
             state=SandboxState.RUNNING, started_at=now, end_at=now + end_in, cpu=1,
@@ -122,53 +121,53 @@ def _running(store: Store, team: str, end_in: float = 300.0) -> None:
     )  # fmt: skip
 
 
-def test_concurrency_counts_the_teams_active_sandboxes_and_held_places(tmp_path: Path) -> None:
-    store = Store(tmp_path / "db")
+async def test_concurrency_counts_the_teams_active_sandboxes_and_held_places(
+    store: Store,
+) -> None:
     try:
-        team = KeyRing(store).create_team("t")
-        store.set_team_limits(team.id, max_sandboxes=2, creates_per_minute=None)
+        team = await KeyRing(store).create_team("t")
+        await store.set_team_limits(team.id, max_sandboxes=2, creates_per_minute=None)
         limits = TeamLimits(store)
-        _running(store, team.id, end_in=7.5)
-        _running(store, DEFAULT_TEAM)  # another team's: not counted
-        limits.admit(team.id)
-        with limits.reserve(team.id):
+        await _running(store, team.id, end_in=7.5)
+        await _running(store, DEFAULT_TEAM)  # another team's: not counted
+        await limits.admit(team.id)
+        async with limits.reserve(team.id):
             with pytest.raises(TooManyRequests) as exc:
-                limits.admit(team.id)
+                await limits.admit(team.id)
             assert exc.value.status == 429 and exc.value.retry_after == 8
-        limits.admit(team.id, create=False)
+        await limits.admit(team.id, create=False)
         with pytest.raises(TooManyRequests):
-            limits.admit(team.id, 2)
+            await limits.admit(team.id, 2)
     finally:
-        store.close()
+        await store.close()
 
 
-def test_the_create_rate_is_a_token_bucket(tmp_path: Path) -> None:
-    store = Store(tmp_path / "db")
+async def test_the_create_rate_is_a_token_bucket(store: Store) -> None:
     try:
-        team = KeyRing(store).create_team("t")
-        store.set_team_limits(team.id, max_sandboxes=None, creates_per_minute=6)
+        team = await KeyRing(store).create_team("t")
+        await store.set_team_limits(team.id, max_sandboxes=None, creates_per_minute=6)
         now = [0.0]
         limits = TeamLimits(store, clock=lambda: now[0])
         for _ in range(6):  # a minute's allowance as one burst
-            limits.admit(team.id)
+            await limits.admit(team.id)
         with pytest.raises(TooManyRequests) as exc:
-            limits.admit(team.id)
+            await limits.admit(team.id)
         assert exc.value.retry_after == 10
         # Resumes take no token.
-        limits.admit(team.id, create=False)
+        await limits.admit(team.id, create=False)
         now[0] = 10.0
-        limits.admit(team.id)
+        await limits.admit(team.id)
         with pytest.raises(TooManyRequests):
-            limits.admit(team.id)
+            await limits.admit(team.id)
         # Never more than one minute's worth saved up.
         now[0] = 1000.0
         with pytest.raises(TooManyRequests) as exc:
-            limits.admit(team.id, 7)
+            await limits.admit(team.id, 7)
         assert exc.value.retry_after == 60
-        limits.admit(team.id, 6)
+        await limits.admit(team.id, 6)
         # No limit: always admitted.
-        store.set_team_limits(team.id, max_sandboxes=None, creates_per_minute=0)
+        await store.set_team_limits(team.id, max_sandboxes=None, creates_per_minute=0)
         for _ in range(100):
-            limits.admit(team.id)
+            await limits.admit(team.id)
     finally:
-        store.close()
+        await store.close()

@@ -6,6 +6,7 @@ once, revoked from another process). Every route family in detail: tests/api/tes
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -18,7 +19,7 @@ from e2b import AuthenticationException, NotFoundException, RateLimitException, 
 
 from agentenv.api.devserver import ServerProcess
 from agentenv.api.keys import KeyRing
-from agentenv.control.store import Store
+from agentenv.control.store import SqliteStore
 
 pytestmark = pytest.mark.vm
 
@@ -28,11 +29,11 @@ APP_PORT = 8000
 @pytest.fixture
 def ring(server: ServerProcess) -> Iterator[KeyRing]:
     # A second process on the server's database, as `aenv keys`/`aenv teams` are.
-    store = Store(server.home / "agentenv.db")
+    store = SqliteStore(server.home / "agentenv.db")
     try:
         yield KeyRing(store)
     finally:
-        store.close()
+        asyncio.run(store.close())
 
 
 def opts(server: ServerProcess, key: str) -> dict[str, Any]:
@@ -45,8 +46,8 @@ def opts(server: ServerProcess, key: str) -> dict[str, Any]:
 
 
 def test_two_teams(server: ServerProcess, ring: KeyRing) -> None:
-    team_b = ring.create_team("bravo").id
-    _, key_b = ring.create("bob", "bravo")
+    team_b = asyncio.run(ring.create_team("bravo")).id
+    _, key_b = asyncio.run(ring.create("bob", "bravo"))
     a_opts, b_opts = opts(server, server.api_key), opts(server, key_b)
     http = httpx.Client(base_url=server.url, timeout=REQUEST_TIMEOUT_S)
     # A's sandbox keeps its user ports private: they need its traffic token.
@@ -116,12 +117,12 @@ def test_two_teams(server: ServerProcess, ring: KeyRing) -> None:
         assert served is not None and served.status_code == 200 and served.text.strip()
 
         # -- B's limits: a create a minute, then one sandbox at a time -------------------
-        ring.set_limits("bravo", max_sandboxes=2, creates_per_minute=1)
+        asyncio.run(ring.set_limits("bravo", max_sandboxes=2, creates_per_minute=1))
         with ThreadPoolExecutor(1) as pool:
             booting = pool.submit(Sandbox.create, "base", timeout=120, **b_opts)
             # While B's first create boots (its row holds the minute's one token) ...
             for _ in range(300):
-                if ring.store.select(team_id=team_b):
+                if asyncio.run(ring.store.select(team_id=team_b)):
                     break
                 time.sleep(0.1)
             over = http.post(
@@ -132,7 +133,7 @@ def test_two_teams(server: ServerProcess, ring: KeyRing) -> None:
             theirs = booting.result(timeout=REQUEST_TIMEOUT_S)
         with pytest.raises(NotFoundException):
             Sandbox.get_info(theirs.sandbox_id, **a_opts)
-        ring.set_limits("bravo", max_sandboxes=1, creates_per_minute=0)
+        asyncio.run(ring.set_limits("bravo", max_sandboxes=1, creates_per_minute=0))
         with pytest.raises(RateLimitException, match="concurrent sandboxes"):
             Sandbox.create("base", **b_opts)
         over = http.post("/v2/sandboxes", json={"templateID": "base"}, headers={"X-API-Key": key_b})
@@ -141,8 +142,8 @@ def test_two_teams(server: ServerProcess, ring: KeyRing) -> None:
         theirs = None
 
         # -- revocation: the next call is a 401 -------------------------------------------
-        bob = next(k for k in ring.list() if k.name == "bob")
-        ring.revoke(bob.id)
+        bob = next(k for k in asyncio.run(ring.list()) if k.name == "bob")
+        asyncio.run(ring.revoke(bob.id))
         with pytest.raises(AuthenticationException):
             Sandbox.list(**b_opts).next_items()
         r = http.get("/v2/sandboxes", headers={"X-API-Key": key_b})

@@ -18,10 +18,10 @@ from pathlib import Path
 import httpx
 import pytest
 import websockets
+from api.conftest import stored_row
 from e2b import Sandbox
 
 from agentenv.api.devserver import ServerProcess, prepare_home
-from agentenv.control.store import Store
 
 # A create restores a snapshot in about a second, but can boot a VM under emulation.
 REQUEST_TIMEOUT_S = 300.0
@@ -196,7 +196,7 @@ def start_app(server: ServerProcess, sbx: Sandbox, tls: tuple[Path, Path] | None
     """Run the HTTP and WebSocket servers of `APP` in `sbx` (also behind TLS on `TLS_*_PORT`
     with `tls`, a certificate and key); returns once they answer through the proxy (the TLS
     ones only if the sandbox has them in `httpsPorts`)."""
-    rec = Store(server.home / "agentenv.db").get(sbx.sandbox_id)
+    rec = stored_row(server.home, sbx.sandbox_id)
     assert rec is not None and rec.address
     sbx.files.write(f"{GUEST_LIB}.tgz", websockets_tarball())
     sbx.files.write(f"{GUEST_LIB}/app.py", APP)

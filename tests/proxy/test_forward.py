@@ -13,12 +13,12 @@ from pathlib import Path
 
 import httpx
 import pytest
+from api.conftest import stored_row
 from e2b import Sandbox
 from websockets.asyncio.client import connect as ws_connect
 from websockets.exceptions import InvalidStatus
 
 from agentenv.api.devserver import ServerProcess
-from agentenv.control.store import Store
 
 from .conftest import (
     TLS_HTTP_PORT,
@@ -144,7 +144,7 @@ def test_traffic_token_required_when_public_traffic_is_off(proxy_server: ServerP
     try:
         token = sbx.traffic_access_token
         assert token
-        rec = Store(proxy_server.home / "agentenv.db").get(sbx.sandbox_id)
+        rec = stored_row(proxy_server.home, sbx.sandbox_id)
         assert rec is not None and rec.traffic_token == token
         port = 8000
         sbx.commands.run(

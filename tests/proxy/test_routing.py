@@ -34,6 +34,9 @@ def hdrs(**kw: str) -> dict[str, str]:
         ),
         ("GET", "/health", {}, CONTROL),
         ("GET", "/metrics", {}, CONTROL),
+        ("GET", "/nodes", {}, CONTROL),
+        ("GET", "/nodes/node-a", {}, CONTROL),
+        ("POST", "/nodes/node-a/drain", {}, CONTROL),
         ("GET", "/health", hdrs(e2b_sandbox_id=SID), Sandbox(SID, 49983, "/health")),
         ("GET", "/metrics", hdrs(e2b_sandbox_id=SID), Sandbox(SID, 49983, "/metrics")),
         (

@@ -44,16 +44,17 @@ class AgentenvApp:
         self.domain = domain
         self.control = build_control_app(ControlContext(manager, keys, templates, domain))
         self.proxy = SandboxProxy(self._resolve, manager.metrics, manager.note_activity)
-        manager.metrics.watch_states(manager.store.count_by_state, manager.store.count_builds)
+        # Counts the `/metrics` route refreshed from the store just before the scrape.
+        manager.metrics.watch_states(lambda: manager.state_counts_seen, lambda: manager.builds_seen)
         # Pooled connections to a killed or paused sandbox's VM are dead: never reuse them.
         manager.on_release.append(self.proxy.drop)
         manager.metrics.watch_host_memory(lambda: manager.host_memory_seen)
         self.signed = SignedUrls(manager.store.envd_tokens, self._envd_token)
         self._started = False
 
-    def _envd_token(self, sandbox_id: str) -> str | None:
+    async def _envd_token(self, sandbox_id: str) -> str | None:
         # The same candidates as `Store.envd_tokens`: a gone sandbox signs nothing.
-        rec = self.manager.store.get(sandbox_id)
+        rec = await self.manager.store.get(sandbox_id)
         return rec.envd_token if rec is not None and rec.state in LIVE_STATES else None
 
     async def startup(self) -> None:
@@ -69,9 +70,11 @@ class AgentenvApp:
             # Builds first: each kills its build sandbox while the manager still runs.
             await self.control.state.builds.close()
             await self.manager.close()
+            # Last: the manager's shutdown still writes rows (an etcd store's channels close).
+            await self.manager.store.close()
 
     async def _resolve(self, sandbox_id: str) -> SandboxRecord | None:
-        rec = self.manager.store.get(sandbox_id)
+        rec = await self.manager.store.get(sandbox_id)
         if rec is None:
             return None
         # Traffic never resumes a filesystem-only pause (E2B): it would reboot the guest.
@@ -101,7 +104,7 @@ class AgentenvApp:
         query = scope.get("query_string", b"").decode("latin-1")
         target = route(method, path, headers, domain=self.domain, signed="signature=" in query)
         if isinstance(target, SignedFiles):
-            found = self.signed.find(method, query)
+            found = await self.signed.find(method, query)
             target = (
                 Sandbox(found, ENVD_PORT, FILES_PATH)
                 if found is not None

@@ -27,7 +27,7 @@ def mount_build_progress(app: FastAPI, builds: TemplateBuilds) -> None:
     async def build_progress(template_id: str, build_id: str, request: Request) -> Response:
         from agentenv.api.control import api_key
 
-        key = api_key(
+        key = await api_key(
             request, request.headers.get("x-api-key"), request.headers.get("authorization")
         )
         rec = builds.state.build(build_id)

@@ -83,7 +83,7 @@ class ControlContext:
     _idem_locks: dict[tuple[str, str], asyncio.Lock] = field(default_factory=dict)
 
 
-def api_key(
+async def api_key(
     request: Request,
     x_api_key: Annotated[str | None, Header()] = None,
     authorization: Annotated[str | None, Header()] = None,
@@ -94,7 +94,7 @@ def api_key(
     if not secret:
         raise ApiError(401, "missing API key: send it in the X-API-Key header")
     ctx: ControlContext = request.app.state.ctx
-    key = ctx.keys.verify(secret)
+    key = await ctx.keys.verify(secret)
     if key is None:
         raise ApiError(401, "invalid API key")
     return key
@@ -123,9 +123,9 @@ def build_control_app(ctx: ControlContext) -> FastAPI:
     built = builds.built
     tenancy = builds.tenancy
 
-    def owned(sandbox_id: str, key: ApiKey) -> None:
+    async def owned(sandbox_id: str, key: ApiKey) -> None:
         # Another team's sandbox is a 404 like one that never existed (E2B's rule).
-        tenancy.check_sandbox(sandbox_id, key.team_id)
+        await tenancy.check_sandbox(sandbox_id, key.team_id)
 
     @app.exception_handler(OrchestratorError)
     async def _orch(_: Request, exc: OrchestratorError) -> JSONResponse:
@@ -164,8 +164,11 @@ def build_control_app(ctx: ControlContext) -> FastAPI:
     async def metrics(key: Auth) -> Response:
         # Per-sandbox series only for the caller's team; node-wide ones for every key.
         await mgr.host_memory_all()
+        await mgr.state_counts()
         text = generate_latest(mgr.metrics.registry).decode()
-        return Response(tenancy.filter_metrics(text, key.team_id), media_type=CONTENT_TYPE_LATEST)
+        return Response(
+            await tenancy.filter_metrics(text, key.team_id), media_type=CONTENT_TYPE_LATEST
+        )
 
     # -- create ----------------------------------------------------------------------------
 
@@ -191,7 +194,7 @@ def build_control_app(ctx: ControlContext) -> FastAPI:
         _refuse_unenforced(body, network)
         if BUILD_METADATA in body.metadata:
             raise ApiError(400, f"metadata.{BUILD_METADATA}: reserved for template builds")
-        if built.internal(body.templateID) or not tenancy.template_visible(
+        if built.internal(body.templateID) or not await tenancy.template_visible(
             body.templateID, key.team_id
         ):
             raise TemplateNotFound(body.templateID)
@@ -222,22 +225,22 @@ def build_control_app(ctx: ControlContext) -> FastAPI:
         lock = ctx._idem_locks.setdefault(slot, asyncio.Lock())
         try:
             async with lock:
-                store.expire_idempotency(time.time() - IDEMPOTENCY_TTL_S)
+                await store.expire_idempotency(time.time() - IDEMPOTENCY_TTL_S)
                 # The claim is the atomic step; the lock only spares waiters a 409.
-                if not store.claim_idempotency(key.id, idem_key, digest):
-                    seen = store.idempotency(key.id, idem_key)
+                if not await store.claim_idempotency(key.id, idem_key, digest):
+                    seen = await store.idempotency(key.id, idem_key)
                     if seen is None or seen[0] != digest:
                         raise ApiError(409, "Idempotency-Key was already used with another body")
-                    prior = store.get(seen[1]) if seen[1] else None
+                    prior = await store.get(seen[1]) if seen[1] else None
                     if prior is None:
                         raise ApiError(409, "Idempotency-Key belongs to a create in progress")
                     return JSONResponse(views.sandbox(prior, ctx.domain), status_code=201)
                 try:
                     rec = await mgr.create(spec, key.id, key.team_id)
                 except BaseException:
-                    store.release_idempotency(key.id, idem_key)
+                    await store.release_idempotency(key.id, idem_key)
                     raise
-                store.complete_idempotency(key.id, idem_key, rec.id)
+                await store.complete_idempotency(key.id, idem_key, rec.id)
         finally:
             if not lock.locked():
                 ctx._idem_locks.pop(slot, None)
@@ -283,7 +286,7 @@ def build_control_app(ctx: ControlContext) -> FastAPI:
         cursor = _decode_token(nextToken, desc) if nextToken else None
         rows = [
             (views.micros(r.started_at), r)
-            for r in mgr.store.select(views.LISTED_STATES, team_id=key.team_id)
+            for r in await mgr.store.select(views.LISTED_STATES, team_id=key.team_id)
             if views.listed_state(r) in states
             and views.user_sandbox(r)
             and all(r.metadata.get(k) == v for k, v in meta.items())
@@ -321,7 +324,7 @@ def build_control_app(ctx: ControlContext) -> FastAPI:
         meta = _parse_metadata(request.query_params.get("metadata"), encoded_twice=False)
         recs = [
             r
-            for r in mgr.store.select(
+            for r in await mgr.store.select(
                 [SandboxState.RUNNING, SandboxState.PAUSING], team_id=key.team_id
             )
             if views.user_sandbox(r) and all(r.metadata.get(k) == v for k, v in meta.items())
@@ -337,8 +340,8 @@ def build_control_app(ctx: ControlContext) -> FastAPI:
 
     @app.get("/sandboxes/{sandbox_id}", tags=["sandboxes"])
     async def get_sandbox(sandbox_id: str, key: Auth) -> JSONResponse:
-        owned(sandbox_id, key)
-        rec = mgr.get(sandbox_id)
+        await owned(sandbox_id, key)
+        rec = await mgr.get(sandbox_id)
         if views.listed_state(rec) is None:
             raise SandboxNotFound(sandbox_id)
         mem = await mgr.host_memory(rec)
@@ -346,26 +349,26 @@ def build_control_app(ctx: ControlContext) -> FastAPI:
 
     @app.delete("/sandboxes/{sandbox_id}", status_code=204, tags=["sandboxes"])
     async def kill(sandbox_id: str, key: Auth) -> Response:
-        owned(sandbox_id, key)
+        await owned(sandbox_id, key)
         await mgr.kill(sandbox_id)
         return Response(status_code=204)
 
     @app.post("/sandboxes/{sandbox_id}/timeout", status_code=204, tags=["sandboxes"])
     async def set_timeout(sandbox_id: str, body: TimeoutBody, key: Auth) -> Response:
-        owned(sandbox_id, key)
+        await owned(sandbox_id, key)
         await mgr.set_timeout(sandbox_id, body.timeout)
         return Response(status_code=204)
 
     @app.post("/sandboxes/{sandbox_id}/refreshes", status_code=204, tags=["sandboxes"])
     async def refresh(sandbox_id: str, key: Auth, body: RefreshBody | None = None) -> Response:
-        owned(sandbox_id, key)
+        await owned(sandbox_id, key)
         duration = body.duration if body and body.duration is not None else 60
         await mgr.refresh(sandbox_id, duration)
         return Response(status_code=204)
 
     @app.post("/sandboxes/{sandbox_id}/pause", status_code=204, tags=["sandboxes"])
     async def pause(sandbox_id: str, key: Auth, body: PauseBody | None = None) -> Response:
-        owned(sandbox_id, key)
+        await owned(sandbox_id, key)
         body = body or PauseBody()
         await mgr.pause(
             sandbox_id,
@@ -376,7 +379,7 @@ def build_control_app(ctx: ControlContext) -> FastAPI:
 
     @app.post("/sandboxes/{sandbox_id}/resume", status_code=201, tags=["sandboxes"])
     async def resume(sandbox_id: str, key: Auth, body: ResumeBody | None = None) -> JSONResponse:
-        owned(sandbox_id, key)
+        await owned(sandbox_id, key)
         body = body or ResumeBody()
         rec = await mgr.resume(
             sandbox_id, body.timeout, auto_pause=body.autoPause, memory=body.memory
@@ -400,12 +403,12 @@ def build_control_app(ctx: ControlContext) -> FastAPI:
             raise ApiError(400, f"name {body.name!r}: build-cache-* and build-final-* are reserved")
         if body.name is not None and builds.state.template(body.name) is not None:
             raise ApiError(409, f"name {body.name!r} is a built template's")
-        owned(sandbox_id, key)
-        if body.name is not None and tenancy.name_taken(body.name, key.team_id):
+        await owned(sandbox_id, key)
+        if body.name is not None and await tenancy.name_taken(body.name, key.team_id):
             # Names are one name space per server; moving it would take another team's.
             raise ApiError(409, f"name {body.name!r} is taken")
         info = await mgr.snapshot(sandbox_id, body.name, memory=body.memory is not False)
-        mgr.store.set_snapshot_owner(info.snapshot_id, key.team_id)
+        await mgr.store.set_snapshot_owner(info.snapshot_id, key.team_id)
         return JSONResponse({"snapshotID": info.snapshot_id, "names": info.names}, 201)
 
     @app.get("/snapshots", tags=["snapshots"])
@@ -418,13 +421,13 @@ def build_control_app(ctx: ControlContext) -> FastAPI:
     ) -> JSONResponse:
         runtime_id = None
         if sandboxID is not None:
-            rec = tenancy.sandbox(sandboxID, key.team_id)
+            rec = await tenancy.sandbox(sandboxID, key.team_id)
             runtime_id = (rec.runtime_id or rec.id) if rec is not None else sandboxID
         rows = [
             s
             for s in sorted(await mgr.snapshots(), key=lambda s: (s.created_at, s.snapshot_id))
             if not (s.names and all(map(is_internal_name, s.names)))
-            and mgr.store.snapshot_owner(s.snapshot_id) == key.team_id
+            and await mgr.store.snapshot_owner(s.snapshot_id) == key.team_id
             and (runtime_id is None or s.source == runtime_id)
             and (name is None or name in s.names or name == s.snapshot_id)
         ]
@@ -437,7 +440,7 @@ def build_control_app(ctx: ControlContext) -> FastAPI:
 
     @app.post("/sandboxes/{sandbox_id}/fork", status_code=201, tags=["sandboxes"])
     async def fork(sandbox_id: str, key: Auth, body: ForkBody | None = None) -> JSONResponse:
-        owned(sandbox_id, key)
+        await owned(sandbox_id, key)
         body = body or ForkBody()
         children = await mgr.fork(sandbox_id, body.count, body.timeout, key.id)
         return JSONResponse([{"sandbox": views.sandbox(c, ctx.domain)} for c in children], 201)
@@ -446,14 +449,14 @@ def build_control_app(ctx: ControlContext) -> FastAPI:
     async def connect_v1(
         sandbox_id: str, key: Auth, body: ConnectBody | None = None
     ) -> JSONResponse:
-        owned(sandbox_id, key)
+        await owned(sandbox_id, key)
         return await connect(sandbox_id, body)
 
     @app.post("/v2/sandboxes/{sandbox_id}/connect", tags=["sandboxes"])
     async def connect_v2(
         sandbox_id: str, key: Auth, body: ConnectBody | None = None
     ) -> JSONResponse:
-        owned(sandbox_id, key)
+        await owned(sandbox_id, key)
         return await connect(sandbox_id, body)
 
     @app.get("/sandboxes/{sandbox_id}/metrics", tags=["sandboxes"])
@@ -468,8 +471,8 @@ def build_control_app(ctx: ControlContext) -> FastAPI:
         range."""
         if start is not None and end is not None and start > end:
             raise ApiError(400, f"Invalid time range for metrics: start {start} is after end {end}")
-        owned(sandbox_id, key)
-        rec = mgr.get(sandbox_id)
+        await owned(sandbox_id, key)
+        rec = await mgr.get(sandbox_id)
         raw = await mgr.guest_metrics(rec)
         if not raw:
             return JSONResponse([])
@@ -487,8 +490,8 @@ def build_control_app(ctx: ControlContext) -> FastAPI:
         limit: Annotated[int, Query(ge=1, le=10000)] = 1000,
     ) -> JSONResponse:
         # Logs stay readable after a kill; an id the team never had is a 404.
-        owned(sandbox_id, key)
-        lines = mgr.store.logs(sandbox_id, start=start / 1000, limit=limit)
+        await owned(sandbox_id, key)
+        lines = await mgr.store.logs(sandbox_id, start=start / 1000, limit=limit)
         return JSONResponse(views.logs_v1(lines))
 
     @app.get("/v2/sandboxes/{sandbox_id}/logs", tags=["sandboxes"])
@@ -499,8 +502,8 @@ def build_control_app(ctx: ControlContext) -> FastAPI:
         limit: Annotated[int, Query(ge=1, le=10000)] = 1000,
     ) -> JSONResponse:
         # Logs stay readable after a kill; an id the team never had is a 404.
-        owned(sandbox_id, key)
-        lines = mgr.store.logs(sandbox_id, start=cursor / 1000, limit=limit)
+        await owned(sandbox_id, key)
+        lines = await mgr.store.logs(sandbox_id, start=cursor / 1000, limit=limit)
         return JSONResponse(views.logs_v2(lines))
 
     # -- templates -------------------------------------------------------------------------
@@ -509,7 +512,7 @@ def build_control_app(ctx: ControlContext) -> FastAPI:
     async def list_templates(key: Auth, teamID: str | None = None) -> JSONResponse:
         if teamID is not None and teamID != key.team_id:
             raise ApiError(400, "Team ID param mismatch with the API key")
-        spawns = mgr.store.spawns(key.team_id)
+        spawns = await mgr.store.spawns(key.team_id)
         rows = [
             views.template(t, mgr.envd_version, spawns.get(t.name))
             for t in ctx.templates.list()
@@ -522,10 +525,10 @@ def build_control_app(ctx: ControlContext) -> FastAPI:
         rows += [builds.template_view(t, spawns) for t in made]
         return JSONResponse(rows)
 
-    def visible(ref: str, key: ApiKey) -> TemplateInfo:
+    async def visible(ref: str, key: ApiKey) -> TemplateInfo:
         """A template the caller may see (not one of the builder's snapshots, not another
         team's snapshot)."""
-        if built.internal(ref) or not tenancy.template_visible(ref, key.team_id):
+        if built.internal(ref) or not await tenancy.template_visible(ref, key.team_id):
             raise TemplateUnavailable(ref)
         return built.get(ref)
 
@@ -551,7 +554,7 @@ def build_control_app(ctx: ControlContext) -> FastAPI:
                     raise ApiError(404, str(exc)) from exc
             return JSONResponse({"templateID": tpl.template_id, "public": False})
         try:
-            t = visible(alias, key)
+            t = await visible(alias, key)
         except TemplateUnavailable as exc:
             raise ApiError(404, f"template '{alias}' not found") from exc
         return JSONResponse({"templateID": t.name, "public": False})
@@ -570,13 +573,15 @@ def build_control_app(ctx: ControlContext) -> FastAPI:
             if builds.state.template(name) is not None:
                 raise ApiError(404, f"template {template_id!r} not found")
             try:
-                t = visible(template_id, key)
+                t = await visible(template_id, key)
             except TemplateUnavailable as exc:
                 raise ApiError(404, f"template {template_id!r} not found") from exc
-            body = views.template(t, mgr.envd_version, mgr.store.spawns(key.team_id).get(t.name))
+            body = views.template(
+                t, mgr.envd_version, (await mgr.store.spawns(key.team_id)).get(t.name)
+            )
             body["builds"] = []
             return JSONResponse(body)
-        body = builds.template_view(tpl, mgr.store.spawns(key.team_id))
+        body = builds.template_view(tpl, await mgr.store.spawns(key.team_id))
         rows = builds.build_rows(tpl)
         start = _decode_offset(nextToken) if nextToken else 0
         body["builds"] = rows[start : start + limit]
@@ -592,7 +597,7 @@ def build_control_app(ctx: ControlContext) -> FastAPI:
         name = split_name(template_id)[0]
         tpl = own_template(name, key)
         if tpl is not None:
-            refused = builds.refuse_delete(tpl)
+            refused = await builds.refuse_delete(tpl)
             if refused is not None:
                 return refused
             await builds.delete_template(tpl)
@@ -600,7 +605,7 @@ def build_control_app(ctx: ControlContext) -> FastAPI:
         if (
             builds.state.template(name) is not None
             or built.internal(template_id)
-            or not tenancy.template_visible(template_id, key.team_id)
+            or not await tenancy.template_visible(template_id, key.team_id)
         ):
             raise ApiError(404, f"template {template_id!r} not found")
         if template_id in tenancy.catalog_names() and key.team_id != DEFAULT_TEAM:
@@ -611,7 +616,7 @@ def build_control_app(ctx: ControlContext) -> FastAPI:
             )
         users = [
             r
-            for r in mgr.store.select(LIVE_STATES)
+            for r in await mgr.store.select(LIVE_STATES)
             if template_id in (r.template, r.alias) and views.user_sandbox(r)
         ]
         if any(r.state is not SandboxState.PAUSED for r in users):
@@ -633,7 +638,7 @@ def build_control_app(ctx: ControlContext) -> FastAPI:
     # Routes the SDK knows that this server does not implement answer clearly, not 404.
     @app.put("/sandboxes/{sandbox_id}/network", status_code=204, tags=["sandboxes"])
     async def update_network(sandbox_id: str, key: Auth, body: NetworkUpdate) -> Response:
-        owned(sandbox_id, key)
+        await owned(sandbox_id, key)
         # E2B replaces the whole egress config: what the body leaves out is cleared.
         named = [k for k in ("egressProxy", "rules") if getattr(body, k) is not None]
         if named:

@@ -49,11 +49,11 @@ class KeyRing:
     def __init__(self, store: Store) -> None:
         self.store = store
 
-    def create(self, name: str, team: str = DEFAULT_TEAM) -> tuple[ApiKey, str]:
+    async def create(self, name: str, team: str = DEFAULT_TEAM) -> tuple[ApiKey, str]:
         """A new key of `team` (its id or name)."""
-        found = self.team(team)
+        found = await self.team(team)
         secret = KEY_PREFIX + secrets.token_hex(20)
-        key = self.store.add_key(
+        key = await self.store.add_key(
             "k" + secrets.token_hex(6),
             name,
             secret[: len(KEY_PREFIX) + 4],
@@ -62,40 +62,40 @@ class KeyRing:
         )
         return key, secret
 
-    def verify(self, secret: str) -> ApiKey | None:
+    async def verify(self, secret: str) -> ApiKey | None:
         if not secret:
             return None
-        key = self.store.key_by_hash(hash_key(secret))
+        key = await self.store.key_by_hash(hash_key(secret))
         if key is None or key.revoked_at is not None:
             return None
         return key
 
-    def list(self) -> list[ApiKey]:
-        return self.store.keys()
+    async def list(self) -> list[ApiKey]:
+        return await self.store.keys()
 
-    def revoke(self, key_id: str) -> None:
-        if not self.store.revoke_key(key_id):
+    async def revoke(self, key_id: str) -> None:
+        if not await self.store.revoke_key(key_id):
             raise UnknownKey(f"no active API key with id {key_id!r}")
 
     # -- teams -------------------------------------------------------------------------------
 
-    def team(self, ref: str) -> Team:
-        found = self.store.team(ref)
+    async def team(self, ref: str) -> Team:
+        found = await self.store.team(ref)
         if found is None:
             raise UnknownTeam(f"no team with id or name {ref!r}")
         return found
 
-    def teams(self) -> builtins.list[Team]:
-        return self.store.teams()
+    async def teams(self) -> builtins.list[Team]:
+        return await self.store.teams()
 
-    def create_team(self, name: str) -> Team:
+    async def create_team(self, name: str) -> Team:
         if not name or len(name) > 64 or not name.isprintable():
             raise ValueError("a team name is 1-64 printable characters")
-        if self.store.team(name) is not None:
+        if await self.store.team(name) is not None:
             raise TeamExists(f"team {name!r} exists already")
-        return self.store.add_team("t" + secrets.token_hex(6), name)
+        return await self.store.add_team("t" + secrets.token_hex(6), name)
 
-    def set_limits(
+    async def set_limits(
         self, team: str, *, max_sandboxes: int | None = None, creates_per_minute: int | None = None
     ) -> Team:
         """Set a team's limits (0 = none); what is None stays as it is."""
@@ -103,17 +103,17 @@ class KeyRing:
                                                                creates_per_minute)):  # fmt: skip
             if value is not None and value < 0:
                 raise ValueError(f"{label} cannot be negative (0 = no limit)")
-        found = self.team(team)
-        self.store.set_team_limits(
+        found = await self.team(team)
+        await self.store.set_team_limits(
             found.id, max_sandboxes=max_sandboxes, creates_per_minute=creates_per_minute
         )
-        return self.team(found.id)
+        return await self.team(found.id)
 
-    def ensure_initial(self, home: Path) -> Path | None:
+    async def ensure_initial(self, home: Path) -> Path | None:
         """On first start, create a key and write it to a 0600 file; returns the file if new."""
-        if self.store.keys():
+        if await self.store.keys():
             return None
-        _, secret = self.create("default")
+        _, secret = await self.create("default")
         path = key_file(home)
         path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import sys
 from pathlib import Path
@@ -9,13 +10,17 @@ from pathlib import Path
 import uvicorn
 
 from agentenv.api.app import AgentenvApp
+from agentenv.api.control import api_key
 from agentenv.api.keys import KeyRing, key_file
 from agentenv.api.logs import configure as configure_logs
+from agentenv.api.nodes import mount_nodes
 from agentenv.config import ConfigError, Settings
+from agentenv.contract.errors import SandboxNotFound
+from agentenv.contract.nodes import NodeDirectory
 from agentenv.contract.runtime import Runtime, TemplateSource
 from agentenv.control.metrics import Metrics
 from agentenv.control.sandboxes import SandboxManager
-from agentenv.control.store import Store
+from agentenv.control.store import SandboxState, Store, open_store
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
@@ -32,14 +37,38 @@ def envd_version() -> str:
 
 
 def build_runtime(settings: Settings) -> tuple[Runtime, TemplateSource]:
+    """The sandboxes' runtime: this host's node in-process (the single-node default), or, with
+    `AGENTENV_ETCD`, the cluster's node agents over RPC (`cluster.runtime.ClusterRuntime`)."""
     from agentenv.build.state import BuildState, builds_dir
     from agentenv.build.templates import BuiltTemplates
     from agentenv.node.runtime import CatalogTemplates, NodeRuntime
 
     catalog = CatalogTemplates(settings)
+    state = BuildState(builds_dir(settings.home))
+    if settings.etcd_endpoints:
+        from agentenv.cluster.runtime import ClusterRuntime
+        from agentenv.cluster.templates import ClusterTemplates
+
+        if not settings.node_token:
+            raise ConfigError("AGENTENV_ETCD is set: the node token (AGENTENV_NODE_TOKEN) too")
+        # Snapshots taken on any node are created from by id (the cluster resolves them).
+        return ClusterRuntime(settings), BuiltTemplates(
+            ClusterTemplates(catalog), state, catalog.repo
+        )
     # Built templates (`name:tag`) first, then the catalog and snapshots.
-    built = BuiltTemplates(catalog, BuildState(builds_dir(settings.home)), catalog.repo)
-    return NodeRuntime(settings), built
+    return NodeRuntime(settings), BuiltTemplates(catalog, state, catalog.repo)
+
+
+def node_directory(runtime: Runtime) -> NodeDirectory:
+    """What `/nodes` lists: the cluster's members, or the one in-process node."""
+    from agentenv.cluster.runtime import ClusterRuntime
+    from agentenv.node.runtime import LocalNodes, NodeRuntime
+
+    if isinstance(runtime, ClusterRuntime):
+        return runtime
+    if isinstance(runtime, NodeRuntime):
+        return LocalNodes(runtime)
+    raise TypeError(f"no node directory for {type(runtime).__name__}")
 
 
 def build_app(
@@ -48,7 +77,8 @@ def build_app(
     domain: str | None = None,
     store: Store | None = None,
 ) -> AgentenvApp:
-    store = store or Store(db_path(settings))
+    # etcd (shared by every replica) when AGENTENV_ETCD names members, else the SQLite file.
+    store = store or open_store(settings, db_path(settings))
     rt, templates = build_runtime(settings)
     manager = SandboxManager(
         store,
@@ -63,8 +93,35 @@ def build_app(
         min_memory_mb=settings.min_memory_mb,
         max_memory_mb=settings.max_memory_mb,
         auto_resume=settings.auto_resume,
+        shared=bool(settings.etcd_endpoints),
     )
-    return AgentenvApp(manager, KeyRing(store), templates, domain=domain)
+    app = AgentenvApp(manager, KeyRing(store), templates, domain=domain)
+
+    async def pause_running(sandbox_id: str) -> str | None:
+        """A drain's step: pause the sandbox with its memory if it runs (through the state
+        machine, as a client's pause would), else leave it."""
+        try:
+            rec = await manager.get(sandbox_id)
+        except SandboxNotFound:
+            return None
+        if rec.state is not SandboxState.RUNNING:
+            return None
+        await manager.pause(sandbox_id)
+        return "paused"
+
+    mount_nodes(app.control, node_directory(rt), api_key, pause_running)
+    return app
+
+
+async def _ensure_initial_key(settings: Settings) -> Path | None:
+    """The first API key of a fresh store, written to `<home>/api-key`. On a store of its own,
+    closed here: the server's store must be made in uvicorn's loop (an etcd client's channels
+    belong to the loop that opened them)."""
+    store = open_store(settings, db_path(settings))
+    try:
+        return await KeyRing(store).ensure_initial(settings.home)
+    finally:
+        await store.close()
 
 
 def parse_bind(raw: str) -> tuple[str, int]:
@@ -101,8 +158,7 @@ def serve(
         raise ConfigError("TLS needs both --cert and --key")
     configure_logs(log_level, os.environ.get("AGENTENV_LOG_FORMAT", "text"))
     settings.home.mkdir(parents=True, exist_ok=True)
-    store = Store(db_path(settings))
-    new_key = KeyRing(store).ensure_initial(settings.home)
+    new_key = asyncio.run(_ensure_initial_key(settings))
     if new_key is not None:
         print(f"created the first API key; it is in {new_key} (mode 0600)", file=sys.stderr)
     else:
@@ -110,7 +166,7 @@ def serve(
             f"API keys: `aenv keys ls`; the first key is in {key_file(settings.home)}",
             file=sys.stderr,
         )
-    app = build_app(settings, domain=domain, store=store)
+    app = build_app(settings, domain=domain)
     scheme = "https" if certfile else "http"
     print(f"agentenv listening on {scheme}://{host}:{port}", file=sys.stderr)
     config = uvicorn.Config(

@@ -154,12 +154,12 @@ class TemplateBuilds:
 
     # -- delete ----------------------------------------------------------------------------
 
-    def refuse_delete(self, tpl: TemplateRecord) -> JSONResponse | None:
+    async def refuse_delete(self, tpl: TemplateRecord) -> JSONResponse | None:
         """E2B's rule: not while running or paused sandboxes use it; ours too: not while one
         of its builds runs (its sandbox would capture into a template that is gone)."""
         users = [
             r
-            for r in self.ctx.manager.store.select(LIVE_STATES)
+            for r in await self.ctx.manager.store.select(LIVE_STATES)
             if r.template == tpl.template_id and BUILD_METADATA not in r.metadata
         ]
         name = tpl.template_id
@@ -192,7 +192,7 @@ class TemplateBuilds:
         kept = {b.snapshot_id for b in others}
         snapshots = {b.snapshot_id for b in mine if b.snapshot_id and b.snapshot_id not in kept}
         theirs = {_image_of(b) for b in others}
-        live = {r.template for r in self.ctx.manager.store.select(LIVE_STATES)}
+        live = {r.template for r in await self.ctx.manager.store.select(LIVE_STATES)}
         images = {i for b in mine if (i := _image_of(b)) and i not in theirs and i not in live}
         ours = {b.snapshot_id for b in mine if b.snapshot_id}
         await asyncio.to_thread(self._release, tpl.template_id, ours, snapshots, images)
@@ -251,7 +251,7 @@ def mount_templates(app: FastAPI, ctx: Any) -> TemplateBuilds:
     async def auth(request: Request) -> Any:
         from agentenv.api.control import api_key
 
-        return api_key(
+        return await api_key(
             request,
             request.headers.get("x-api-key"),
             request.headers.get("authorization"),
@@ -305,7 +305,7 @@ def mount_templates(app: FastAPI, ctx: Any) -> TemplateBuilds:
             pass
         else:
             return _err(409, f"template {name!r} is a built-in template; choose another name")
-        if builds.tenancy.name_taken(name, key.team_id):
+        if await builds.tenancy.name_taken(name, key.team_id):
             # One name space per server: the name is another team's template or snapshot.
             return _err(409, f"template name {name!r} is taken; choose another name")
         tpl = state.template(name) or replace(template_record(name), team_id=key.team_id)
@@ -396,9 +396,9 @@ def mount_templates(app: FastAPI, ctx: Any) -> TemplateBuilds:
                 )
         if spec.from_template:
             try:
-                if builds.built.internal(spec.from_template) or not builds.tenancy.template_visible(
-                    spec.from_template, key.team_id
-                ):
+                if builds.built.internal(
+                    spec.from_template
+                ) or not await builds.tenancy.template_visible(spec.from_template, key.team_id):
                     raise TemplateUnavailable(spec.from_template)
                 builds.built.get(spec.from_template)
             except TemplateUnavailable as exc:

@@ -45,14 +45,14 @@ class Tenancy:
 
     # -- sandboxes -------------------------------------------------------------------------
 
-    def sandbox(self, sandbox_id: str, team_id: str) -> SandboxRecord | None:
+    async def sandbox(self, sandbox_id: str, team_id: str) -> SandboxRecord | None:
         """The team's row of that id, or None (also when it is another team's)."""
-        rec = self.store.get(sandbox_id)
+        rec = await self.store.get(sandbox_id)
         return rec if rec is not None and rec.team_id == team_id else None
 
-    def check_sandbox(self, sandbox_id: str, team_id: str) -> None:
+    async def check_sandbox(self, sandbox_id: str, team_id: str) -> None:
         """404 for an id the team does not own, as for one that never existed."""
-        if self.sandbox(sandbox_id, team_id) is None:
+        if await self.sandbox(sandbox_id, team_id) is None:
             raise SandboxNotFound(sandbox_id)
 
     # -- templates and snapshots -----------------------------------------------------------
@@ -77,15 +77,15 @@ class Tenancy:
                     return True
         return False
 
-    def snapshot_team(self, ref: str) -> str | None:
+    async def snapshot_team(self, ref: str) -> str | None:
         """The owner of the snapshot `ref` names (id or name), None if it names none."""
         try:
             snap = self.built.repo.get(ref)
         except SnapshotError:
             return None
-        return self.store.snapshot_owner(snap.id)
+        return await self.store.snapshot_owner(snap.id)
 
-    def template_visible(self, ref: str, team_id: str) -> bool:
+    async def template_visible(self, ref: str, team_id: str) -> bool:
         """Whether `ref` (as a create's templateID) may be used by the team. A ref that
         names nothing is "visible": the normal path answers its 404."""
         name, tag = split_name(ref)
@@ -96,23 +96,23 @@ class Tenancy:
             return True
         if name in self.catalog_names():
             return self.catalog_visible(name, team_id)
-        owner = self.snapshot_team(name)
+        owner = await self.snapshot_team(name)
         return owner is None or owner == team_id
 
-    def name_taken(self, name: str, team_id: str) -> bool:
+    async def name_taken(self, name: str, team_id: str) -> bool:
         """Whether another team's template or snapshot holds `name`."""
         tpl = self.built.state.template(name)
         if tpl is not None and template_team(tpl) != team_id:
             return True
-        owner = self.snapshot_team(name)
+        owner = await self.snapshot_team(name)
         return owner is not None and owner != team_id
 
     # -- metrics ---------------------------------------------------------------------------
 
-    def filter_metrics(self, text: str, team_id: str) -> str:
+    async def filter_metrics(self, text: str, team_id: str) -> str:
         """Prometheus text without the series of other teams' sandboxes (those labelled
         `sandbox_id`); node-wide series (counts, latencies) stay."""
-        mine = {r.id for r in self.store.select(LIVE_STATES, team_id=team_id)}
+        mine = {r.id for r in await self.store.select(LIVE_STATES, team_id=team_id)}
         out = []
         for line in text.splitlines():
             m = _SANDBOX_LABEL.search(line)

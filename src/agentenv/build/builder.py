@@ -329,7 +329,7 @@ class Builder:
         # download) must not serve another team's build. The default team keeps the keys
         # it had before teams existed, so its cache stays warm.
         root: dict[str, object] = {"base": base_id}
-        team = self.manager.team_of_key(api_key_id)
+        team = await self.manager.team_of_key(api_key_id)
         if team != DEFAULT_TEAM:
             root["team"] = team
         parent = chain_key("", root)

@@ -18,7 +18,7 @@ import sys
 import termios
 import time
 import tty
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, NoReturn, TypeVar
@@ -437,15 +437,26 @@ def logs(sandbox_id: str) -> None:
 # -- keys (server side) ----------------------------------------------------------------------
 
 
-def _keyring() -> Any:
+def _keyring_run(fn: Callable[[Any], Awaitable[T]]) -> T:
+    """`fn(keyring)` on the server's store (its SQLite file, or etcd with `AGENTENV_ETCD`),
+    opened for this one call and closed after it."""
     from agentenv.api.keys import KeyRing
     from agentenv.api.server import db_path
-    from agentenv.control.store import Store
+    from agentenv.control.store import open_store
 
-    path = db_path(Settings.from_env())
-    if not path.exists():
+    settings = Settings.from_env()
+    path = db_path(settings)
+    if not settings.etcd_endpoints and not path.exists():
         raise ClientError(f"no server database at {path}: start `aenv serve` once first")
-    return KeyRing(Store(path))
+
+    async def run() -> T:
+        store = open_store(settings, path)
+        try:
+            return await fn(KeyRing(store))
+        finally:
+            await store.close()
+
+    return asyncio.run(run())
 
 
 @keys_app.command("create")
@@ -465,9 +476,8 @@ def keys_create(
 def keys_ls() -> None:
     """List API keys (ids, prefixes and teams, never the keys)."""
 
-    def rows() -> list[dict[str, Any]]:
-        ring = _keyring()
-        names = {t.id: t.name for t in ring.teams()}
+    async def listed(ring: Any) -> list[dict[str, Any]]:
+        names = {t.id: t.name for t in await ring.teams()}
         return [
             {
                 "id": k.id,
@@ -477,11 +487,12 @@ def keys_ls() -> None:
                 "created": time.strftime("%Y-%m-%d %H:%M", time.localtime(k.created_at)),
                 "revoked": "yes" if k.revoked_at else "",
             }
-            for k in ring.list()
+            for k in await ring.list()
         ]
 
-    _emit(_guard(rows), [("ID", "id"), ("NAME", "name"), ("TEAM", "team"), ("PREFIX", "prefix"),
-                         ("CREATED", "created"), ("REVOKED", "revoked")])  # fmt: skip
+    rows = _guard(lambda: _keyring_run(listed))
+    _emit(rows, [("ID", "id"), ("NAME", "name"), ("TEAM", "team"), ("PREFIX", "prefix"),
+                 ("CREATED", "created"), ("REVOKED", "revoked")])  # fmt: skip
 
 
 @keys_app.command("revoke")
@@ -491,7 +502,7 @@ def keys_revoke(key_id: str) -> None:
 
     def run() -> None:
         try:
-            _keyring().revoke(key_id)
+            _keyring_run(lambda ring: ring.revoke(key_id))
         except UnknownKey as exc:
             raise ClientError(str(exc)) from exc
 
@@ -502,12 +513,12 @@ def keys_revoke(key_id: str) -> None:
 # -- teams (server side) ---------------------------------------------------------------------
 
 
-def _team_call(fn: Callable[[Any], T]) -> T:
+def _team_call(fn: Callable[[Any], Awaitable[T]]) -> T:
     """`fn(keyring)`, its refusals (unknown team, bad value) as one-line errors."""
     from agentenv.api.keys import TeamExists, UnknownTeam
 
     try:
-        return fn(_keyring())
+        return _keyring_run(fn)
     except (UnknownTeam, TeamExists, ValueError) as exc:
         raise ClientError(str(exc)) from exc
 
@@ -527,7 +538,7 @@ def teams_create(name: str) -> None:
 def teams_ls() -> None:
     """List teams and their limits."""
 
-    def rows() -> list[dict[str, Any]]:
+    async def listed(ring: Any) -> list[dict[str, Any]]:
         return [
             {
                 "id": t.id,
@@ -535,11 +546,12 @@ def teams_ls() -> None:
                 "max_sandboxes": _limit(t.max_sandboxes),
                 "creates_per_minute": _limit(t.creates_per_minute),
             }
-            for t in _keyring().teams()
+            for t in await ring.teams()
         ]
 
-    _emit(_guard(rows), [("ID", "id"), ("NAME", "name"), ("MAX SANDBOXES", "max_sandboxes"),
-                         ("CREATES/MIN", "creates_per_minute")])  # fmt: skip
+    rows = _guard(lambda: _keyring_run(listed))
+    _emit(rows, [("ID", "id"), ("NAME", "name"), ("MAX SANDBOXES", "max_sandboxes"),
+                 ("CREATES/MIN", "creates_per_minute")])  # fmt: skip
 
 
 @teams_app.command("set-limits")

@@ -125,6 +125,9 @@ def _register_optional() -> None:
     except ImportError:
         return
     app.add_typer(client_app)
+    from agentenv.cli.node import node_app
+
+    app.add_typer(node_app, name="node")
 
 
 _register_optional()

@@ -118,7 +118,14 @@ class Runtime(Protocol):
         """Replace a running or paused sandbox's egress policy (at once while it runs)."""
         ...
 
-    async def delete(self, runtime_id: str) -> None: ...
+    async def delete(self, runtime_id: str) -> None:
+        """The sandbox goes for good: its VM, its files, and its copy in object storage."""
+        ...
+
+    async def forget(self, runtime_id: str) -> None:
+        """Drop this runtime's own copy of a sandbox that lives on another node now (its VM
+        if any, its files here), touching nothing shared: the object store's copy stays."""
+        ...
 
     async def pause(
         self,

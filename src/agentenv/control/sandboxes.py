@@ -132,9 +132,13 @@ class SandboxManager:
         paused_retention_s: float = 0.0,
         retention_check_s: float | None = None,
         auto_resume: bool = False,
+        shared: bool = False,
     ) -> None:
         self.store = store
         self.runtime = runtime
+        # Store and runtime shared with other control-plane replicas (a cluster): this one's
+        # start and stop must not act on sandboxes other replicas are working on.
+        self.shared = shared
         self.templates = templates
         self.envd_version = envd_version
         self.metrics = metrics or Metrics()
@@ -164,13 +168,20 @@ class SandboxManager:
         self._tasks: set[asyncio.Task[None]] = set()
         # The last `host_memory_all` (the metrics route refreshes it before each scrape).
         self.host_memory_seen: dict[str, HostMemory] = {}
+        # The last `state_counts`: users' sandboxes by state and the live build sandboxes
+        # (refreshed the same way: a Prometheus collector cannot await the store).
+        self.state_counts_seen: dict[str, int] = {}
+        self.builds_seen = 0
 
     # -- lifecycle of the manager ----------------------------------------------------------
 
     async def start(self) -> None:
         await self.runtime.start()
         self.runtime.watch_lost(self._runtime_lost)
-        await self._reconcile()
+        if not self.shared:
+            # A replica that starts beside others cannot tell their operations in flight from
+            # a crashed server's: the cluster's runtime reports what is lost (its nodes').
+            await self._reconcile()
         self._reaper = asyncio.create_task(self._reap_forever(), name="sandbox-reaper")
 
     async def close(self) -> None:
@@ -183,7 +194,10 @@ class SandboxManager:
             self._reaper = None
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
-        for rec in self.store.select(LIVE_STATES - {SandboxState.PAUSED}):
+        # One server's sandboxes end with it; a cluster's live on its nodes, past any replica.
+        for rec in (
+            [] if self.shared else await self.store.select(LIVE_STATES - {SandboxState.PAUSED})
+        ):
             with contextlib.suppress(SandboxNotFound):
                 await self.kill(rec.id, reason="server shutdown")
         await self.runtime.close()
@@ -199,7 +213,7 @@ class SandboxManager:
         the runtime holds that no row names (a fork cut short) are deleted."""
         named: set[str] = set()
         now = time.time()
-        for rec in self.store.select(LIVE_STATES):
+        for rec in await self.store.select(LIVE_STATES):
             rid = rec.runtime_id
             found = await self.runtime.find(rid) if rid else None
             was = rec.state.value
@@ -207,16 +221,16 @@ class SandboxManager:
                 if found is not None and rid is not None:
                     with contextlib.suppress(Exception):
                         await self.runtime.delete(rid)
-                self.store.transition(rec.id, rec.state, SandboxState.GONE)
+                await self.store.transition(rec.id, rec.state, SandboxState.GONE)
                 if rec.state is SandboxState.KILLING:
-                    self.store.log(rec.id, "killed (finished after a server restart)")
+                    await self.store.log(rec.id, "killed (finished after a server restart)")
                 elif rec.state is SandboxState.CREATING:
-                    self.store.log(rec.id, "create cut short by a server restart", "warn")
+                    await self.store.log(rec.id, "create cut short by a server restart", "warn")
                 else:
                     why = (rid and await self.runtime.lost_reason(rid)) or (
                         "the server restarted and found nothing of it"
                     )
-                    self.store.log(rec.id, f"{LOST}{why} (was {was})", "error")
+                    await self.store.log(rec.id, f"{LOST}{why} (was {was})", "error")
                 await self._released(rec.id)
                 continue
             assert rid is not None
@@ -227,7 +241,7 @@ class SandboxManager:
                 end_at = rec.end_at
                 if rec.state in (SandboxState.RESUMING, SandboxState.PAUSED):
                     end_at = now + DEFAULT_TIMEOUT_S
-                self.store.transition(
+                await self.store.transition(
                     rec.id,
                     rec.state,
                     SandboxState.RUNNING,
@@ -236,18 +250,20 @@ class SandboxManager:
                     end_at=end_at,
                     pause_mode=None,
                 )
-                self.store.log(rec.id, f"running, taken over by a restarted server (was {was})")
+                await self.store.log(
+                    rec.id, f"running, taken over by a restarted server (was {was})"
+                )
                 if rec.state is SandboxState.RESUMING:
                     # The crash may have come before the control plane's `/init`: a guest
                     # booted from its disk would run with an envd that has no token yet.
                     try:
                         await self.runtime.init_guest(self._spec(rec, rid))
                     except Exception as exc:
-                        self.store.log(
+                        await self.store.log(
                             rec.id, f"envd /init after the restart failed: {exc}", "warn"
                         )
             elif found.state == "paused":
-                self.store.transition(
+                await self.store.transition(
                     rec.id,
                     rec.state,
                     SandboxState.PAUSED,
@@ -256,7 +272,9 @@ class SandboxManager:
                     pause_mode=_pause_mode(found.memory),
                 )
                 if rec.state is not SandboxState.PAUSED:
-                    self.store.log(rec.id, f"paused, as a restarted server found it (was {was})")
+                    await self.store.log(
+                        rec.id, f"paused, as a restarted server found it (was {was})"
+                    )
         for rid in await self.runtime.sandbox_ids():
             if rid not in named:
                 log.warning("runtime sandbox %s belongs to no sandbox; deleting it", rid)
@@ -270,13 +288,13 @@ class SandboxManager:
         task.add_done_callback(self._tasks.discard)
 
     async def _lose(self, runtime_id: str, why: str) -> None:
-        rec = self.store.by_runtime_id(runtime_id)
+        rec = await self.store.by_runtime_id(runtime_id)
         if rec is None:
             with contextlib.suppress(Exception):
                 await self.runtime.delete(runtime_id)
             return
         async with self._locked(rec.id):
-            rec = self.store.get(rec.id)
+            rec = await self.store.get(rec.id)
             # An operation holding the lock may have replaced the VM meanwhile (a resume).
             if (
                 rec is None
@@ -287,11 +305,11 @@ class SandboxManager:
                 return
             self.metrics.sandboxes_lost.inc()
             # Logged first: from here on every request for it is told why it is gone.
-            self.store.log(rec.id, f"{LOST}{why}", "error")
+            await self.store.log(rec.id, f"{LOST}{why}", "error")
             await self._kill_locked(rec, "its resources were released")
 
-    def _lost_reason(self, sandbox_id: str) -> str | None:
-        for line in reversed(self.store.logs(sandbox_id)):
+    async def _lost_reason(self, sandbox_id: str) -> str | None:
+        for line in reversed(await self.store.logs(sandbox_id)):
             if line.message.startswith(LOST):
                 return line.message[len(LOST) :]
         return None
@@ -302,16 +320,19 @@ class SandboxManager:
         async with lock:
             yield
         if not lock.locked() and sandbox_id in self._locks:
-            rec = self.store.get(sandbox_id)
-            if rec is None or rec.state is SandboxState.GONE:
+            rec = await self.store.get(sandbox_id)
+            # Looked at again after the read: another request may have taken the lock while
+            # it was under way, and dropping a held lock would let a third one run beside it.
+            gone = rec is None or rec.state is SandboxState.GONE
+            if gone and not lock.locked() and self._locks.get(sandbox_id) is lock:
                 self._locks.pop(sandbox_id, None)
 
     # -- queries ---------------------------------------------------------------------------
 
-    def get(self, sandbox_id: str) -> SandboxRecord:
-        rec = self.store.get(sandbox_id)
+    async def get(self, sandbox_id: str) -> SandboxRecord:
+        rec = await self.store.get(sandbox_id)
         if rec is None or rec.state in (SandboxState.GONE, SandboxState.KILLING):
-            why = None if rec is None else self._lost_reason(sandbox_id)
+            why = None if rec is None else await self._lost_reason(sandbox_id)
             if why is not None:
                 raise SandboxLost(sandbox_id, why)
             raise SandboxNotFound(sandbox_id)
@@ -343,11 +364,19 @@ class SandboxManager:
     async def host_memory_all(self) -> dict[str, HostMemory]:
         """Host memory of every running sandbox, by sandbox id; also kept as
         `host_memory_seen` for the Prometheus collector, which cannot await."""
-        recs = self.store.select([SandboxState.RUNNING])
+        recs = await self.store.select([SandboxState.RUNNING])
         mems = await self.host_memories(recs)
         out = {r.id: m for r, m in zip(recs, mems, strict=True) if m is not None}
         self.host_memory_seen = out
         return out
+
+    async def state_counts(self) -> tuple[dict[str, int], int]:
+        """Users' sandboxes by state and the build sandboxes holding a VM, from the store;
+        also kept as `state_counts_seen` / `builds_seen` for the Prometheus collector."""
+        counts = await self.store.count_by_state()
+        builds = await self.store.count_builds()
+        self.state_counts_seen, self.builds_seen = counts, builds
+        return counts, builds
 
     def _spec(self, rec: SandboxRecord, runtime_id: str | None = None) -> SandboxSpec:
         """Everything the node needs of this sandbox (`contract.runtime.SandboxSpec`)."""
@@ -365,9 +394,9 @@ class SandboxManager:
 
     # -- transitions -----------------------------------------------------------------------
 
-    def team_of_key(self, api_key_id: str | None) -> str:
+    async def team_of_key(self, api_key_id: str | None) -> str:
         """The team a key belongs to (what it creates is that team's)."""
-        key = self.store.key(api_key_id) if api_key_id is not None else None
+        key = await self.store.key(api_key_id) if api_key_id is not None else None
         return key.team_id if key is not None else DEFAULT_TEAM
 
     async def create(
@@ -375,7 +404,7 @@ class SandboxManager:
     ) -> SandboxRecord:
         """A new sandbox of `team_id` (default: the team of `api_key_id`). The team's limits
         apply (429), except to template build sandboxes, which are the server's."""
-        team = team_id or self.team_of_key(api_key_id)
+        team = team_id or await self.team_of_key(api_key_id)
         try:
             tpl = self.templates.get(spec.template)
         except TemplateUnavailable as exc:
@@ -422,11 +451,13 @@ class SandboxManager:
         )
         started = time.monotonic()
         async with self._locked(rec.id):
-            if BUILD_METADATA not in rec.metadata:
-                # No await between the check and the insert: the row is the place taken.
-                self.limits.admit(team)
-            self.store.insert(rec)
-            self.store.log(rec.id, f"creating from template {rec.template!r}")
+            if BUILD_METADATA in rec.metadata:
+                await self.store.insert(rec)
+            else:
+                # The place is held from the check until the row that takes it is stored.
+                async with self.limits.reserve(team):
+                    await self.store.insert(rec)
+            await self.store.log(rec.id, f"creating from template {rec.template!r}")
             log.info(
                 "sandbox %s creating template=%s",
                 rec.id,
@@ -441,7 +472,7 @@ class SandboxManager:
                 # The sandbox's life (and its timeout) starts when it is usable, not when the
                 # request arrived: a slow boot must not eat into the caller's timeout.
                 ready_at = time.time()
-                if not self.store.transition(
+                if not await self.store.transition(
                     rec.id,
                     SandboxState.CREATING,
                     SandboxState.RUNNING,
@@ -467,7 +498,7 @@ class SandboxManager:
                     raise CreateFailed(f"sandbox creation failed: {exc}") from exc
                 raise
         self.metrics.create_seconds.observe(time.monotonic() - started)
-        self.store.log(rec.id, "running")
+        await self.store.log(rec.id, "running")
         log.info(
             "sandbox %s running address=%s",
             rec.id,
@@ -475,20 +506,20 @@ class SandboxManager:
             extra={"sandbox_id": rec.id, "address": placement.address},
         )
         self._wake.set()
-        return self.get(rec.id)
+        return await self.get(rec.id)
 
     async def _teardown_failed_create(
         self, rec: SandboxRecord, placement: Placement | None, exc: BaseException
     ) -> None:
-        self.store.transition(rec.id, SandboxState.CREATING, SandboxState.KILLING)
-        self.store.log(rec.id, f"create failed: {exc!r}", "error")
+        await self.store.transition(rec.id, SandboxState.CREATING, SandboxState.KILLING)
+        await self.store.log(rec.id, f"create failed: {exc!r}", "error")
         log.warning("sandbox %s create failed: %r", rec.id, exc, extra={"sandbox_id": rec.id})
         if placement is not None:
             try:
                 await asyncio.shield(self.runtime.delete(placement.runtime_id))
             except Exception as del_exc:
                 log.error("sandbox %s teardown after failed create: %r", rec.id, del_exc)
-        self.store.transition(rec.id, SandboxState.KILLING, SandboxState.GONE)
+        await self.store.transition(rec.id, SandboxState.KILLING, SandboxState.GONE)
 
     async def _released(self, sandbox_id: str) -> None:
         for hook in self.on_release:
@@ -503,7 +534,7 @@ class SandboxManager:
         """A persistent snapshot of a running sandbox; it keeps running. `memory=False`: its
         disk only (E2B's filesystem-only snapshot), whose creates boot from that disk."""
         async with self._locked(sandbox_id):
-            rec = self.get(sandbox_id)
+            rec = await self.get(sandbox_id)
             if rec.state is not SandboxState.RUNNING:
                 raise Conflict(f"sandbox {sandbox_id} is {rec.state.value}, not running")
             try:
@@ -515,7 +546,7 @@ class SandboxManager:
             except Unsupported as exc:
                 raise NotSupported(str(exc)) from exc
             # The guest may have moved to another QEMU (same slot, same address).
-            self.store.log(sandbox_id, f"snapshot {info.snapshot_id} {info.names}")
+            await self.store.log(sandbox_id, f"snapshot {info.snapshot_id} {info.names}")
         return info
 
     async def fork(
@@ -524,13 +555,13 @@ class SandboxManager:
         """`count` new running sandboxes from one capture of a running one; they are the
         source's team's, within its limits."""
         async with self._locked(sandbox_id):
-            src = self.get(sandbox_id)
+            src = await self.get(sandbox_id)
             if src.state is not SandboxState.RUNNING:
                 raise Conflict(f"sandbox {sandbox_id} is {src.state.value}, not running")
-            with self.limits.reserve(src.team_id, count):
+            async with self.limits.reserve(src.team_id, count):
                 # The children's rows come first (as creating): a crash during the fork
                 # finds them and finishes them as kills.
-                recs = self._fork_rows(src, count, lifetime_s, api_key_id)
+                recs = await self._fork_rows(src, count, lifetime_s, api_key_id)
                 try:
                     placements = await self.runtime.fork(
                         src.runtime_id or src.id,
@@ -543,10 +574,10 @@ class SandboxManager:
                     if isinstance(exc, Unsupported):
                         raise NotSupported(str(exc)) from exc
                     raise
-                self.store.log(sandbox_id, f"forked {len(placements)} sandbox(es)")
-        return self._start_forks(recs, placements)
+                await self.store.log(sandbox_id, f"forked {len(placements)} sandbox(es)")
+        return await self._start_forks(recs, placements)
 
-    def _fork_rows(
+    async def _fork_rows(
         self,
         src: SandboxRecord,
         count: int,
@@ -581,18 +612,18 @@ class SandboxManager:
                 api_key_id=api_key_id,
                 team_id=src.team_id,
             )
-            self.store.insert(rec)
-            self.store.log(rec.id, f"forked from {sandbox_id}")
+            await self.store.insert(rec)
+            await self.store.log(rec.id, f"forked from {sandbox_id}")
             recs.append(rec)
         return recs
 
-    def _start_forks(
+    async def _start_forks(
         self, recs: list[SandboxRecord], placements: list[Placement]
     ) -> list[SandboxRecord]:
         # Each child's envd had its `/init` (its own token) on the node.
         children: list[SandboxRecord] = []
         for rec, placement in zip(recs, placements, strict=True):
-            self.store.transition(
+            await self.store.transition(
                 rec.id,
                 SandboxState.CREATING,
                 SandboxState.RUNNING,
@@ -600,7 +631,7 @@ class SandboxManager:
                 envd_url=placement.envd_url,
                 runtime_id=placement.runtime_id,
             )
-            children.append(self.get(rec.id))
+            children.append(await self.get(rec.id))
         self._wake.set()
         return children
 
@@ -609,14 +640,14 @@ class SandboxManager:
 
     async def kill(self, sandbox_id: str, *, reason: str = "killed") -> None:
         async with self._locked(sandbox_id):
-            rec = self.store.get(sandbox_id)
+            rec = await self.store.get(sandbox_id)
             if rec is None or rec.state is SandboxState.GONE:
                 raise SandboxNotFound(sandbox_id)
             await self._kill_locked(rec, reason)
 
     async def _kill_locked(self, rec: SandboxRecord, reason: str) -> None:
         sandbox_id = rec.id
-        if not self.store.transition(sandbox_id, rec.state, SandboxState.KILLING):
+        if not await self.store.transition(sandbox_id, rec.state, SandboxState.KILLING):
             raise SandboxNotFound(sandbox_id)
         if rec.runtime_id is not None:
             try:
@@ -630,10 +661,10 @@ class SandboxManager:
                     exc,
                     extra={"sandbox_id": sandbox_id},
                 )
-                self.store.log(sandbox_id, f"delete failed: {exc!r}", "error")
-        self.store.transition(sandbox_id, SandboxState.KILLING, SandboxState.GONE)
+                await self.store.log(sandbox_id, f"delete failed: {exc!r}", "error")
+        await self.store.transition(sandbox_id, SandboxState.KILLING, SandboxState.GONE)
         await self._released(sandbox_id)
-        self.store.log(sandbox_id, reason)
+        await self.store.log(sandbox_id, reason)
         log.info("sandbox %s gone (%s)", sandbox_id, reason, extra={"sandbox_id": sandbox_id})
 
     async def update_network(
@@ -647,7 +678,7 @@ class SandboxManager:
         """Replace a running or paused sandbox's egress policy (omitted parts are cleared,
         as E2B does); it holds at once while the sandbox runs."""
         async with self._locked(sandbox_id):
-            rec = self.get(sandbox_id)
+            rec = await self.get(sandbox_id)
             if rec.state not in (SandboxState.RUNNING, SandboxState.PAUSED):
                 raise Conflict(f"sandbox {sandbox_id} is {rec.state.value}")
             egress_keys = ("allowOut", "denyOut", "dnsServers")
@@ -660,25 +691,25 @@ class SandboxManager:
                 network["dnsServers"] = dns_servers
             updated = replace(rec, allow_internet=allow_internet, network=network)
             await self.runtime.update_egress(rec.runtime_id or rec.id, egress_of(updated))
-            self.store.update(sandbox_id, allow_internet=allow_internet, network=network)
-            self.store.log(sandbox_id, f"network policy set: {egress_of(updated).to_json()}")
+            await self.store.update(sandbox_id, allow_internet=allow_internet, network=network)
+            await self.store.log(sandbox_id, f"network policy set: {egress_of(updated).to_json()}")
 
     async def set_timeout(self, sandbox_id: str, seconds: int) -> None:
         async with self._locked(sandbox_id):
-            rec = self.get(sandbox_id)
+            rec = await self.get(sandbox_id)
             if rec.state not in (SandboxState.RUNNING, SandboxState.PAUSED):
                 raise Conflict(f"sandbox {sandbox_id} is {rec.state.value}")
-            self.store.update(sandbox_id, end_at=time.time() + seconds)
-            self.store.log(sandbox_id, f"timeout set to {seconds}s")
+            await self.store.update(sandbox_id, end_at=time.time() + seconds)
+            await self.store.log(sandbox_id, f"timeout set to {seconds}s")
         self._wake.set()
 
     async def refresh(self, sandbox_id: str, duration: int) -> None:
         """Extend the sandbox's life to at least ``duration`` seconds from now."""
         async with self._locked(sandbox_id):
-            rec = self.get(sandbox_id)
+            rec = await self.get(sandbox_id)
             if rec.state is not SandboxState.RUNNING:
                 raise Conflict(f"sandbox {sandbox_id} is {rec.state.value}")
-            self.store.update(sandbox_id, end_at=max(rec.end_at, time.time() + duration))
+            await self.store.update(sandbox_id, end_at=max(rec.end_at, time.time() + duration))
 
     async def connect(
         self, sandbox_id: str, seconds: int | None, *, memory: bool | None = None
@@ -688,16 +719,16 @@ class SandboxManager:
         ``memory=False`` resumes a paused sandbox by a cold boot from its disk, its saved
         memory dropped, and means nothing for a running one (E2B's connect)."""
         async with self._locked(sandbox_id):
-            rec = self.get(sandbox_id)
+            rec = await self.get(sandbox_id)
             if rec.state is SandboxState.RUNNING:
                 if seconds is not None:
                     # Connecting only ever extends a running sandbox's life.
                     end_at = max(rec.end_at, time.time() + seconds)
-                    self.store.update(sandbox_id, end_at=end_at)
-                return self.get(sandbox_id), False
+                    await self.store.update(sandbox_id, end_at=end_at)
+                return await self.get(sandbox_id), False
             if rec.state is SandboxState.PAUSED:
                 await self._resume_locked(rec, seconds, memory=memory is not False)
-                return self.get(sandbox_id), True
+                return await self.get(sandbox_id), True
             raise Conflict(f"sandbox {sandbox_id} is {rec.state.value}")
 
     async def resume(
@@ -710,21 +741,26 @@ class SandboxManager:
     ) -> SandboxRecord:
         """Resume a paused sandbox; ``auto_pause`` replaces its auto-pause setting."""
         async with self._locked(sandbox_id):
-            rec = self.get(sandbox_id)
+            rec = await self.get(sandbox_id)
             if rec.state is not SandboxState.PAUSED:
                 raise Conflict(f"sandbox {sandbox_id} is {rec.state.value}, not paused")
             await self._resume_locked(rec, seconds, memory=memory is not False)
             if auto_pause is not None:
-                self.store.update(sandbox_id, auto_pause=auto_pause)
-        return self.get(sandbox_id)
+                await self.store.update(sandbox_id, auto_pause=auto_pause)
+        return await self.get(sandbox_id)
 
     async def _resume_locked(
         self, rec: SandboxRecord, seconds: int | None, *, memory: bool = True
     ) -> None:
-        if BUILD_METADATA not in rec.metadata:
-            # A resumed sandbox takes a place again; checked right before it does.
-            self.limits.admit(rec.team_id, create=False)
-        if not self.store.transition(rec.id, SandboxState.PAUSED, SandboxState.RESUMING):
+        if BUILD_METADATA in rec.metadata:
+            moved = await self.store.transition(rec.id, SandboxState.PAUSED, SandboxState.RESUMING)
+        else:
+            # A resumed sandbox takes a place again: held from the check until it has.
+            async with self.limits.reserve(rec.team_id, create=False):
+                moved = await self.store.transition(
+                    rec.id, SandboxState.PAUSED, SandboxState.RESUMING
+                )
+        if not moved:
             raise Conflict(f"sandbox {rec.id} changed state during resume")
         started = time.monotonic()
         rid = rec.runtime_id or rec.id
@@ -738,8 +774,8 @@ class SandboxManager:
         except BaseException as exc:
             if isinstance(exc, Lost):
                 # The guest ran again and failed: nothing paused is left to go back to.
-                self.store.transition(rec.id, SandboxState.RESUMING, SandboxState.GONE)
-                self.store.log(rec.id, f"{LOST}{exc}", "error")
+                await self.store.transition(rec.id, SandboxState.RESUMING, SandboxState.GONE)
+                await self.store.log(rec.id, f"{LOST}{exc}", "error")
                 await self._released(rec.id)
                 raise SandboxLost(rec.id, str(exc)) from exc
             # A resume without memory may have dropped it before it failed.
@@ -747,13 +783,13 @@ class SandboxManager:
             mode = rec.pause_mode
             if found is not None and found.state == "paused":
                 mode = _pause_mode(found.memory)
-            self.store.transition(
+            await self.store.transition(
                 rec.id, SandboxState.RESUMING, SandboxState.PAUSED, pause_mode=mode
             )
             if isinstance(exc, Unsupported):
                 raise NotSupported(str(exc)) from exc
             raise
-        self.store.transition(
+        await self.store.transition(
             rec.id,
             SandboxState.RESUMING,
             SandboxState.RUNNING,
@@ -764,7 +800,9 @@ class SandboxManager:
             pause_mode=None,
         )
         self.metrics.resume_seconds.observe(time.monotonic() - started)
-        self.store.log(rec.id, "resumed by a boot from its disk" if placement.booted else "resumed")
+        await self.store.log(
+            rec.id, "resumed by a boot from its disk" if placement.booted else "resumed"
+        )
         self._wake.set()
 
     async def pause(
@@ -781,7 +819,7 @@ class SandboxManager:
         it), which always needs envd to flush the disk; ``strict=False`` (an auto-pause)
         pauses anyway, with what the disk holds, rather than refuse."""
         async with self._locked(sandbox_id):
-            rec = self.get(sandbox_id)
+            rec = await self.get(sandbox_id)
             if rec.state is SandboxState.PAUSED:
                 raise Conflict(f"sandbox {sandbox_id} is already paused")
             check = require_healthy_guest or (not memory and strict)
@@ -792,7 +830,9 @@ class SandboxManager:
                         f"sandbox {sandbox_id} was not paused: its guest agent (envd) does not "
                         f"answer ({why}); it keeps running"
                     )
-            if not self.store.transition(sandbox_id, SandboxState.RUNNING, SandboxState.PAUSING):
+            if not await self.store.transition(
+                sandbox_id, SandboxState.RUNNING, SandboxState.PAUSING
+            ):
                 raise Conflict(f"sandbox {sandbox_id} is {rec.state.value}")
             try:
                 rid = rec.runtime_id or rec.id
@@ -803,13 +843,13 @@ class SandboxManager:
                         rid, memory=False, envd_token=rec.envd_token, strict=strict
                     )
             except BaseException as exc:
-                self.store.transition(sandbox_id, SandboxState.PAUSING, SandboxState.RUNNING)
+                await self.store.transition(sandbox_id, SandboxState.PAUSING, SandboxState.RUNNING)
                 if isinstance(exc, Unsupported):
                     raise NotSupported(str(exc)) from exc
                 raise
             # A paused sandbox's timeout stops (a resume starts a new one), and its retention
             # counts from now, not from a deadline it never reached.
-            self.store.transition(
+            await self.store.transition(
                 sandbox_id,
                 SandboxState.PAUSING,
                 SandboxState.PAUSED,
@@ -818,13 +858,13 @@ class SandboxManager:
                 pause_mode=_pause_mode(memory),
             )
             await self._released(sandbox_id)
-            self.store.log(sandbox_id, "paused" if memory else "paused (filesystem only)")
+            await self.store.log(sandbox_id, "paused" if memory else "paused (filesystem only)")
 
     # -- timeouts --------------------------------------------------------------------------
 
     async def _reap_forever(self) -> None:
         while True:
-            deadline = self.store.next_deadline()
+            deadline = await self.store.next_deadline()
             wait = _REAPER_TICK_S
             if deadline is not None:
                 wait = min(wait, max(0.0, deadline - time.time()))
@@ -835,7 +875,7 @@ class SandboxManager:
 
     async def reap_expired(self) -> None:
         await self._reap_paused()
-        for rec in self.store.expired(time.time()):
+        for rec in await self.store.expired(time.time()):
             try:
                 await self._expire(rec.id)
             except Exception as exc:
@@ -847,7 +887,7 @@ class SandboxManager:
         if self.paused_retention_s <= 0 or now - self._retention_checked < self.retention_check_s:
             return
         self._retention_checked = now
-        for rec in self.store.select([SandboxState.PAUSED]):
+        for rec in await self.store.select([SandboxState.PAUSED]):
             if self._retention_over(rec, now):
                 try:
                     await self._collect_paused(rec.id)
@@ -860,7 +900,7 @@ class SandboxManager:
 
     async def _collect_paused(self, sandbox_id: str) -> None:
         async with self._locked(sandbox_id):
-            rec = self.store.get(sandbox_id)
+            rec = await self.store.get(sandbox_id)
             # The rows were read before earlier deletions awaited: a connect may have resumed
             # this one, or a new timeout moved its deadline, in the meantime.
             if (
@@ -873,7 +913,7 @@ class SandboxManager:
 
     async def _expire(self, sandbox_id: str) -> None:
         async with self._locked(sandbox_id):
-            rec = self.store.get(sandbox_id)
+            rec = await self.store.get(sandbox_id)
             # The deadline may have moved while we waited for the lock.
             if rec is None or rec.state is not SandboxState.RUNNING or rec.end_at > time.time():
                 return
@@ -881,10 +921,10 @@ class SandboxManager:
         if auto_pause:
             try:
                 await self.pause(sandbox_id, memory=memory, strict=False)
-                self.store.log(sandbox_id, "paused on timeout")
+                await self.store.log(sandbox_id, "paused on timeout")
                 return
             except NotSupported as exc:
-                self.store.log(sandbox_id, f"auto-pause unavailable ({exc}); killing", "warn")
+                await self.store.log(sandbox_id, f"auto-pause unavailable ({exc}); killing", "warn")
             except (Conflict, SandboxNotFound):
                 return
         with contextlib.suppress(SandboxNotFound):

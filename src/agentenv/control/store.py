@@ -1,8 +1,17 @@
-"""SQLite persistence for sandbox rows, lifecycle events, teams, API keys and idempotency keys.
+"""The control plane's persistent state: sandbox rows, lifecycle log lines, teams, API keys and
+idempotency keys, behind one async interface (`Store`) with two implementations:
 
-Every state change is a compare-and-set ``UPDATE … WHERE state = ?`` so two writers can never
-both win a transition. Calls are synchronous: each statement touches one indexed row in a local
-WAL database and returns in well under a millisecond, which is cheaper than a thread hop.
+- `SqliteStore` (this module): one SQLite file per server, the single-node default. Every
+  state change is a compare-and-set ``UPDATE … WHERE state = ?`` so two writers can never
+  both win a transition. Its statements run inline in the async methods: each touches one
+  indexed row in a local WAL database and returns in well under a millisecond, cheaper than a
+  thread hop, and an async method without an await inside never yields, so on one event loop
+  a read-then-write sequence of them is as atomic as it was when they were synchronous.
+- `etcd_store.EtcdStore`: the same rows in etcd (`AGENTENV_ETCD`), shared by every
+  control-plane replica.
+
+Async because a replicated store answers over the network: every caller awaits, so which one
+the server runs on changes nothing above this interface.
 """
 
 from __future__ import annotations
@@ -14,7 +23,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from agentenv.config import Settings
 
 
 class SandboxState(StrEnum):
@@ -194,7 +206,76 @@ _KEY_COLUMNS = "id, name, prefix, created_at, revoked_at, team_id"
 _TEAM_COLUMNS = "id, name, created_at, max_sandboxes, creates_per_minute"
 
 
-class Store:
+class Store(Protocol):
+    """What the control plane keeps. Every sandbox state change is a compare-and-set: of two
+    writers (tasks, or replicas on a shared store) moving one sandbox from the same state,
+    exactly one `transition` returns True."""
+
+    async def close(self) -> None: ...
+
+    # Sandboxes. `insert` sets `rec.seq`: increasing in insertion order (the list order).
+    async def insert(self, rec: SandboxRecord) -> None: ...
+    async def get(self, sandbox_id: str) -> SandboxRecord | None: ...
+    async def transition(
+        self,
+        sandbox_id: str,
+        expected: SandboxState | Iterable[SandboxState],
+        new: SandboxState,
+        **changes: Any,
+    ) -> bool: ...
+    async def update(self, sandbox_id: str, **changes: Any) -> None: ...
+    async def select(
+        self,
+        states: Iterable[SandboxState] | None = None,
+        *,
+        after_seq: int = 0,
+        descending: bool = False,
+        before_seq: int | None = None,
+        team_id: str | None = None,
+    ) -> list[SandboxRecord]: ...
+    async def envd_tokens(self) -> list[tuple[str, str]]: ...
+    async def by_runtime_id(self, runtime_id: str) -> SandboxRecord | None: ...
+    async def expired(self, now: float) -> list[SandboxRecord]: ...
+    async def next_deadline(self) -> float | None: ...
+    async def count_by_state(self) -> dict[str, int]: ...
+    async def count_active(self, team_id: str) -> tuple[int, float | None]: ...
+    async def count_builds(self) -> int: ...
+    async def spawns(self, team_id: str | None = None) -> dict[str, tuple[int, float]]: ...
+
+    # Lifecycle log lines.
+    async def log(self, sandbox_id: str, message: str, level: str = "info") -> None: ...
+    async def logs(
+        self, sandbox_id: str, *, start: float = 0.0, limit: int = 1000
+    ) -> list[LogLine]: ...
+
+    # Teams and snapshot owners.
+    async def add_team(self, team_id: str, name: str) -> Team: ...
+    async def team(self, ref: str) -> Team | None: ...
+    async def teams(self) -> list[Team]: ...
+    async def set_team_limits(
+        self, team_id: str, *, max_sandboxes: int | None, creates_per_minute: int | None
+    ) -> bool: ...
+    async def set_snapshot_owner(self, snapshot_id: str, team_id: str) -> None: ...
+    async def snapshot_owner(self, snapshot_id: str) -> str: ...
+
+    # API keys.
+    async def add_key(
+        self, key_id: str, name: str, prefix: str, key_hash: str, team_id: str = DEFAULT_TEAM
+    ) -> ApiKey: ...
+    async def key_by_hash(self, key_hash: str) -> ApiKey | None: ...
+    async def key(self, key_id: str) -> ApiKey | None: ...
+    async def keys(self) -> list[ApiKey]: ...
+    async def revoke_key(self, key_id: str) -> bool: ...
+
+    # Idempotency keys.
+    async def claim_idempotency(self, api_key_id: str, key: str, body_hash: str) -> bool: ...
+    async def idempotency(self, api_key_id: str, key: str) -> tuple[str, str | None] | None: ...
+    async def complete_idempotency(self, api_key_id: str, key: str, sandbox_id: str) -> None: ...
+    async def release_idempotency(self, api_key_id: str, key: str) -> None: ...
+    async def expire_idempotency(self, older_than: float) -> None: ...
+
+
+class SqliteStore:
     """One SQLite database file; a single connection owned by the server's event loop."""
 
     def __init__(self, path: Path) -> None:
@@ -230,12 +311,12 @@ class Store:
         )
         self._db.execute("CREATE INDEX IF NOT EXISTS sandboxes_team ON sandboxes(team_id, state)")
 
-    def close(self) -> None:
+    async def close(self) -> None:
         self._db.close()
 
     # -- sandboxes -------------------------------------------------------------------------
 
-    def insert(self, rec: SandboxRecord) -> None:
+    async def insert(self, rec: SandboxRecord) -> None:
         row = _to_row(rec)
         marks = ",".join("?" for _ in _COLUMNS)
         cur = self._db.execute(
@@ -244,11 +325,11 @@ class Store:
         )
         rec.seq = int(cur.lastrowid or 0)
 
-    def get(self, sandbox_id: str) -> SandboxRecord | None:
+    async def get(self, sandbox_id: str) -> SandboxRecord | None:
         row = self._db.execute("SELECT * FROM sandboxes WHERE id = ?", (sandbox_id,)).fetchone()
         return _from_row(row) if row else None
 
-    def transition(
+    async def transition(
         self,
         sandbox_id: str,
         expected: SandboxState | Iterable[SandboxState],
@@ -269,14 +350,14 @@ class Store:
         )
         return cur.rowcount == 1
 
-    def update(self, sandbox_id: str, **changes: Any) -> None:
+    async def update(self, sandbox_id: str, **changes: Any) -> None:
         sets = [f"{key} = ?" for key in changes]
         args = [_encode(k, v) for k, v in changes.items()]
         self._db.execute(
             f"UPDATE sandboxes SET {', '.join(sets)} WHERE id = ?", [*args, sandbox_id]
         )
 
-    def select(
+    async def select(
         self,
         states: Iterable[SandboxState] | None = None,
         *,
@@ -306,7 +387,7 @@ class Store:
         ).fetchall()
         return [_from_row(r) for r in rows]
 
-    def envd_tokens(self) -> list[tuple[str, str]]:
+    async def envd_tokens(self) -> list[tuple[str, str]]:
         """(id, envd access token) of every live sandbox that has a token; two columns only,
         so the proxy can match a signed URL against all of them cheaply (`proxy.signed`)."""
         marks = ",".join("?" for _ in LIVE_STATES)
@@ -317,7 +398,7 @@ class Store:
         ).fetchall()
         return [(str(r[0]), str(r[1])) for r in rows]
 
-    def by_runtime_id(self, runtime_id: str) -> SandboxRecord | None:
+    async def by_runtime_id(self, runtime_id: str) -> SandboxRecord | None:
         """The live row whose sandbox runs as `runtime_id`."""
         row = self._db.execute(
             "SELECT * FROM sandboxes WHERE runtime_id = ? AND state != ? ORDER BY seq DESC",
@@ -325,27 +406,27 @@ class Store:
         ).fetchone()
         return None if row is None else _from_row(row)
 
-    def expired(self, now: float) -> list[SandboxRecord]:
+    async def expired(self, now: float) -> list[SandboxRecord]:
         rows = self._db.execute(
             "SELECT * FROM sandboxes WHERE state = ? AND end_at <= ?",
             (SandboxState.RUNNING.value, now),
         ).fetchall()
         return [_from_row(r) for r in rows]
 
-    def next_deadline(self) -> float | None:
+    async def next_deadline(self) -> float | None:
         row = self._db.execute(
             "SELECT MIN(end_at) FROM sandboxes WHERE state = ?", (SandboxState.RUNNING.value,)
         ).fetchone()
         return float(row[0]) if row and row[0] is not None else None
 
-    def count_by_state(self) -> dict[str, int]:
+    async def count_by_state(self) -> dict[str, int]:
         """Users' sandboxes by state (template build sandboxes are `count_builds`)."""
         rows = self._db.execute(
             f"SELECT state, COUNT(*) FROM sandboxes WHERE {_NOT_BUILD} GROUP BY state"
         ).fetchall()
         return {str(r[0]): int(r[1]) for r in rows}
 
-    def count_active(self, team_id: str) -> tuple[int, float | None]:
+    async def count_active(self, team_id: str) -> tuple[int, float | None]:
         """The team's users' sandboxes that hold a VM or are about to (`ACTIVE_STATES`),
         and the soonest timeout among them (None if none has one)."""
         marks = ",".join("?" for _ in ACTIVE_STATES)
@@ -356,7 +437,7 @@ class Store:
         ).fetchone()
         return int(row[0]), (float(row[1]) if row[1] is not None else None)
 
-    def count_builds(self) -> int:
+    async def count_builds(self) -> int:
         """Template build sandboxes that still hold (or are about to hold) a VM."""
         marks = ",".join("?" for _ in LIVE_STATES)
         row = self._db.execute(
@@ -365,7 +446,7 @@ class Store:
         ).fetchone()
         return int(row[0])
 
-    def spawns(self, team_id: str | None = None) -> dict[str, tuple[int, float]]:
+    async def spawns(self, team_id: str | None = None) -> dict[str, tuple[int, float]]:
         """templateID → (sandboxes that started from it, when the last one did), build
         sandboxes and failed creates not counted: E2B's spawnCount and lastSpawnedAt. Rows
         are never deleted, so this is the whole history of this data dir. `team_id`: only
@@ -380,13 +461,15 @@ class Store:
 
     # -- logs ------------------------------------------------------------------------------
 
-    def log(self, sandbox_id: str, message: str, level: str = "info") -> None:
+    async def log(self, sandbox_id: str, message: str, level: str = "info") -> None:
         self._db.execute(
             "INSERT INTO sandbox_logs (sandbox_id, ts, level, message) VALUES (?, ?, ?, ?)",
             (sandbox_id, time.time(), level, message),
         )
 
-    def logs(self, sandbox_id: str, *, start: float = 0.0, limit: int = 1000) -> list[LogLine]:
+    async def logs(
+        self, sandbox_id: str, *, start: float = 0.0, limit: int = 1000
+    ) -> list[LogLine]:
         rows = self._db.execute(
             "SELECT sandbox_id, ts, level, message FROM sandbox_logs "
             "WHERE sandbox_id = ? AND ts >= ? ORDER BY ts, rowid LIMIT ?",
@@ -396,14 +479,14 @@ class Store:
 
     # -- teams -----------------------------------------------------------------------------
 
-    def add_team(self, team_id: str, name: str) -> Team:
+    async def add_team(self, team_id: str, name: str) -> Team:
         now = time.time()
         self._db.execute(
             "INSERT INTO teams (id, name, created_at) VALUES (?, ?, ?)", (team_id, name, now)
         )
         return Team(team_id, name, now)
 
-    def team(self, ref: str) -> Team | None:
+    async def team(self, ref: str) -> Team | None:
         """A team by id or by name."""
         row = self._db.execute(
             f"SELECT {_TEAM_COLUMNS} FROM teams WHERE id = ? OR name = ? ORDER BY id = ? DESC",
@@ -411,11 +494,11 @@ class Store:
         ).fetchone()
         return Team(*row) if row else None
 
-    def teams(self) -> list[Team]:
+    async def teams(self) -> list[Team]:
         rows = self._db.execute(f"SELECT {_TEAM_COLUMNS} FROM teams ORDER BY created_at").fetchall()
         return [Team(*r) for r in rows]
 
-    def set_team_limits(
+    async def set_team_limits(
         self, team_id: str, *, max_sandboxes: int | None, creates_per_minute: int | None
     ) -> bool:
         sets: list[str] = []
@@ -427,19 +510,19 @@ class Store:
             sets.append("creates_per_minute = ?")
             args.append(creates_per_minute)
         if not sets:
-            return self.team(team_id) is not None
+            return await self.team(team_id) is not None
         cur = self._db.execute(f"UPDATE teams SET {', '.join(sets)} WHERE id = ?", [*args, team_id])
         return cur.rowcount == 1
 
     # -- snapshot owners ---------------------------------------------------------------------
 
-    def set_snapshot_owner(self, snapshot_id: str, team_id: str) -> None:
+    async def set_snapshot_owner(self, snapshot_id: str, team_id: str) -> None:
         self._db.execute(
             "INSERT OR REPLACE INTO snapshot_owners (snapshot_id, team_id) VALUES (?, ?)",
             (snapshot_id, team_id),
         )
 
-    def snapshot_owner(self, snapshot_id: str) -> str:
+    async def snapshot_owner(self, snapshot_id: str) -> str:
         """The team a snapshot belongs to; one made before teams existed is the default
         team's."""
         row = self._db.execute(
@@ -449,7 +532,7 @@ class Store:
 
     # -- API keys --------------------------------------------------------------------------
 
-    def add_key(
+    async def add_key(
         self, key_id: str, name: str, prefix: str, key_hash: str, team_id: str = DEFAULT_TEAM
     ) -> ApiKey:
         now = time.time()
@@ -460,25 +543,25 @@ class Store:
         )
         return ApiKey(key_id, name, prefix, now, None, team_id)
 
-    def key_by_hash(self, key_hash: str) -> ApiKey | None:
+    async def key_by_hash(self, key_hash: str) -> ApiKey | None:
         row = self._db.execute(
             f"SELECT {_KEY_COLUMNS} FROM api_keys WHERE hash = ?", (key_hash,)
         ).fetchone()
         return ApiKey(*row) if row else None
 
-    def key(self, key_id: str) -> ApiKey | None:
+    async def key(self, key_id: str) -> ApiKey | None:
         row = self._db.execute(
             f"SELECT {_KEY_COLUMNS} FROM api_keys WHERE id = ?", (key_id,)
         ).fetchone()
         return ApiKey(*row) if row else None
 
-    def keys(self) -> list[ApiKey]:
+    async def keys(self) -> list[ApiKey]:
         rows = self._db.execute(
             f"SELECT {_KEY_COLUMNS} FROM api_keys ORDER BY created_at"
         ).fetchall()
         return [ApiKey(*r) for r in rows]
 
-    def revoke_key(self, key_id: str) -> bool:
+    async def revoke_key(self, key_id: str) -> bool:
         cur = self._db.execute(
             "UPDATE api_keys SET revoked_at = ? WHERE id = ? AND revoked_at IS NULL",
             (time.time(), key_id),
@@ -487,7 +570,7 @@ class Store:
 
     # -- idempotency -----------------------------------------------------------------------
 
-    def claim_idempotency(self, api_key_id: str, key: str, body_hash: str) -> bool:
+    async def claim_idempotency(self, api_key_id: str, key: str, body_hash: str) -> bool:
         """Reserve ``key``; False if it was already taken."""
         cur = self._db.execute(
             "INSERT OR IGNORE INTO idempotency (api_key_id, key, body_hash, created_at) "
@@ -496,27 +579,40 @@ class Store:
         )
         return cur.rowcount == 1
 
-    def idempotency(self, api_key_id: str, key: str) -> tuple[str, str | None] | None:
+    async def idempotency(self, api_key_id: str, key: str) -> tuple[str, str | None] | None:
         row = self._db.execute(
             "SELECT body_hash, sandbox_id FROM idempotency WHERE api_key_id = ? AND key = ?",
             (api_key_id, key),
         ).fetchone()
         return (str(row[0]), row[1]) if row else None
 
-    def complete_idempotency(self, api_key_id: str, key: str, sandbox_id: str) -> None:
+    async def complete_idempotency(self, api_key_id: str, key: str, sandbox_id: str) -> None:
         self._db.execute(
             "UPDATE idempotency SET sandbox_id = ? WHERE api_key_id = ? AND key = ?",
             (sandbox_id, api_key_id, key),
         )
 
-    def release_idempotency(self, api_key_id: str, key: str) -> None:
+    async def release_idempotency(self, api_key_id: str, key: str) -> None:
         self._db.execute(
             "DELETE FROM idempotency WHERE api_key_id = ? AND key = ? AND sandbox_id IS NULL",
             (api_key_id, key),
         )
 
-    def expire_idempotency(self, older_than: float) -> None:
+    async def expire_idempotency(self, older_than: float) -> None:
         self._db.execute("DELETE FROM idempotency WHERE created_at < ?", (older_than,))
+
+
+def open_store(settings: Settings, db: Path) -> Store:
+    """The store this server's settings name: etcd when `AGENTENV_ETCD` lists members (shared
+    by every control-plane replica), else the SQLite file `db` (the single-node default).
+    Nothing connects yet: the etcd client opens its channels on the first call, in the event
+    loop that makes it, so this may run before the server's loop starts."""
+    if settings.etcd_endpoints:
+        from agentenv.cluster.etcd import Etcd
+        from agentenv.control.etcd_store import EtcdStore
+
+        return EtcdStore(Etcd.from_settings(settings))
+    return SqliteStore(db)
 
 
 _JSON_COLUMNS = {"metadata", "env_vars", "network"}

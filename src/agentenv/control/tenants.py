@@ -7,8 +7,10 @@ the team's own; the node's admission limits (`node.admission`) apply either way.
 - Concurrency: the team's sandboxes that hold a VM or are about to (`store.ACTIVE_STATES`;
   paused ones are disk only, build sandboxes are the server's) plus those asked for must fit
   `max_sandboxes`. Checked on create, fork and every resume (connect, the proxy's
-  auto-resume). The caller inserts (or moves) the row right after the check with no await
-  in between, so on one event loop two requests cannot both take the last place.
+  auto-resume). `reserve` checks under a per-team lock and holds the place until the
+  caller's row that takes it is in the store, so on one replica two requests cannot both
+  take the last place (replicas sharing a store each check against the rows, so two of them
+  may each admit one of the last places at the same instant: a limit is exact per replica).
 - Create rate: a token bucket per team holding up to `creates_per_minute` tokens, refilled
   continuously at that rate (a full minute's allowance may come as one burst); a create
   takes one, a fork one per child. Buckets are in memory: a restart refills them.
@@ -20,10 +22,11 @@ to 1..30 s, a hint only: a kill frees a place sooner).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from agentenv.contract.errors import TooManyRequests
@@ -46,13 +49,19 @@ class TeamLimits:
         # Places taken by admitted requests whose rows are not in the store yet (a fork's
         # children exist only after the runtime made them).
         self._held: dict[str, int] = {}
+        # One per team: a check and the hold it grants are one step.
+        self._locks: dict[str, asyncio.Lock] = {}
 
-    @contextlib.contextmanager
-    def reserve(self, team_id: str, count: int = 1) -> Iterator[None]:
-        """`admit` `count` creates and count them as the team's until the block ends (by
-        then their rows are in the store, or they failed)."""
-        self.admit(team_id, count)
-        self._held[team_id] = self._held.get(team_id, 0) + count
+    @contextlib.asynccontextmanager
+    async def reserve(
+        self, team_id: str, count: int = 1, *, create: bool = True
+    ) -> AsyncIterator[None]:
+        """`admit` `count` sandboxes and count them as the team's until the block ends (by
+        then their rows are in the store, or they failed). The check and the hold happen
+        under the team's lock: a concurrent request sees the place as taken."""
+        async with self._lock(team_id):
+            await self._admit(team_id, count, create)
+            self._held[team_id] = self._held.get(team_id, 0) + count
         try:
             yield
         finally:
@@ -62,21 +71,29 @@ class TeamLimits:
             else:
                 self._held.pop(team_id, None)
 
-    def admit(self, team_id: str, count: int = 1, *, create: bool = True) -> None:
+    async def admit(self, team_id: str, count: int = 1, *, create: bool = True) -> None:
         """Raise `TooManyRequests` unless `count` more sandboxes of `team_id` fit; `create`:
-        they are new (a create or fork, which the rate limit counts), not a resume."""
-        team = self.store.team(team_id)
+        they are new (a create or fork, which the rate limit counts), not a resume. Holds
+        nothing: `reserve` is what a caller that goes on to take the place uses."""
+        async with self._lock(team_id):
+            await self._admit(team_id, count, create)
+
+    def _lock(self, team_id: str) -> asyncio.Lock:
+        return self._locks.setdefault(team_id, asyncio.Lock())
+
+    async def _admit(self, team_id: str, count: int, create: bool) -> None:
+        team = await self.store.team(team_id)
         if team is None:
             return
-        self._check_concurrency(team, count)
+        await self._check_concurrency(team, count)
         if create:
             self._take(team, count)
 
-    def _check_concurrency(self, team: Team, count: int) -> None:
+    async def _check_concurrency(self, team: Team, count: int) -> None:
         limit = team.max_sandboxes
         if limit <= 0:
             return
-        active, soonest = self.store.count_active(team.id)
+        active, soonest = await self.store.count_active(team.id)
         if active + self._held.get(team.id, 0) + count <= limit:
             return
         wait = 1

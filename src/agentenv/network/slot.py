@@ -24,7 +24,7 @@ from pathlib import Path
 from pyroute2 import AsyncConntrack, AsyncIPRoute, netns
 from pyroute2.netlink.exceptions import NetlinkError
 
-from agentenv.config import NetworkPlan
+from agentenv.config import DEFAULT_SLOT_CIDR, NetworkPlan
 from agentenv.filelock import file_lock
 from agentenv.network import nft
 from agentenv.network.egress import OPEN, Egress
@@ -222,7 +222,9 @@ async def _build(plan: NetworkPlan, slot: Slot) -> None:
         slot_ip=slot.slot_ip,
         guest_ip=slot.guest_ip,
         gateway_ip=slot.gateway_ip,
-        blocked=[plan.slot_cidr],
+        # Its own node's slots, and every other node's: nodes of a cluster take their slot
+        # ranges out of the default one, and no guest may reach another node's guests.
+        blocked=_slot_space(plan),
         max_connections=slot.max_connections,
     )
     # ip_forward is per namespace; the guest's traffic is routed, not bridged. The guard is
@@ -330,6 +332,17 @@ def _host_veths() -> list[str]:
         for n in os.listdir("/sys/class/net")
         if n.startswith(HOST_VETH_PREFIX) and n[len(HOST_VETH_PREFIX) :].isdigit()
     ]
+
+
+def _slot_space(plan: NetworkPlan) -> list[ipaddress.IPv4Network]:
+    """Every slot address a guest must not reach: its own node's range and the default one
+    (nft refuses overlapping intervals in one set, so a range inside the default is not
+    listed again)."""
+    default = ipaddress.IPv4Network(DEFAULT_SLOT_CIDR)
+    own = plan.slot_cidr
+    if own.subnet_of(default) or default.subnet_of(own):
+        return [own if default.subnet_of(own) else default]
+    return [default, own]
 
 
 async def destroy_slot(slot: Slot, *, owner: Path | None = None) -> None:

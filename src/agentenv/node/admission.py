@@ -64,6 +64,10 @@ class Running(Protocol):
     def pid(self) -> int | None: ...
 
 
+# What `headroom` reports as the slots left of a node with no count or slot limit.
+UNLIMITED_SLOTS = 1 << 16
+
+
 @dataclass(frozen=True)
 class Limits:
     max_sandboxes: int = 0  # 0: no count limit
@@ -221,6 +225,27 @@ class Admission:
         return max(1, math.ceil(self._start_s * ahead / self.limits.max_starts))
 
     # -- capacity ------------------------------------------------------------------------------
+
+    def headroom(self) -> tuple[int, int]:
+        """(MiB a new sandbox could still have, network slots left) as `_check` counts them:
+        what a cluster's placement compares nodes by."""
+        lim = self.limits
+        running = list(self._running())
+        in_use = len(running) + self.reserved
+        caps = [c for c in (lim.max_slots, lim.max_sandboxes) if c]
+        slots = max(0, min(caps) - in_use) if caps else UNLIMITED_SLOTS
+        try:
+            available = self._available()
+        except OSError:
+            return 0, slots
+        growth = 0
+        for sb in running:
+            may_use = (sb.memory_mb + lim.overhead_mb) * MIB
+            held = self._held(sb.pid) if sb.pid is not None else 0
+            growth += max(0, may_use - held)
+        growth += sum(r.count * (r.memory_mb + lim.overhead_mb) * MIB for r in self._reserved)
+        left = available - growth - lim.min_free_memory_mb * MIB
+        return max(0, left) // MIB, slots
 
     def _check(self, what: str, memory_mb: int, count: int) -> None:
         lim = self.limits

@@ -5,6 +5,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import logging
+import os
+import re
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -12,6 +16,7 @@ from typing import Any
 from agentenv import snapshot as snaps
 from agentenv.config import Settings
 from agentenv.contract.errors import BadRequest, InsufficientStorage, Unavailable
+from agentenv.contract.nodes import NodeDirectory, NodeStatus, UnknownNode
 from agentenv.contract.runtime import (
     Found,
     HostMemory,
@@ -33,12 +38,14 @@ from agentenv.node.errors import (
     UnknownTemplate,
 )
 from agentenv.node.host import GuestInit, Node, SandboxHandle
+from agentenv.objstore import ObjectStore, ObjectStoreError
 from agentenv.snapshot.fork import MAX_CHILDREN
+from agentenv.snapshot.remote import RemoteSnapshots
 from agentenv.storage import LayerStore, info
 from agentenv.template.catalog import Template, TemplateCatalog, TemplateNotFound
 
 # Snapshots made by `POST /sandboxes/{id}/snapshots` (templates and fork captures are not).
-_TEMPLATE_SOURCE = "template:"
+TEMPLATE_SOURCE = "template:"
 
 
 def snapshot_info(s: snaps.Snapshot) -> SnapshotInfo:
@@ -47,6 +54,18 @@ def snapshot_info(s: snaps.Snapshot) -> SnapshotInfo:
 
 # The control plane asks before a pause that needs a live guest; a stuck envd must not hold it.
 GUEST_HEALTH_TIMEOUT_S = 3.0
+
+
+# A snapshot's id (`snapshot.digest`): what a create names when it starts from a snapshot.
+_SNAPSHOT_ID = re.compile(r"[0-9a-f]{64}")
+
+
+def _has_snapshot(repo: snaps.SnapshotRepository, ref: str) -> bool:
+    try:
+        repo.get(ref)
+    except snaps.SnapshotError:
+        return False
+    return True
 
 
 def _init(spec: SandboxSpec) -> GuestInit:
@@ -86,17 +105,129 @@ def _capacity(data_dir: Path) -> Iterator[None]:
         raise InsufficientStorage(f"no space left in the data dir {data_dir}: {exc}") from exc
 
 
+log = logging.getLogger(__name__)
+
+# The id the in-process node has in `GET /nodes` when no `AGENTENV_NODE_ID` names it.
+LOCAL_NODE = "local"
+# Retry-After of a create refused by a cordoned node: an operator's doing, not a moment's load.
+CORDONED_RETRY_S = 30
+
+
+def host_capacity() -> tuple[int, int]:
+    """(CPUs, MiB of RAM) of this host."""
+    mem_kb = 0
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                mem_kb = int(line.split()[1])
+    return os.cpu_count() or 1, mem_kb // 1024
+
+
 class NodeRuntime:
     def __init__(self, settings: Settings, node: Node | None = None) -> None:
         self.node = node or Node(settings)
+        # Cordoned (the in-process node's own directory): creates and resumes are refused.
+        self.cordon_reason: str | None = None
+        # Paused sandboxes in object storage (`snapshot.remote`), when a bucket is set: a
+        # pause uploads, a resume of one this node lacks downloads, so any node resumes it.
+        self.objects: ObjectStore | None = None
+        self.remote: RemoteSnapshots | None = None
+
+    def status(self, node_id: str = LOCAL_NODE, rpc_url: str = "", version: str = "") -> NodeStatus:
+        """This node as `GET /nodes` shows it, and as an agent publishes its load."""
+        free_mb, free_slots = self.node.admission.headroom()
+        ids = self.node.sandbox_ids()
+        running = sum(1 for sb in self.node.list() if not sb.paused)
+        cpus, memory_mb = host_capacity()
+        return NodeStatus(
+            node_id=node_id,
+            state="cordoned" if self.cordon_reason is not None else "ready",
+            rpc_url=rpc_url,
+            version=version,
+            cpus=cpus,
+            memory_mb=memory_mb,
+            slots=self.node.settings.network.max_slots,
+            free_memory_mb=free_mb,
+            free_slots=free_slots,
+            running=running,
+            paused=max(0, len(ids) - running),
+            updated_at=time.time(),
+            cordon_reason=self.cordon_reason or "",
+        )
 
     async def start(self) -> None:
         await self.node.start()
+        settings = self.node.settings
+        objects = ObjectStore.from_settings(settings)
+        if objects is not None:
+            try:
+                await objects.ensure_bucket()
+                self.remote = RemoteSnapshots.from_settings(settings, objects)
+                await asyncio.to_thread(self.remote.cleanup_partials)
+            except BaseException:
+                await objects.close()
+                await self.node.close()
+                raise
+            self.objects = objects
 
     async def close(self) -> None:
         await self.node.close()
+        if self.objects is not None:
+            await self.objects.close()
+            self.objects = self.remote = None
+
+    async def _push_paused(self, runtime_id: str) -> None:
+        """Upload what a pause left, so another node can resume it. A failed upload leaves
+        the sandbox paused here (it resumes on this node only), and says so in the log."""
+        if self.remote is None:
+            return
+        try:
+            # A RAM stream is converted to its mapped file first: that is what travels.
+            await self.node.conversions.settle(runtime_id)
+            await self.remote.push_paused(self.node.settings.sandboxes_dir / runtime_id, runtime_id)
+        except Exception as exc:
+            log.error("sandbox %s: paused, but not uploaded (%s); it resumes here only",
+                      runtime_id, exc)  # fmt: skip
+
+    async def _fetch_paused(self, runtime_id: str) -> None:
+        """A sandbox paused on another node: its files from object storage, first."""
+        if self.node.is_alive(runtime_id):
+            return
+        if self.remote is None:
+            raise Unavailable(
+                f"sandbox {runtime_id} is not on this node, and without object storage "
+                "(AGENTENV_S3_*) it cannot be fetched",
+                CORDONED_RETRY_S,
+            )
+        try:
+            await self.remote.pull_paused(runtime_id, self.node.settings.sandboxes_dir / runtime_id)
+        except (snaps.SnapshotError, ObjectStoreError) as exc:
+            raise Unavailable(
+                f"sandbox {runtime_id} is not on this node and could not be fetched from "
+                f"object storage: {exc}",
+                CORDONED_RETRY_S,
+            ) from exc
+
+    async def _drop_remote(self, runtime_id: str) -> None:
+        if self.remote is None:
+            return
+        try:
+            await self.remote.delete_paused(runtime_id)
+        except Exception as exc:
+            log.warning("sandbox %s: its copy in object storage was not deleted: %s",
+                        runtime_id, exc)  # fmt: skip
+
+    def _refuse_if_cordoned(self, what: str) -> None:
+        if self.cordon_reason is not None:
+            raise Unavailable(
+                f"{what} refused: this node is cordoned ({self.cordon_reason}) and takes no "
+                "new sandboxes",
+                CORDONED_RETRY_S,
+            )
 
     async def create(self, spec: SandboxSpec) -> Placement:
+        self._refuse_if_cordoned(f"create of {spec.sandbox_id}")
+        await self._fetch_snapshot(spec.template)
         try:
             with _capacity(self.node.settings.home):
                 handle = await self.node.create(
@@ -115,7 +246,29 @@ class NodeRuntime:
             raise BadRequest(str(exc)) from exc
         return Placement(handle.id, handle.address, handle.envd_url)
 
+    async def _fetch_snapshot(self, ref: str) -> None:
+        """A create from a snapshot (a built template's, or one taken through the API) that
+        another node captured: fetched from object storage first (by id: names are each
+        node's own). Nothing to do for templates and snapshots this node has."""
+        if self.remote is None or not _SNAPSHOT_ID.fullmatch(ref):
+            return
+        if await asyncio.to_thread(_has_snapshot, self.node.repo, ref):
+            return
+        try:
+            if await self.remote.exists(ref):
+                await self.remote.pull(ref)
+        except (snaps.SnapshotError, ObjectStoreError) as exc:
+            raise Unavailable(
+                f"snapshot {ref[:12]} is not on this node and could not be fetched from "
+                f"object storage: {exc}",
+                CORDONED_RETRY_S,
+            ) from exc
+
     async def delete(self, runtime_id: str) -> None:
+        await self.forget(runtime_id)
+        await self._drop_remote(runtime_id)
+
+    async def forget(self, runtime_id: str) -> None:
         try:
             await self.node.delete(runtime_id)
         except UnknownSandbox:
@@ -144,8 +297,11 @@ class NodeRuntime:
             raise Unavailable(
                 f"sandbox {runtime_id} was not paused: {exc}; it keeps running"
             ) from exc
+        await self._push_paused(runtime_id)
 
     async def resume(self, spec: SandboxSpec, *, memory: bool = True) -> Placement:
+        self._refuse_if_cordoned(f"resume of {spec.sandbox_id}")
+        await self._fetch_paused(spec.sandbox_id)
         try:
             with _capacity(self.node.settings.home):
                 handle = await self.node.resume(spec.sandbox_id, memory=memory, init=_init(spec))
@@ -154,6 +310,8 @@ class NodeRuntime:
         except BootFailed as exc:
             # Paused again as it was (`Node.resume`); the caller may retry.
             raise Unavailable(f"sandbox {spec.sandbox_id} was not resumed: {exc}", 5) from exc
+        # It runs here now: a stale copy in the bucket must not be resumed anywhere else.
+        await self._drop_remote(spec.sandbox_id)
         return _placement(handle)
 
     async def init_guest(self, spec: SandboxSpec) -> None:
@@ -206,6 +364,14 @@ class NodeRuntime:
             raise Unavailable(f"sandbox {runtime_id} was not snapshotted: {exc}") from exc
         except snaps.InvalidSnapshotName as exc:
             raise BadRequest(str(exc)) from exc
+        if self.remote is not None:
+            # Any node may be asked to create from it: it goes to object storage now, while
+            # its files are certainly here. If that fails, creates from it work here only.
+            try:
+                await self.remote.push(snap.id)
+            except Exception as exc:
+                log.error("snapshot %s: not uploaded (%s); creates from it work on this node "
+                          "only", snap.id[:12], exc)  # fmt: skip
         return snapshot_info(snap)
 
     async def fork(
@@ -236,9 +402,7 @@ class NodeRuntime:
     async def snapshots(self) -> list[SnapshotInfo]:
         listed = await asyncio.to_thread(self.node.repo.list)
         return [
-            snapshot_info(s)
-            for s in listed
-            if s.names and not s.source.startswith(_TEMPLATE_SOURCE)
+            snapshot_info(s) for s in listed if s.names and not s.source.startswith(TEMPLATE_SOURCE)
         ]
 
 
@@ -291,3 +455,33 @@ class CatalogTemplates:
         except snaps.SnapshotNotFound:
             return False
         return True
+
+
+class LocalNodes:
+    """`NodeDirectory` of the single-node server: its one in-process node. A cordon refuses
+    new sandboxes there (503), as a cluster's would send them elsewhere."""
+
+    def __init__(self, runtime: NodeRuntime, node_id: str = LOCAL_NODE) -> None:
+        self.runtime = runtime
+        self.node_id = node_id
+
+    async def nodes(self) -> list[NodeStatus]:
+        return [self.runtime.status(self.node_id)]
+
+    async def node(self, node_id: str) -> NodeStatus:
+        if node_id != self.node_id:
+            raise UnknownNode(f"no node {node_id!r} (this server runs one node, {self.node_id!r})")
+        return self.runtime.status(self.node_id)
+
+    async def cordon(self, node_id: str, *, cordoned: bool, reason: str = "") -> NodeStatus:
+        await self.node(node_id)
+        self.runtime.cordon_reason = (reason or "cordoned") if cordoned else None
+        return self.runtime.status(self.node_id)
+
+    async def sandboxes_on(self, node_id: str) -> list[str]:
+        await self.node(node_id)
+        return self.runtime.node.sandbox_ids()
+
+
+def _is_a_directory(nodes: LocalNodes) -> NodeDirectory:
+    return nodes

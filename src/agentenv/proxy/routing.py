@@ -45,6 +45,9 @@ _CONTROL_PATTERNS: tuple[tuple[frozenset[str], re.Pattern[str]], ...] = tuple(
         ("GET POST PUT PATCH DELETE", "/(?:v2/|v3/)?templates(?:/.*)?"),
         ("GET POST PUT PATCH DELETE", "/(?:volumes|secrets)(?:/.*)?"),
         # Our own endpoints. /health and /metrics are the server's only without a sandbox id.
+        ("GET", "/nodes"),
+        ("GET", f"/nodes/{_SEG}"),
+        ("POST", f"/nodes/{_SEG}/(?:cordon|uncordon|drain)"),
         ("GET", "/openapi.json"),
         ("GET", "/docs"),
     )

@@ -18,16 +18,17 @@ import binascii
 import hashlib
 import hmac
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from urllib.parse import parse_qsl
 
 SIGNATURE_PREFIX = "v1_"
 _CACHE_SIZE = 4096
 
-# (sandbox id, envd access token) of every live sandbox that has a token.
-Candidates = Callable[[], Iterable[tuple[str, str]]]
+# (sandbox id, envd access token) of every live sandbox that has a token (the store's rows:
+# async, a shared store answers over the network).
+Candidates = Callable[[], Awaitable[Iterable[tuple[str, str]]]]
 # The current envd token of one sandbox, or None.
-TokenOf = Callable[[str], str | None]
+TokenOf = Callable[[str], Awaitable[str | None]]
 
 
 def _decode(signature: str) -> bytes | None:
@@ -47,7 +48,7 @@ class SignedUrls:
         self._token_of = token_of
         self._cache: OrderedDict[bytes, str] = OrderedDict()
 
-    def find(self, method: str, query: str) -> str | None:
+    async def find(self, method: str, query: str) -> str | None:
         """The id of the sandbox whose envd token made this URL's signature, or None."""
         params = dict(parse_qsl(query, keep_blank_values=True))
         wanted = _decode(params.get("signature", ""))
@@ -72,12 +73,12 @@ class SignedUrls:
 
         cached = self._cache.get(wanted)
         if cached is not None:
-            token = self._token_of(cached)
+            token = await self._token_of(cached)
             if token is not None and made_by(token):
                 self._cache.move_to_end(wanted)
                 return cached
             del self._cache[wanted]
-        for sandbox_id, token in self._candidates():
+        for sandbox_id, token in await self._candidates():
             if made_by(token):
                 self._cache[wanted] = sandbox_id
                 if len(self._cache) > _CACHE_SIZE:

@@ -1,0 +1,95 @@
+"""`aenv node`: run this host's node agent, or look at and cordon the server's nodes.
+
+`aenv node` alone runs the agent (`agentenv.node.agent`) until SIGTERM. `ls`, `cordon` and
+`uncordon` talk to the server's `/nodes` routes with the client's URL and key.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from typing import Any
+
+import typer
+
+from agentenv.cli.client import ClientError, _api, _emit, _guard
+
+node_app = typer.Typer(
+    help="Run this host's node agent (no subcommand), or list and cordon the server's nodes.",
+    invoke_without_command=True,
+)
+
+COLUMNS = [
+    ("NODE", "nodeID"),
+    ("STATE", "state"),
+    ("CPUS", "cpuCount"),
+    ("MEMORY MB", "memoryMB"),
+    ("FREE MB", "freeMemoryMB"),
+    ("FREE SLOTS", "freeSlots"),
+    ("RUNNING", "running"),
+    ("PAUSED", "paused"),
+    ("RPC", "rpcURL"),
+]
+
+
+@node_app.callback()
+def agent(ctx: typer.Context) -> None:
+    """Without a subcommand: serve this host's sandboxes to the cluster (needs AGENTENV_ETCD,
+    AGENTENV_NODE_TOKEN; AGENTENV_NODE_ID, AGENTENV_NODE_BIND, AGENTENV_NODE_URL optional)."""
+    if ctx.invoked_subcommand is not None:
+        return
+    from agentenv import __version__
+    from agentenv.api.logs import configure as configure_logs
+    from agentenv.config import Settings
+    from agentenv.node.agent import run
+
+    configure_logs("info", os.environ.get("AGENTENV_LOG_FORMAT", "text"))
+    asyncio.run(run(Settings.from_env(), version=__version__))
+
+
+@node_app.command("ls")
+def ls() -> None:
+    """The server's nodes with their capacity and counts (a table, JSON when piped)."""
+    rows: list[dict[str, Any]] = _guard(lambda: _api().call("GET", "/nodes").json())
+    _emit(rows, COLUMNS)
+
+
+@node_app.command()
+def cordon(
+    node_id: str,
+    reason: str = typer.Option("", "--reason", help="Why, shown in `aenv node ls`."),
+) -> None:
+    """Send no new sandboxes to NODE_ID; what runs there keeps running."""
+    row = _guard(lambda: _api().call("POST", f"/nodes/{node_id}/cordon", json={"reason": reason}))
+    _emit([row.json()], COLUMNS)
+
+
+@node_app.command()
+def drain(node_id: str) -> None:
+    """Cordon NODE_ID and pause every sandbox running there; none is lost, each resumes when
+    asked. Fails (non-zero) if any could not be paused, naming them."""
+
+    def run() -> dict[str, Any]:
+        resp = _api().http.post(f"/nodes/{node_id}/drain", timeout=None)
+        body: dict[str, Any] = resp.json()
+        if resp.status_code >= 400 and "failed" not in body:
+            raise ClientError(f"{body.get('message', resp.text)} (HTTP {resp.status_code})")
+        return body
+
+    body = _guard(run)
+    _emit([body["node"]], COLUMNS)
+    typer.echo(f"paused: {' '.join(body['paused']) or 'none'}")
+    if body["failed"]:
+        for sandbox_id, why in body["failed"].items():
+            typer.echo(f"not paused: {sandbox_id}: {why}", err=True)
+        raise typer.Exit(1)
+
+
+@node_app.command()
+def uncordon(node_id: str) -> None:
+    """Let NODE_ID take new sandboxes again."""
+    row = _guard(lambda: _api().call("POST", f"/nodes/{node_id}/uncordon"))
+    _emit([row.json()], COLUMNS)
+
+
+__all__ = ["ClientError", "node_app"]

@@ -1,0 +1,569 @@
+"""The control plane's `Runtime` over a cluster of node agents.
+
+Every call is routed by the sandbox's binding (`bindings`, sandbox id -> node id, in etcd) to
+that node's agent over the node RPC (`noderpc.RemoteRuntime`). A create first places the
+sandbox: best of K nodes sampled among the ready ones (alive, not cordoned, room for it), by
+free memory, free CPUs and slots, preferring a node that already holds the template's snapshot
+(`locations`: its page cache is warm). The binding is written before the node is asked, so a
+crash in between leaves a binding someone can see and clean; a node that refuses (its own
+admission control, 503) is skipped for the next candidate, and only when every candidate
+refuses does the caller get 503 with a retry hint.
+
+Replicas keep nothing of their own here: every decision reads etcd (the member list with each
+node's published load, the bindings), so any replica can serve any request. What a replica
+does cache (a binding, for `note_activity`, which must never wait) is only a hint.
+
+A node that leaves the cluster (its lease lapsed, or it stopped) takes its running sandboxes
+with it: they are reported lost through `watch_lost` with the reason. Paused ones keep their
+binding and come back when the node does. A node that joins again may still hold sandboxes
+nobody is bound to any more (killed while it was away): they are deleted there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from agentenv.cluster.bindings import Bindings
+from agentenv.cluster.etcd import Etcd
+from agentenv.cluster.locations import Locations
+from agentenv.cluster.membership import Membership, NodeInfo
+from agentenv.config import Settings
+from agentenv.contract.errors import BadRequest, Unavailable
+from agentenv.contract.nodes import NodeDirectory, NodeStatus, UnknownNode
+from agentenv.contract.runtime import (
+    Found,
+    HostMemory,
+    Placement,
+    Runtime,
+    SandboxSpec,
+    SnapshotInfo,
+)
+from agentenv.network.egress import Egress
+from agentenv.noderpc.client import RemoteRuntime
+from agentenv.noderpc.errors import NodeUnreachable
+
+log = logging.getLogger(__name__)
+
+# Nodes sampled per placement ("power of K choices"): spreads concurrent creates, which all
+# see the same published load, instead of sending every one to the emptiest node.
+SAMPLE_K = 2
+# What a node needs besides the guest's RAM (its QEMU), as the node's admission counts it.
+VMM_OVERHEAD_MB = 128
+# Retry-After when no node can take a sandbox now.
+NO_NODE_RETRY_S = 5
+
+
+class NodeDown(Unavailable):
+    """The sandbox's node is not a member of the cluster now (503: it may come back)."""
+
+
+@dataclass
+class _Candidate:
+    info: NodeInfo
+    warm: bool
+    # Creates this replica has in flight there (not yet in the node's published load).
+    inflight_mb: int
+
+
+class ClusterRuntime:
+    """`Runtime` and `NodeDirectory` of a control-plane replica."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        etcd: Etcd | None = None,
+        sample_k: int = SAMPLE_K,
+        rng: random.Random | None = None,
+    ) -> None:
+        if not settings.node_token:
+            raise ValueError("a cluster control plane needs the node token (AGENTENV_NODE_TOKEN)")
+        self.settings = settings
+        self.token = settings.node_token
+        self.etcd = etcd or Etcd.from_settings(settings)
+        self.membership = Membership(self.etcd)
+        self.bindings = Bindings(self.etcd)
+        self.locations = Locations(self.etcd)
+        self.sample_k = max(1, sample_k)
+        self._rng = rng or random.Random()
+        self._clients: dict[str, RemoteRuntime] = {}
+        self._urls: dict[str, str] = {}
+        self._live: set[str] = set()
+        # A hint only (sandbox -> node): `note_activity` cannot wait for etcd.
+        self._bound: dict[str, str] = {}
+        self._inflight_mb: dict[str, int] = {}
+        self._handlers: list[Callable[[str, str], None]] = []
+        self._watch_task: asyncio.Task[None] | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        for info in await self.membership.list_nodes():
+            await self._client_for(info)
+            self._live.add(info.node_id)
+        self._watch_task = asyncio.create_task(self._watch_nodes(), name="cluster-node-watch")
+
+    async def close(self) -> None:
+        if self._watch_task is not None:
+            self._watch_task.cancel()
+            await asyncio.gather(self._watch_task, return_exceptions=True)
+            self._watch_task = None
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for client in self._clients.values():
+            with contextlib.suppress(Exception):
+                await client.close()
+        self._clients.clear()
+        await self.etcd.close()
+
+    async def _client_for(self, info: NodeInfo) -> RemoteRuntime:
+        client = self._clients.get(info.node_id)
+        if client is not None and self._urls.get(info.node_id) == info.rpc_url:
+            return client
+        if client is not None:
+            with contextlib.suppress(Exception):
+                await client.close()
+        client = RemoteRuntime(info.rpc_url, self.token, config=self.settings.node_rpc)
+        await client.start()
+        client.watch_lost(self._deliver)
+        self._clients[info.node_id] = client
+        self._urls[info.node_id] = info.rpc_url
+        return client
+
+    async def _watch_nodes(self) -> None:
+        while True:
+            watch = self.membership.watch(include_existing=True)
+            try:
+                async for event in watch:
+                    if event.kind == "joined":
+                        self._live.add(event.node_id)
+                        if event.info is not None:
+                            self._spawn(self._joined(event.info))
+                    else:
+                        self._live.discard(event.node_id)
+                        self._spawn(self._left(event.node_id))
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.warning("cluster: node watch failed (%s); watching again", exc)
+            finally:
+                with contextlib.suppress(Exception):
+                    await watch.stop()
+            await asyncio.sleep(1.0)
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _joined(self, info: NodeInfo) -> None:
+        """A node (back) in the cluster: its client, and what it holds that nobody is bound
+        to any more (killed while it was away) goes."""
+        try:
+            client = await self._client_for(info)
+            held = await client.sandbox_ids()
+            for rid in held:
+                bound = await self.bindings.get(rid)
+                if bound is None:
+                    log.warning(
+                        "node %s holds %s, bound to no node: deleting it", info.node_id, rid
+                    )
+                    with contextlib.suppress(Exception):
+                        await client.delete(rid)
+                elif bound != info.node_id:
+                    # Resumed elsewhere while this node was away: only its old copy goes.
+                    log.warning("node %s holds an old copy of %s (now on %s): dropping it",
+                                info.node_id, rid, bound)  # fmt: skip
+                    with contextlib.suppress(Exception):
+                        await client.forget(rid)
+        except Exception as exc:
+            log.warning("cluster: reconciling node %s failed: %s", info.node_id, exc)
+
+    async def _left(self, node_id: str) -> None:
+        why = f"its node {node_id} left the cluster (the agent stopped or its lease lapsed)"
+        log.warning("cluster: node %s left", node_id)
+        try:
+            bound = await self.bindings.of_node(node_id)
+        except Exception as exc:
+            log.warning("cluster: bindings of the departed node %s unknown: %s", node_id, exc)
+            return
+        for rid in bound:
+            self._deliver(rid, why)
+
+    def _deliver(self, runtime_id: str, why: str) -> None:
+        for handler in list(self._handlers):
+            try:
+                handler(runtime_id, why)
+            except Exception:
+                log.exception("cluster: lost handler failed for %s", runtime_id)
+
+    # -- routing -------------------------------------------------------------------------------
+
+    async def _node_of(self, runtime_id: str) -> str | None:
+        node_id = await self.bindings.get(runtime_id)
+        if node_id is None:
+            self._bound.pop(runtime_id, None)
+        else:
+            self._bound[runtime_id] = node_id
+        return node_id
+
+    async def _route(self, runtime_id: str) -> tuple[str, RemoteRuntime]:
+        """The client of the live node the sandbox is bound to; `NodeDown` if it is not."""
+        node_id = await self._node_of(runtime_id)
+        if node_id is None:
+            raise Unavailable(f"sandbox {runtime_id} is bound to no node", NO_NODE_RETRY_S)
+        client = self._clients.get(node_id)
+        if client is None or node_id not in self._live:
+            info = await self.membership.get_node(node_id)
+            if info is None:
+                raise NodeDown(
+                    f"sandbox {runtime_id} is on node {node_id}, which is not a member of the "
+                    "cluster now",
+                    NO_NODE_RETRY_S,
+                )
+            self._live.add(node_id)
+            client = await self._client_for(info)
+        return node_id, client
+
+    # -- placement -----------------------------------------------------------------------------
+
+    async def _candidates(self, spec: SandboxSpec, template: str) -> list[NodeInfo]:
+        nodes = [n for n in await self.membership.list_nodes() if n.ready]
+        if not nodes:
+            raise Unavailable("no node can take a sandbox: no ready node", NO_NODE_RETRY_S)
+        # Nodes with the template's snapshot (or the snapshot itself) on disk: a restore from
+        # their page cache, no fetch from object storage.
+        snapshot_holders = set(await self.locations.holders("snapshot", template))
+        warm = set(await self.locations.holders("template", template)) | snapshot_holders
+        need = spec.memory_mb + VMM_OVERHEAD_MB
+        cands = [
+            _Candidate(n, n.node_id in warm, self._inflight_mb.get(n.node_id, 0)) for n in nodes
+        ]
+        if snapshot_holders and self.settings.object_store is None:
+            # Without object storage a snapshot can only be created from where it was taken.
+            cands = [c for c in cands if c.info.node_id in snapshot_holders]
+        fits = [c for c in cands if _fits(c, need)]
+        if not fits:
+            detail = ", ".join(
+                f"{c.info.node_id}: {c.info.load.free_memory_mb - c.inflight_mb} MiB, "
+                f"{c.info.load.free_slots} slots free"
+                for c in cands
+            )
+            raise Unavailable(
+                f"no node can take a sandbox of {spec.memory_mb} MB ({detail})", NO_NODE_RETRY_S
+            )
+        sampled = self._rng.sample(fits, min(self.sample_k, len(fits)))
+        # Warm nodes join the sample: a restore from a cached snapshot beats a cold fetch.
+        sampled += [c for c in fits if c.warm and c not in sampled][: self.sample_k]
+        best = sorted(sampled, key=_score, reverse=True)
+        rest = sorted((c for c in fits if c not in best), key=_score, reverse=True)
+        return [c.info for c in best + rest]
+
+    async def create(self, spec: SandboxSpec) -> Placement:
+        candidates = await self._candidates(spec, spec.template)
+        refusals: list[str] = []
+        retry: list[int] = []
+        need = spec.memory_mb + VMM_OVERHEAD_MB
+        for info in candidates:
+            # Counted before the first await: concurrent creates placed after this one see it.
+            self._inflight_mb[info.node_id] = self._inflight_mb.get(info.node_id, 0) + need
+            client: RemoteRuntime | None = None
+            try:
+                if not await self.bindings.create(spec.sandbox_id, info.node_id):
+                    raise BadRequest(f"sandbox id {spec.sandbox_id} is already bound to a node")
+                client = await self._client_for(info)
+                placement = await client.create(spec)
+            except Unavailable as exc:
+                # Refused (503: nothing was made) or unreachable (it may have been made).
+                if isinstance(exc, NodeUnreachable) and client is not None:
+                    with contextlib.suppress(Exception):
+                        await client.delete(spec.sandbox_id)
+                await asyncio.shield(self.bindings.delete(spec.sandbox_id, info.node_id))
+                refusals.append(f"{info.node_id}: {exc}")
+                if exc.retry_after:
+                    retry.append(exc.retry_after)
+                continue
+            except BaseException:
+                await asyncio.shield(self.bindings.delete(spec.sandbox_id, info.node_id))
+                raise
+            finally:
+                self._inflight_mb[info.node_id] -= need
+            self._bound[spec.sandbox_id] = info.node_id
+            return placement
+        raise Unavailable(
+            "no node could take the sandbox: " + "; ".join(refusals),
+            min(retry) if retry else NO_NODE_RETRY_S,
+        )
+
+    # -- the rest of the contract, routed by binding -------------------------------------------
+
+    async def update_egress(self, runtime_id: str, egress: Egress) -> None:
+        _, client = await self._route(runtime_id)
+        await client.update_egress(runtime_id, egress)
+
+    async def delete(self, runtime_id: str) -> None:
+        node_id = await self._node_of(runtime_id)
+        if node_id is None:
+            return
+        try:
+            _, client = await self._route(runtime_id)
+        except NodeDown:
+            # Gone with its node; if the node comes back, it deletes what nobody is bound to.
+            client = None
+        if client is not None:
+            await client.delete(runtime_id)
+        await self.bindings.delete(runtime_id, node_id)
+        self._bound.pop(runtime_id, None)
+
+    async def pause(
+        self,
+        runtime_id: str,
+        *,
+        memory: bool = True,
+        envd_token: str | None = None,
+        strict: bool = True,
+    ) -> None:
+        _, client = await self._route(runtime_id)
+        await client.pause(runtime_id, memory=memory, envd_token=envd_token, strict=strict)
+
+    async def resume(self, spec: SandboxSpec, *, memory: bool = True) -> Placement:
+        """On the node that holds it while that node is ready; else (cordoned, drained, or
+        gone) on another one, which fetches the paused sandbox from object storage first. The
+        binding moves before the new node is asked and moves back if it cannot take it."""
+        rid = spec.sandbox_id
+        node_id = await self._node_of(rid)
+        if node_id is None:
+            raise Unavailable(f"sandbox {rid} is bound to no node", NO_NODE_RETRY_S)
+        home = await self.membership.get_node(node_id)
+        if home is not None and (home.ready or self.settings.object_store is None):
+            # Without object storage its files can only resume where they are.
+            _, client = await self._route(rid)
+            return await client.resume(spec, memory=memory)
+        if self.settings.object_store is None:
+            raise NodeDown(
+                f"sandbox {rid} is paused on node {node_id}, which is not a member of the "
+                "cluster now; without object storage it resumes only there",
+                NO_NODE_RETRY_S,
+            )
+        candidates = [
+            c for c in await self._candidates(spec, spec.template) if c.node_id != node_id
+        ]
+        refusals: list[str] = []
+        for info in candidates:
+            if not await self.bindings.move(rid, node_id, info.node_id):
+                raise Unavailable(f"sandbox {rid} moved meanwhile; try again", 1)
+            try:
+                client = await self._client_for(info)
+                placement = await client.resume(spec, memory=memory)
+            except Unavailable as exc:
+                await asyncio.shield(self.bindings.move(rid, info.node_id, node_id))
+                refusals.append(f"{info.node_id}: {exc}")
+                continue
+            except BaseException:
+                await asyncio.shield(self.bindings.move(rid, info.node_id, node_id))
+                raise
+            self._bound[rid] = info.node_id
+            log.info("sandbox %s resumed on %s (was paused on %s)", rid, info.node_id, node_id)
+            if home is not None:
+                # The old copy goes; the sandbox's state lives on the new node.
+                self._spawn(self._forget_on(node_id, rid))
+            return placement
+        raise Unavailable(
+            f"sandbox {rid} could not be resumed on another node: " + "; ".join(refusals),
+            NO_NODE_RETRY_S,
+        )
+
+    async def _forget_on(self, node_id: str, runtime_id: str) -> None:
+        client = self._clients.get(node_id)
+        if client is None:
+            return
+        try:
+            await client.forget(runtime_id)
+        except Exception as exc:
+            log.warning("node %s kept its old copy of %s: %s", node_id, runtime_id, exc)
+
+    async def forget(self, runtime_id: str) -> None:
+        _, client = await self._route(runtime_id)
+        await client.forget(runtime_id)
+
+    async def init_guest(self, spec: SandboxSpec) -> None:
+        _, client = await self._route(spec.sandbox_id)
+        await client.init_guest(spec)
+
+    async def guest_metrics(self, runtime_id: str, envd_token: str | None) -> dict[str, Any] | None:
+        try:
+            _, client = await self._route(runtime_id)
+        except Unavailable:
+            return None
+        return await client.guest_metrics(runtime_id, envd_token)
+
+    async def guest_health(self, runtime_id: str) -> str | None:
+        try:
+            _, client = await self._route(runtime_id)
+        except Unavailable as exc:
+            return str(exc)
+        try:
+            return await client.guest_health(runtime_id)
+        except NodeUnreachable as exc:
+            return str(exc)
+
+    async def is_alive(self, runtime_id: str) -> bool:
+        try:
+            _, client = await self._route(runtime_id)
+        except Unavailable:
+            return False
+        return await client.is_alive(runtime_id)
+
+    async def find(self, runtime_id: str) -> Found | None:
+        try:
+            _, client = await self._route(runtime_id)
+        except Unavailable:
+            return None
+        return await client.find(runtime_id)
+
+    async def sandbox_ids(self) -> list[str]:
+        clients = [self._clients[n] for n in sorted(self._live) if n in self._clients]
+        lists = await asyncio.gather(*(c.sandbox_ids() for c in clients), return_exceptions=True)
+        out: set[str] = set()
+        for got in lists:
+            if isinstance(got, BaseException):
+                log.warning("cluster: a node did not list its sandboxes: %s", got)
+                continue
+            out.update(got)
+        return sorted(out)
+
+    async def lost_reason(self, runtime_id: str) -> str | None:
+        node_id = await self.bindings.get(runtime_id)
+        if node_id is None:
+            return None
+        try:
+            _, client = await self._route(runtime_id)
+        except NodeDown as exc:
+            return str(exc)
+        return await client.lost_reason(runtime_id)
+
+    def watch_lost(self, handler: Callable[[str, str], None]) -> None:
+        self._handlers.append(handler)
+
+    async def snapshot(
+        self, runtime_id: str, name: str | None, envd_token: str | None, *, memory: bool = True
+    ) -> SnapshotInfo:
+        _, client = await self._route(runtime_id)
+        return await client.snapshot(runtime_id, name, envd_token, memory=memory)
+
+    async def fork(
+        self, runtime_id: str, children: list[SandboxSpec], envd_token: str | None
+    ) -> list[Placement]:
+        node_id, client = await self._route(runtime_id)
+        bound: list[str] = []
+        try:
+            for child in children:
+                if not await self.bindings.create(child.sandbox_id, node_id):
+                    raise BadRequest(f"sandbox id {child.sandbox_id} is already bound to a node")
+                bound.append(child.sandbox_id)
+            placements = await client.fork(runtime_id, children, envd_token)
+        except BaseException:
+            for rid in bound:
+                with contextlib.suppress(Exception):
+                    await asyncio.shield(self.bindings.delete(rid, node_id))
+            raise
+        for rid in bound:
+            self._bound[rid] = node_id
+        return placements
+
+    async def snapshots(self) -> list[SnapshotInfo]:
+        clients = [self._clients[n] for n in sorted(self._live) if n in self._clients]
+        lists = await asyncio.gather(*(c.snapshots() for c in clients), return_exceptions=True)
+        seen: dict[str, SnapshotInfo] = {}
+        for got in lists:
+            if isinstance(got, BaseException):
+                log.warning("cluster: a node did not list its snapshots: %s", got)
+                continue
+            for snap in got:
+                seen.setdefault(snap.snapshot_id, snap)
+        return list(seen.values())
+
+    def note_activity(self, runtime_id: str) -> None:
+        node_id = self._bound.get(runtime_id)
+        client = self._clients.get(node_id) if node_id is not None else None
+        if client is not None:
+            client.note_activity(runtime_id)
+
+    async def host_memory(self, runtime_id: str) -> HostMemory | None:
+        try:
+            _, client = await self._route(runtime_id)
+        except Unavailable:
+            return None
+        return await client.host_memory(runtime_id)
+
+    # -- NodeDirectory -------------------------------------------------------------------------
+
+    async def nodes(self) -> list[NodeStatus]:
+        infos = await self.membership.list_nodes()
+        reasons = {c.node_id: c.reason for c in await self.membership.cordons()}
+        bound = await self.bindings.all()
+        counts: dict[str, int] = {}
+        for node_id in bound.values():
+            counts[node_id] = counts.get(node_id, 0) + 1
+        return [_status(i, reasons.get(i.node_id, ""), counts.get(i.node_id, 0)) for i in infos]
+
+    async def node(self, node_id: str) -> NodeStatus:
+        for st in await self.nodes():
+            if st.node_id == node_id:
+                return st
+        raise UnknownNode(f"no node {node_id!r} is a member of the cluster now")
+
+    async def sandboxes_on(self, node_id: str) -> list[str]:
+        await self.node(node_id)
+        return sorted(await self.bindings.of_node(node_id))
+
+    async def cordon(self, node_id: str, *, cordoned: bool, reason: str = "") -> NodeStatus:
+        await self.node(node_id)
+        if cordoned:
+            await self.membership.cordon(node_id, reason or "cordoned")
+        else:
+            await self.membership.uncordon(node_id)
+        return await self.node(node_id)
+
+
+def _fits(c: _Candidate, need_mb: int) -> bool:
+    return c.info.load.free_slots > 0 and c.info.load.free_memory_mb - c.inflight_mb >= need_mb
+
+
+def _score(c: _Candidate) -> tuple[bool, float]:
+    """Warm first; then the larger share of the node left free (memory, CPUs, slots)."""
+    info = c.info
+    mem = (info.load.free_memory_mb - c.inflight_mb) / max(1, info.capacity.memory_mb)
+    cpu = max(0, info.capacity.cpus - info.load.running) / max(1, info.capacity.cpus)
+    slots = info.load.free_slots / max(1, info.capacity.slots)
+    return c.warm, mem + 0.5 * cpu + 0.25 * min(1.0, slots)
+
+
+def _status(info: NodeInfo, reason: str, bound: int) -> NodeStatus:
+    return NodeStatus(
+        node_id=info.node_id,
+        state="cordoned" if info.cordoned else "ready",
+        rpc_url=info.rpc_url,
+        version=info.version,
+        cpus=info.capacity.cpus,
+        memory_mb=info.capacity.memory_mb,
+        slots=info.capacity.slots,
+        free_memory_mb=info.load.free_memory_mb,
+        free_slots=info.load.free_slots,
+        running=info.load.running,
+        paused=max(0, bound - info.load.running),
+        updated_at=info.load.updated_at,
+        cordon_reason=reason if info.cordoned else "",
+    )
+
+
+def _checks(runtime: ClusterRuntime) -> tuple[Runtime, NodeDirectory]:
+    return runtime, runtime

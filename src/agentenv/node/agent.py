@@ -1,0 +1,158 @@
+"""`aenv node`: one host's sandboxes served to the cluster's control plane.
+
+The agent is the node (`NodeRuntime`, the same one the single-node server runs in-process)
+behind the node RPC (`agentenv.noderpc`), registered in etcd under a lease it keeps alive with
+heartbeats that publish its capacity and load (`agentenv.cluster.membership`). A control
+plane finds it there and places sandboxes on it; if the agent dies its lease lapses and the
+cluster sees it gone. The templates this node holds a ready snapshot of are published as
+locations under the same lease, so placement can prefer a node whose page cache is warm.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from urllib.parse import urlsplit
+
+from agentenv.cluster.etcd import Etcd
+from agentenv.cluster.locations import Locations
+from agentenv.cluster.membership import Capacity, Load, NodeInfo, NodeRegistration
+from agentenv.config import ConfigError, Settings
+from agentenv.node.runtime import TEMPLATE_SOURCE, NodeRuntime
+from agentenv.noderpc.server import NodeServer
+
+log = logging.getLogger(__name__)
+
+# How often the agent looks for templates it has come to hold (or lost) to publish them.
+LOCATIONS_EVERY_S = 10.0
+
+
+def parse_bind(raw: str) -> tuple[str, int]:
+    host, sep, port = raw.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ConfigError(f"AGENTENV_NODE_BIND={raw!r}: expected HOST:PORT")
+    return host.strip("[]"), int(port)
+
+
+class NodeAgent:
+    """Start with `start()`, end with `stop()` (paused sandboxes stay on disk)."""
+
+    def __init__(self, settings: Settings, *, version: str = "") -> None:
+        if not settings.etcd_endpoints:
+            raise ConfigError("a node agent needs the cluster's etcd: set AGENTENV_ETCD")
+        if not settings.node_token:
+            raise ConfigError(
+                "a node agent needs the cluster's node token: set AGENTENV_NODE_TOKEN"
+            )
+        self.settings = settings
+        self.version = version
+        self.runtime = NodeRuntime(settings)
+        self.etcd = Etcd.from_settings(settings)
+        host, port = parse_bind(settings.node_bind)
+        self.server = NodeServer(self.runtime, host, port, settings.node_token, log_level="info")
+        self.registration: NodeRegistration | None = None
+        self._published: set[tuple[str, str]] = set()
+        self._locations: asyncio.Task[None] | None = None
+
+    @property
+    def node_id(self) -> str:
+        return self.settings.node_id
+
+    @property
+    def url(self) -> str:
+        return self.settings.node_url or self.server.url
+
+    def load(self) -> Load:
+        st = self.runtime.status(self.node_id)
+        return Load(free_memory_mb=st.free_memory_mb, running=st.running, free_slots=st.free_slots)
+
+    async def start(self) -> None:
+        await self.runtime.start()
+        try:
+            await self.server.start()
+            st = self.runtime.status(self.node_id)
+            info = NodeInfo(
+                node_id=self.node_id,
+                rpc_url=self.url,
+                # Guests are reached at their slot addresses, routed to this host.
+                address=urlsplit(self.url).hostname or "127.0.0.1",
+                capacity=Capacity(cpus=st.cpus, memory_mb=st.memory_mb, slots=st.slots),
+                load=self.load(),
+                version=self.version,
+            )
+            self.registration = NodeRegistration(
+                self.etcd, info, ttl_s=self.settings.node_ttl_s, load_source=self.load
+            )
+            await self.registration.start()
+            self._locations = asyncio.create_task(self._publish_locations(), name="locations")
+        except BaseException:
+            await self.stop()
+            raise
+        log.info("node %s serving at %s", self.node_id, self.url)
+
+    async def stop(self) -> None:
+        if self._locations is not None:
+            self._locations.cancel()
+            await asyncio.gather(self._locations, return_exceptions=True)
+            self._locations = None
+        if self.registration is not None:
+            # Leaving now: the cluster sees the node gone at once, not after its TTL.
+            with contextlib.suppress(Exception):
+                await self.registration.stop(deregister=True)
+            self.registration = None
+        await self.server.stop()
+        await self.runtime.close()
+        await self.etcd.close()
+
+    def _held(self) -> set[tuple[str, str]]:
+        """(kind, id) of what creates here restore from this node's disk: templates with a
+        snapshot, and snapshots by id (a built template's, or one taken through the API)."""
+        held: set[tuple[str, str]] = set()
+        for snap in self.runtime.node.repo.list():
+            if snap.source.startswith(TEMPLATE_SOURCE):
+                held.add(("template", snap.source[len(TEMPLATE_SOURCE) :]))
+            elif snap.names:
+                held.add(("snapshot", snap.id))
+        return held
+
+    async def _publish_locations(self) -> None:
+        assert self.registration is not None
+        locations = Locations(self.etcd, self.registration)
+        while True:
+            try:
+                held = await asyncio.to_thread(self._held)
+                for kind, item in sorted(held - self._published):
+                    await locations.add(kind, item)
+                for kind, item in sorted(self._published - held):
+                    await locations.remove(kind, item)
+                self._published = held
+            except Exception as exc:
+                log.warning("node %s: publishing template locations failed: %s", self.node_id, exc)
+            await asyncio.sleep(LOCATIONS_EVERY_S)
+
+
+async def run(settings: Settings, *, version: str = "") -> None:
+    """Run an agent until SIGTERM or SIGINT.
+
+    The handlers are plain `signal.signal` ones, never `loop.add_signal_handler`: that sets a
+    wakeup fd which a forked child inherits (pyroute2 forks to open netlink sockets in a slot's
+    namespace and SIGTERMs the child when done), and a signal the child receives would then
+    reach this loop as if this process had got it, and stop the agent. uvicorn (the RPC
+    server) takes the signals while it runs and raises them again here once it has stopped."""
+    agent = NodeAgent(settings, version=version)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+
+    def on_signal(_sig: int, _frame: object) -> None:
+        loop.call_soon_threadsafe(stop.set)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, on_signal)
+    await agent.start()
+    print(f"node {agent.node_id} serving at {agent.url}", flush=True)
+    try:
+        await stop.wait()
+    finally:
+        await agent.stop()

@@ -1,0 +1,441 @@
+"""Serves any `Runtime` as `agentenv.node.v1.NodeService` to callers holding the node token.
+
+`node_app(runtime, token)` is the ASGI app; `NodeServer` runs it under uvicorn on a TCP port
+(plain HTTP) and `serve(...)` runs that until cancelled. The caller owns the runtime's
+lifecycle (`start`/`close`): many control-plane clients may come and go, the node stays.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import secrets
+import socket
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+import uvicorn
+from connectrpc.code import Code
+from connectrpc.errors import ConnectError
+from connectrpc.request import RequestContext
+
+from agentenv.contract.runtime import Runtime, SandboxSpec
+
+from . import convert
+from .convert import opt_str
+from .errors import allowed_kind, to_connect
+from .gen import node_pb as pb
+from .gen.node_connect import NodeService as NodeServiceProtocol
+from .gen.node_connect import NodeServiceASGIApplication
+
+log = logging.getLogger("agentenv.noderpc")
+
+T = TypeVar("T")
+Scope = dict[str, Any]
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+
+# A WatchLost stream with no event for this long gets a heartbeat, so a client can tell a
+# quiet node from a dead connection (it reconnects after a few missed ones).
+HEARTBEAT_S = 5.0
+# Lost events kept for a client that reconnects (and for one that has not connected yet).
+BACKLOG = 1024
+# Requests larger than this are refused (a fork of many children is the largest we send).
+READ_MAX_BYTES = 4 * 1024 * 1024
+
+
+async def _call(ctx: RequestContext[Any, Any], what: str, call: Awaitable[T]) -> T:
+    """Runs one runtime call within the caller's deadline, its failures as Connect errors.
+
+    The node stops working on a call its caller has given up on (the deadline travels in
+    the request), so a create that timed out is cancelled here, not left running unseen.
+    """
+    remaining = ctx.timeout_ms
+    try:
+        async with asyncio.timeout(None if remaining is None else max(remaining, 0) / 1000):
+            return await call
+    except TimeoutError:
+        raise ConnectError(Code.DEADLINE_EXCEEDED, f"{what} did not finish in time") from None
+    except ConnectError:
+        raise
+    except Exception as exc:
+        kind = allowed_kind(exc)
+        if kind is not None:
+            raise to_connect(exc, kind) from None
+        log.exception("%s failed", what)
+        raise ConnectError(Code.INTERNAL, f"{what} failed: {type(exc).__name__}: {exc}") from None
+
+
+class NodeService(NodeServiceProtocol):
+    """The generated `NodeService` protocol over one `Runtime`."""
+
+    def __init__(
+        self, runtime: Runtime, *, heartbeat_s: float = HEARTBEAT_S, backlog: int = BACKLOG
+    ) -> None:
+        self.runtime = runtime
+        self.heartbeat_s = heartbeat_s
+        # One per server process: a client that saw another epoch asks for all we hold.
+        self.epoch = secrets.token_hex(8)
+        self._seq = 0
+        self._events: deque[pb.LostEvent] = deque(maxlen=backlog)
+        self._changed = asyncio.Event()
+        runtime.watch_lost(self._on_lost)
+
+    def _on_lost(self, runtime_id: str, why: str) -> None:
+        # Called by the runtime on the event loop; streams wake and send what they lack.
+        self._seq += 1
+        self._events.append(
+            pb.LostEvent(epoch=self.epoch, seq=self._seq, runtime_id=runtime_id, why=why)
+        )
+        changed, self._changed = self._changed, asyncio.Event()
+        changed.set()
+
+    async def create(
+        self, request: pb.CreateRequest, ctx: RequestContext[Any, Any]
+    ) -> pb.PlacementResponse:
+        spec = _spec(request.spec)
+        placement = await _call(ctx, "create", self.runtime.create(spec))
+        return pb.PlacementResponse(placement=convert.placement_to_pb(placement))
+
+    async def update_egress(
+        self, request: pb.UpdateEgressRequest, ctx: RequestContext[Any, Any]
+    ) -> pb.Empty:
+        egress = _decode(lambda: convert.egress_from_pb(request.egress))
+        await _call(ctx, "update_egress", self.runtime.update_egress(request.runtime_id, egress))
+        return pb.Empty()
+
+    async def delete(self, request: pb.SandboxRef, ctx: RequestContext[Any, Any]) -> pb.Empty:
+        await _call(ctx, "delete", self.runtime.delete(request.runtime_id))
+        return pb.Empty()
+
+    async def forget(self, request: pb.SandboxRef, ctx: RequestContext[Any, Any]) -> pb.Empty:
+        await _call(ctx, "forget", self.runtime.forget(request.runtime_id))
+        return pb.Empty()
+
+    async def pause(self, request: pb.PauseRequest, ctx: RequestContext[Any, Any]) -> pb.Empty:
+        call = self.runtime.pause(
+            request.runtime_id,
+            memory=request.memory,
+            envd_token=opt_str(request, "envd_token"),
+            strict=request.strict,
+        )
+        await _call(ctx, "pause", call)
+        return pb.Empty()
+
+    async def resume(
+        self, request: pb.ResumeRequest, ctx: RequestContext[Any, Any]
+    ) -> pb.PlacementResponse:
+        spec = _spec(request.spec)
+        placement = await _call(ctx, "resume", self.runtime.resume(spec, memory=request.memory))
+        return pb.PlacementResponse(placement=convert.placement_to_pb(placement))
+
+    async def init_guest(
+        self, request: pb.InitGuestRequest, ctx: RequestContext[Any, Any]
+    ) -> pb.Empty:
+        spec = _spec(request.spec)
+        await _call(ctx, "init_guest", self.runtime.init_guest(spec))
+        return pb.Empty()
+
+    async def guest_metrics(
+        self, request: pb.GuestMetricsRequest, ctx: RequestContext[Any, Any]
+    ) -> pb.OptionalJson:
+        call = self.runtime.guest_metrics(request.runtime_id, opt_str(request, "envd_token"))
+        sample = await _call(ctx, "guest_metrics", call)
+        if sample is None:
+            return pb.OptionalJson()
+        try:
+            return pb.OptionalJson(json=json.dumps(sample))
+        except (TypeError, ValueError) as exc:
+            log.error("guest_metrics of %s is not JSON: %s", request.runtime_id, exc)
+            raise ConnectError(Code.INTERNAL, f"guest_metrics: not JSON: {exc}") from None
+
+    async def guest_health(
+        self, request: pb.SandboxRef, ctx: RequestContext[Any, Any]
+    ) -> pb.OptionalText:
+        why = await _call(ctx, "guest_health", self.runtime.guest_health(request.runtime_id))
+        return pb.OptionalText(text=why)
+
+    async def is_alive(
+        self, request: pb.SandboxRef, ctx: RequestContext[Any, Any]
+    ) -> pb.AliveResponse:
+        alive = await _call(ctx, "is_alive", self.runtime.is_alive(request.runtime_id))
+        return pb.AliveResponse(alive=alive)
+
+    async def find(self, request: pb.SandboxRef, ctx: RequestContext[Any, Any]) -> pb.FindResponse:
+        found = await _call(ctx, "find", self.runtime.find(request.runtime_id))
+        return pb.FindResponse(found=None if found is None else convert.found_to_pb(found))
+
+    async def sandbox_ids(
+        self, request: pb.Empty, ctx: RequestContext[Any, Any]
+    ) -> pb.SandboxIdsResponse:
+        ids = await _call(ctx, "sandbox_ids", self.runtime.sandbox_ids())
+        return pb.SandboxIdsResponse(runtime_ids=list(ids))
+
+    async def lost_reason(
+        self, request: pb.SandboxRef, ctx: RequestContext[Any, Any]
+    ) -> pb.OptionalText:
+        why = await _call(ctx, "lost_reason", self.runtime.lost_reason(request.runtime_id))
+        return pb.OptionalText(text=why)
+
+    async def watch_lost(
+        self, request: pb.WatchLostRequest, ctx: RequestContext[Any, Any]
+    ) -> AsyncIterator[pb.LostEvent]:
+        # Same epoch: resume after what the client saw; another (a restarted node): all.
+        cursor = request.after_seq if request.epoch == self.epoch else 0
+        while True:
+            changed = self._changed
+            pending = [e for e in self._events if e.seq > cursor]
+            for event in pending:
+                yield event
+                cursor = event.seq
+            if pending:
+                continue
+            try:
+                async with asyncio.timeout(self.heartbeat_s):
+                    await changed.wait()
+            except TimeoutError:
+                yield pb.LostEvent(epoch=self.epoch, seq=cursor, heartbeat=True)
+
+    async def snapshot(
+        self, request: pb.SnapshotRequest, ctx: RequestContext[Any, Any]
+    ) -> pb.SnapshotInfo:
+        call = self.runtime.snapshot(
+            request.runtime_id,
+            opt_str(request, "name"),
+            opt_str(request, "envd_token"),
+            memory=request.memory,
+        )
+        info = await _call(ctx, "snapshot", call)
+        return convert.snapshot_to_pb(info)
+
+    async def fork(self, request: pb.ForkRequest, ctx: RequestContext[Any, Any]) -> pb.ForkResponse:
+        children = [_spec(c) for c in request.children]
+        call = self.runtime.fork(request.runtime_id, children, opt_str(request, "envd_token"))
+        placements = await _call(ctx, "fork", call)
+        return pb.ForkResponse(placements=[convert.placement_to_pb(p) for p in placements])
+
+    async def snapshots(
+        self, request: pb.Empty, ctx: RequestContext[Any, Any]
+    ) -> pb.SnapshotsResponse:
+        infos = await _call(ctx, "snapshots", self.runtime.snapshots())
+        return pb.SnapshotsResponse(snapshots=[convert.snapshot_to_pb(i) for i in infos])
+
+    async def note_activity(
+        self, request: pb.NoteActivityRequest, ctx: RequestContext[Any, Any]
+    ) -> pb.Empty:
+        for runtime_id in request.runtime_ids:
+            self.runtime.note_activity(runtime_id)
+        return pb.Empty()
+
+    async def host_memory(
+        self, request: pb.SandboxRef, ctx: RequestContext[Any, Any]
+    ) -> pb.HostMemoryResponse:
+        mem = await _call(ctx, "host_memory", self.runtime.host_memory(request.runtime_id))
+        return pb.HostMemoryResponse(memory=None if mem is None else convert.memory_to_pb(mem))
+
+
+def _decode(fn: Callable[[], T]) -> T:
+    """A request value that does not convert (bad egress target, no spec) is the caller's."""
+    try:
+        return fn()
+    except ValueError as exc:
+        raise ConnectError(Code.INVALID_ARGUMENT, f"invalid request: {exc}") from None
+
+
+def _spec(msg: pb.SandboxSpec | None) -> SandboxSpec:
+    return _decode(lambda: convert.spec_from_pb(msg))
+
+
+class _Authenticated:
+    """Lets a request through to the Connect app only with `Authorization: Bearer <token>`;
+    anything else gets Connect's `unauthenticated` (401) and the runtime never sees it."""
+
+    def __init__(self, app: NodeServiceASGIApplication, token: str) -> None:
+        if not token:
+            raise ValueError("the node RPC needs a non-empty token")
+        self._app = app
+        self._expected = f"Bearer {token}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self._app(scope, receive, send)
+            return
+        if not self._allowed(scope):
+            await _connect_error(send, 401, "unauthenticated", "missing or invalid node token")
+            return
+        if str(scope.get("path", "")).endswith("/WatchLost"):
+            # Streams watch for the client's disconnect themselves (connectrpc).
+            await self._app(scope, receive, send)
+            return
+        await _cancel_on_disconnect(self._app, scope, receive, send)
+
+    def _allowed(self, scope: Scope) -> bool:
+        given = b""
+        for key, value in scope.get("headers", ()):
+            if bytes(key).lower() == b"authorization":
+                given = bytes(value)
+                break
+        return hmac.compare_digest(given, self._expected)
+
+
+async def _cancel_on_disconnect(
+    app: NodeServiceASGIApplication, scope: Scope, receive: Receive, send: Send
+) -> None:
+    """Runs a unary call, cancelling it if the caller goes away before the answer.
+
+    In-process, a caller that is cancelled cancels the runtime call with it; over the wire
+    that would be lost (uvicorn lets a unary handler run on after a disconnect), and a create
+    nobody waits for would leave a sandbox the control plane does not know. Once the request
+    body is in, one more `receive()` returns only when the client disconnects.
+    """
+    body_read = asyncio.Event()
+    gone = False
+
+    async def tracked_receive() -> dict[str, Any]:
+        message = await receive()
+        if message["type"] == "http.disconnect" or not message.get("more_body", False):
+            body_read.set()
+        return message
+
+    call = asyncio.create_task(app(scope, tracked_receive, send))
+
+    async def watch() -> None:
+        nonlocal gone
+        await body_read.wait()
+        message = await receive()
+        if message["type"] == "http.disconnect" and not call.done():
+            gone = True
+            call.cancel()
+
+    watcher = asyncio.create_task(watch())
+    try:
+        await call
+    except asyncio.CancelledError:
+        if not gone:
+            raise
+        log.info("%s: caller disconnected; call cancelled", scope.get("path"))
+    finally:
+        watcher.cancel()
+
+
+async def _connect_error(send: Send, status: int, code: str, message: str) -> None:
+    body = json.dumps({"code": code, "message": message}).encode()
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
+
+
+def node_app(runtime: Runtime, token: str, *, heartbeat_s: float = HEARTBEAT_S) -> Any:
+    """The ASGI app serving `runtime` to callers that send `token`."""
+    service = NodeService(runtime, heartbeat_s=heartbeat_s)
+    app = NodeServiceASGIApplication(service, read_max_bytes=READ_MAX_BYTES)
+    return _Authenticated(app, token)
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    # proto=IPPROTO_TCP, not 0 (`socket.create_server`'s): asyncio sets TCP_NODELAY on
+    # accepted connections only when their proto says TCP, and without it every response
+    # waits for the client's delayed ACK (40 ms a call on loopback).
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(1024)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+class NodeServer:
+    """`node_app` under uvicorn on `host:port` (port 0: any free one, see `.port`)."""
+
+    def __init__(
+        self,
+        runtime: Runtime,
+        host: str,
+        port: int,
+        token: str,
+        *,
+        heartbeat_s: float = HEARTBEAT_S,
+        log_level: str = "warning",
+    ) -> None:
+        self.host = host
+        self._sock = _listen(host, port)
+        self.port: int = self._sock.getsockname()[1]
+        config = uvicorn.Config(
+            node_app(runtime, token, heartbeat_s=heartbeat_s),
+            log_level=log_level,
+            lifespan="off",
+            access_log=False,
+            # Longer than the client's pool idle time, so the client closes an idle
+            # connection before the server does and never sends on one being closed.
+            timeout_keep_alive=75,
+            # A stream (WatchLost) never ends on its own; shutdown must not wait for it.
+            timeout_graceful_shutdown=2,
+        )
+        self._server = uvicorn.Server(config)
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._server.serve(sockets=[self._sock]))
+        try:
+            async with asyncio.timeout(10):
+                while not self._server.started:
+                    if self._task.done():
+                        self._task.result()
+                        raise RuntimeError("node RPC server stopped while starting")
+                    await asyncio.sleep(0.01)
+        except BaseException:
+            # Cancelled (or failed) while starting: the server may already be serving.
+            await self.stop()
+            raise
+
+    async def wait(self) -> None:
+        """Until the server stops (uvicorn exits on SIGINT/SIGTERM)."""
+        if self._task is not None:
+            await asyncio.shield(self._task)
+
+    async def stop(self) -> None:
+        if self._task is None:
+            self._sock.close()
+            return
+        self._server.should_exit = True
+        try:
+            async with asyncio.timeout(10):
+                await self._task
+        except TimeoutError:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        finally:
+            self._sock.close()
+            self._task = None
+
+
+async def serve(runtime: Runtime, host: str, port: int, token: str) -> None:
+    """Serves `runtime` on `host:port` until cancelled (or uvicorn's SIGINT/SIGTERM)."""
+    server = NodeServer(runtime, host, port, token, log_level="info")
+    try:
+        await server.start()
+        log.info("node RPC listening on %s", server.url)
+        await server.wait()
+    finally:
+        await server.stop()

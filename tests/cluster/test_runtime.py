@@ -1,0 +1,222 @@
+"""`cluster.runtime.ClusterRuntime` on a real etcd and real node RPC servers, each in front of
+an in-memory runtime (tests/noderpc/memruntime.py): placement, cordons, refusals, routing by
+binding, nodes that leave and come back, many creates at once. No VMs: the nodes' side is the
+transport's test runtime, so what these check is the control plane's decisions."""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, replace
+
+import pytest
+import pytest_asyncio
+from noderpc.memruntime import MemoryRuntime
+
+from agentenv.cluster.etcd import Etcd
+from agentenv.cluster.membership import Capacity, Load, NodeInfo, NodeRegistration
+from agentenv.cluster.runtime import ClusterRuntime, NodeDown
+from agentenv.config import Settings
+from agentenv.contract.errors import Unavailable
+from agentenv.contract.runtime import SandboxSpec
+from agentenv.noderpc.server import NodeServer
+
+from .etcd_cluster import EtcdCluster
+
+# grpc.aio (aetcd) answers on the loop a call started on: one loop for the module's tests.
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+
+TOKEN = secrets.token_urlsafe(16)
+MEM = 512
+
+
+@dataclass
+class FakeNode:
+    node_id: str
+    runtime: MemoryRuntime
+    server: NodeServer
+    registration: NodeRegistration
+    free_mb: int = 65536
+
+    def load(self) -> Load:
+        running = sum(1 for h in self.runtime.held.values() if h.state == "running")
+        return Load(free_memory_mb=self.free_mb - running * MEM, running=running, free_slots=100)
+
+
+async def _node(etcd: Etcd, node_id: str, free_mb: int = 65536) -> FakeNode:
+    runtime = MemoryRuntime()
+    server = NodeServer(runtime, "127.0.0.1", 0, TOKEN, heartbeat_s=0.2)
+    await server.start()
+    info = NodeInfo(
+        node_id, server.url, "127.0.0.1", Capacity(2, 131072, 100), Load(free_mb, 0, 100), "t"
+    )
+    node = FakeNode(node_id, runtime, server, NodeRegistration(etcd, info, ttl_s=3), free_mb)
+    node.registration.load_source = node.load
+    await node.registration.start()
+    return node
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def nodes(etcd: Etcd) -> AsyncIterator[list[FakeNode]]:
+    made = [await _node(etcd, f"n{i}") for i in range(3)]
+    try:
+        yield made
+    finally:
+        for n in made:
+            await n.registration.stop()
+            await n.server.stop()
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def cluster(
+    etcd_cluster: EtcdCluster, prefix: str, nodes: list[FakeNode]
+) -> AsyncIterator[ClusterRuntime]:
+    settings = replace(
+        Settings.from_env(),
+        etcd_endpoints=tuple(etcd_cluster.endpoints.split(",")),
+        etcd_prefix=prefix,
+        node_token=TOKEN,
+    )
+    rt = ClusterRuntime(settings)
+    await rt.start()
+    # Each node, once seen joining, is asked what it holds (orphans go): let that pass first.
+    for _ in range(100):
+        if all(any(c[0] == "sandbox_ids" for c in n.runtime.calls) for n in nodes):
+            break
+        await asyncio.sleep(0.05)
+    try:
+        yield rt
+    finally:
+        await rt.close()
+
+
+def spec(i: int | str, template: str = "base") -> SandboxSpec:
+    return SandboxSpec(f"sb-{i}", template, 1, MEM, envd_token=f"tok-{i}")
+
+
+def where(nodes: list[FakeNode]) -> dict[str, str]:
+    return {rid: n.node_id for n in nodes for rid in n.runtime.held}
+
+
+async def test_creates_spread_over_the_nodes_and_each_lands_once(
+    cluster: ClusterRuntime, nodes: list[FakeNode]
+) -> None:
+    placed = [await cluster.create(spec(i)) for i in range(12)]
+    assert [p.runtime_id for p in placed] == [f"sb-{i}" for i in range(12)]
+    at = where(nodes)
+    assert sorted(at) == sorted(p.runtime_id for p in placed)
+    # Sampled best of K: no node gets them all, every node gets some of twelve.
+    assert len(set(at.values())) == 3, at
+    assert await cluster.bindings.all() == at
+    # The whole spec reached the node (token, shape), once.
+    held = nodes[0].runtime.held[next(r for r, n in at.items() if n == "n0")]
+    assert held.spec.envd_token and held.spec.memory_mb == MEM
+
+
+async def test_many_concurrent_creates_all_land_and_are_bound(
+    cluster: ClusterRuntime, nodes: list[FakeNode]
+) -> None:
+    placed = await asyncio.gather(*(cluster.create(spec(f"c{i}")) for i in range(40)))
+    at = where(nodes)
+    assert len(placed) == len(at) == 40
+    assert await cluster.bindings.all() == at
+    # Concurrent creates see the same published load; the sample and in-flight count spread them.
+    assert min(list(at.values()).count(n.node_id) for n in nodes) >= 4, at
+
+
+async def test_cordoned_nodes_get_nothing_new(
+    cluster: ClusterRuntime, nodes: list[FakeNode]
+) -> None:
+    await cluster.cordon("n0", cordoned=True, reason="maintenance")
+    await cluster.cordon("n1", cordoned=True)
+    for i in range(5):
+        await cluster.create(spec(i))
+    assert set(where(nodes).values()) == {"n2"}
+    listed = {s.node_id: s for s in await cluster.nodes()}
+    assert listed["n0"].state == "cordoned" and listed["n0"].cordon_reason == "maintenance"
+    assert listed["n2"].state == "ready"
+    await cluster.cordon("n2", cordoned=True)
+    with pytest.raises(Unavailable, match="no ready node"):
+        await cluster.create(spec("none"))
+
+
+async def test_a_refusing_node_is_skipped_and_keeps_no_binding(
+    cluster: ClusterRuntime, nodes: list[FakeNode]
+) -> None:
+    for n in nodes[:2]:
+        n.runtime.fail = Unavailable(f"{n.node_id} is full", 7)
+    await cluster.cordon("n2", cordoned=True)
+    with pytest.raises(Unavailable, match="no node could take") as refused:
+        await cluster.create(spec("x"))
+    assert refused.value.retry_after == 7
+    assert await cluster.bindings.all() == {}
+    await cluster.cordon("n2", cordoned=False)
+    nodes[0].runtime.fail = Unavailable("n0 is full", 7)
+    nodes[1].runtime.fail = Unavailable("n1 is full", 7)
+    # The next create finds room on the one node that does not refuse.
+    placed = await cluster.create(spec("y"))
+    assert where(nodes)[placed.runtime_id] == "n2"
+    assert await cluster.bindings.all() == {"sb-y": "n2"}
+
+
+async def test_calls_go_to_the_bound_node_and_delete_unbinds(
+    cluster: ClusterRuntime, nodes: list[FakeNode]
+) -> None:
+    await cluster.create(spec(1))
+    home = where(nodes)["sb-1"]
+    node = next(n for n in nodes if n.node_id == home)
+    await cluster.pause("sb-1")
+    assert node.runtime.held["sb-1"].state == "paused"
+    found = await cluster.find("sb-1")
+    assert found is not None and found.state == "paused"
+    await cluster.resume(spec(1))
+    assert node.runtime.held["sb-1"].state == "running"
+    assert await cluster.is_alive("sb-1") and "sb-1" in await cluster.sandbox_ids()
+    await cluster.delete("sb-1")
+    assert "sb-1" not in node.runtime.held and await cluster.bindings.get("sb-1") is None
+    assert await cluster.find("sb-1") is None
+
+
+async def test_a_node_that_leaves_reports_its_running_sandboxes_lost(
+    cluster: ClusterRuntime, nodes: list[FakeNode]
+) -> None:
+    lost: list[tuple[str, str]] = []
+    cluster.watch_lost(lambda rid, why: lost.append((rid, why)))
+    await cluster.cordon("n1", cordoned=True)
+    await cluster.cordon("n2", cordoned=True)
+    await cluster.create(spec(1))
+    assert where(nodes)["sb-1"] == "n0"
+    # The agent dies without a word: its lease lapses (TTL 3 s).
+    await nodes[0].registration.stop(deregister=False)
+    await nodes[0].server.stop()
+    for _ in range(100):
+        if lost:
+            break
+        await asyncio.sleep(0.1)
+    assert lost and lost[0][0] == "sb-1" and "n0" in lost[0][1], lost
+    assert not await cluster.is_alive("sb-1")
+    with pytest.raises(NodeDown, match="n0"):
+        await cluster.pause("sb-1")
+    # The binding stays until the control plane deletes the sandbox; that needs no node.
+    await cluster.delete("sb-1")
+    assert await cluster.bindings.get("sb-1") is None
+
+
+async def test_a_returning_node_drops_what_nobody_is_bound_to(
+    etcd: Etcd, cluster: ClusterRuntime, nodes: list[FakeNode]
+) -> None:
+    extra = await _node(etcd, "late")
+    try:
+        # Made there while it was away from this control plane, bound to nothing.
+        await extra.runtime.create(spec("orphan"))
+        await extra.registration.stop(deregister=True)
+        await extra.registration.start()
+        for _ in range(100):
+            if "sb-orphan" not in extra.runtime.held:
+                break
+            await asyncio.sleep(0.1)
+        assert "sb-orphan" not in extra.runtime.held
+    finally:
+        await extra.registration.stop()
+        await extra.server.stop()

@@ -1,0 +1,109 @@
+"""Many nodes on one machine, as separate processes: node agents (`aenv node`, each with its own
+data dir, slot range, id and RPC port), control-plane replicas (`ServerProcess` with
+`AGENTENV_ETCD`), and the etcd harness of tests/cluster. Every process is the test's own and is
+stopped (or killed) by PID."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from agentenv.api.devserver import ServerProcess, free_port, prepare_home
+
+NODE_READY_S = 120.0
+
+
+class NodeProcess:
+    def __init__(self, home: Path, node_id: str, slot_cidr: str, env: dict[str, str]) -> None:
+        self.home = home
+        self.node_id = node_id
+        self.slot_cidr = slot_cidr
+        self.port = free_port()
+        self.env = env
+        self.log_path = home / "node.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> NodeProcess:
+        prepare_home(self.home)
+        env = {
+            **os.environ,
+            **self.env,
+            "AGENTENV_HOME": str(self.home),
+            "AGENTENV_NODE_ID": self.node_id,
+            "AGENTENV_NODE_BIND": f"127.0.0.1:{self.port}",
+            "AGENTENV_SLOT_CIDR": self.slot_cidr,
+        }
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "agentenv.cli", "node"],
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+            )
+        deadline = time.monotonic() + NODE_READY_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"node {self.node_id} exited: {self.log_tail()}")
+            if f"node {self.node_id} serving at" in self.log_tail(200):
+                return self
+            time.sleep(0.1)
+        self.crash()
+        raise RuntimeError(f"node {self.node_id} not ready in {NODE_READY_S:.0f} s")
+
+    def stop(self, timeout_s: float = 120.0) -> int | None:
+        if self.proc is None:
+            return None
+        proc, self.proc = self.proc, None
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        return proc.returncode
+
+    def crash(self) -> None:
+        """SIGKILL the agent: its QEMUs keep running, as after a real crash."""
+        if self.proc is None:
+            return
+        proc, self.proc = self.proc, None
+        proc.kill()
+        proc.wait()
+
+    @property
+    def pid(self) -> int | None:
+        return None if self.proc is None else self.proc.pid
+
+    def log_tail(self, lines: int = 20) -> str:
+        with contextlib.suppress(OSError):
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        return ""
+
+
+def cluster_env(endpoints: str, token: str, prefix: str) -> dict[str, str]:
+    """What every process of one test cluster shares."""
+    return {
+        "AGENTENV_ETCD": endpoints,
+        "AGENTENV_ETCD_PREFIX": prefix,
+        "AGENTENV_NODE_TOKEN": token,
+        # Short leases, so a killed agent is seen gone within seconds.
+        "AGENTENV_NODE_TTL_S": "4",
+        # No background QEMUs: 2 cores run 3 nodes' guests.
+        "AGENTENV_WARM_LOW": "0",
+        "AGENTENV_WARM_HIGH": "0",
+    }
+
+
+def replica(home: Path, env: dict[str, str]) -> ServerProcess:
+    return ServerProcess(home, env=env, ready_timeout_s=180)

@@ -1,0 +1,378 @@
+"""Many nodes on one machine: three node agents (`aenv node`, each its own data dir, slot range
+and id), a control plane on a 3-member etcd, driven through the official SDK.
+
+Creates spread over the nodes (placement), every sandbox answers through the control plane's
+proxy, `GET /nodes` and the list show all of them; a cordoned node takes no new sandboxes; a
+SIGKILLed agent's running sandboxes are reported lost with the reason while creates keep
+succeeding on the others."""
+
+from __future__ import annotations
+
+import secrets
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from api.conftest import stop_and_check
+from cluster.etcd_cluster import EtcdCluster
+from cluster_procs import NodeProcess, cluster_env, replica
+from e2b import Sandbox
+from objstore.seaweed import SeaweedFS
+
+pytestmark = pytest.mark.vm
+
+NODES = ("node-a", "node-b", "node-c")
+# Each node its own part of the default slot range (guests of one cannot reach another's).
+SLOT_CIDRS = ("198.18.64.0/20", "198.18.80.0/20", "198.18.96.0/20")
+RT = 180  # SDK request timeout, s: a create under TCG on a busy 2-core host
+LEASE_GONE_S = 30.0
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    root = tmp_path_factory.mktemp("cluster")
+    with EtcdCluster(root / "etcd") as etcd, SeaweedFS() as s3:
+        env = cluster_env(etcd.endpoints, secrets.token_urlsafe(16), f"/c{uuid.uuid4().hex[:8]}/")
+        env.update(s3.env(f"c{uuid.uuid4().hex[:8]}"))
+        nodes = [
+            NodeProcess(root / n, n, cidr, env) for n, cidr in zip(NODES, SLOT_CIDRS, strict=True)
+        ]
+        servers: list[Any] = []
+        try:
+            for node in nodes:
+                node.start()
+            from agentenv.api.devserver import prepare_home
+
+            for i in range(2):
+                home = prepare_home(root / f"control-{i}")
+                if servers:
+                    # One store (etcd) for both: the first replica made the first key.
+                    (home / "api-key").write_text(servers[0].api_key)
+                    (home / "api-key").chmod(0o600)
+                servers.append(replica(home, env).start())
+            yield {"etcd": etcd, "nodes": nodes, "server": servers[0], "servers": servers,
+                   "env": env}  # fmt: skip
+        finally:
+            for server in servers:
+                stop_and_check(server)
+            for node in nodes:
+                node.stop()
+
+
+def _api(server: Any) -> httpx.Client:
+    return httpx.Client(
+        base_url=server.url, headers={"X-API-Key": server.api_key}, timeout=60, trust_env=False
+    )
+
+
+def _nodes(server: Any) -> dict[str, dict[str, Any]]:
+    with _api(server) as api:
+        resp = api.get("/nodes")
+        assert resp.status_code == 200, resp.text
+        return {n["nodeID"]: n for n in resp.json()}
+
+
+def _bound_node(server: Any, sandbox_id: str, nodes: list[NodeProcess]) -> str:
+    """The node whose data dir holds the sandbox."""
+    held = [n.node_id for n in nodes if (n.home / "sandboxes" / sandbox_id).is_dir()]
+    assert len(held) == 1, f"{sandbox_id} is on {held}"
+    return held[0]
+
+
+def _create(monkeypatch: pytest.MonkeyPatch, server: Any, **kw: Any) -> Sandbox:
+    for k, v in server.sdk_env().items():
+        monkeypatch.setenv(k, v)
+    return Sandbox.create(template="base", timeout=600, request_timeout=RT, **kw)
+
+
+def test_creates_spread_and_answer_through_the_control_plane(
+    cluster: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    server, nodes = cluster["server"], cluster["nodes"]
+    listed = _nodes(server)
+    assert sorted(listed) == list(NODES) and all(n["state"] == "ready" for n in listed.values())
+    boxes = [_create(monkeypatch, server, metadata={"i": str(i)}) for i in range(4)]
+    try:
+        where = {b.sandbox_id: _bound_node(server, b.sandbox_id, nodes) for b in boxes}
+        # Best of K by free memory and load: four creates do not all land on one node.
+        assert len(set(where.values())) >= 2, where
+        for b in boxes:
+            out = b.commands.run("hostname; echo $((6*7))", request_timeout=RT)
+            assert out.stdout.split() == [b.sandbox_id, "42"]
+        # The cluster-wide list and the node counts see every one of them.
+        pager = Sandbox.list(limit=100, request_timeout=RT)
+        listed_ids = {s.sandbox_id for s in pager.next_items()}
+        assert {b.sandbox_id for b in boxes} <= listed_ids
+        counts = {k: v["running"] for k, v in _wait_counts(server, where).items()}
+        for node_id in set(where.values()):
+            assert counts[node_id] == sum(1 for n in where.values() if n == node_id)
+        with _api(server) as api:
+            metrics = api.get("/metrics").text
+        for b in boxes:
+            assert b.sandbox_id in metrics or "agentenv_sandboxes" in metrics
+    finally:
+        for b in boxes:
+            b.kill(request_timeout=RT)
+
+
+def _wait_counts(server: Any, where: dict[str, str]) -> dict[str, dict[str, Any]]:
+    """`GET /nodes` once every node's published load has caught up with `where`."""
+    want: dict[str, int] = {}
+    for node_id in where.values():
+        want[node_id] = want.get(node_id, 0) + 1
+    deadline = time.monotonic() + 20
+    while True:
+        listed = _nodes(server)
+        if all(listed[n]["running"] == c for n, c in want.items()):
+            return listed
+        assert time.monotonic() < deadline, f"node counts {listed} never matched {want}"
+        time.sleep(0.5)
+
+
+def test_a_cordoned_node_takes_no_new_sandboxes(
+    cluster: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    server, nodes = cluster["server"], cluster["nodes"]
+    with _api(server) as api:
+        for n in NODES[:2]:
+            resp = api.post(f"/nodes/{n}/cordon", json={"reason": "maintenance"})
+            assert resp.status_code == 200 and resp.json()["state"] == "cordoned", resp.text
+        bad = api.post(f"/nodes/{NODES[0]}/cordon", json={"reason": "x", "drain": True})
+        assert bad.status_code == 400 and "drain" in bad.json()["message"]
+        assert api.post("/nodes/nope/cordon", json={}).status_code == 404
+    boxes: list[Sandbox] = []
+    try:
+        boxes = [_create(monkeypatch, server) for _ in range(2)]
+        assert {_bound_node(server, b.sandbox_id, nodes) for b in boxes} == {NODES[2]}
+    finally:
+        for b in boxes:
+            b.kill(request_timeout=RT)
+        with _api(server) as api:
+            for n in NODES[:2]:
+                assert api.post(f"/nodes/{n}/uncordon").json()["state"] == "ready"
+
+
+def _only_on(server: Any, node_id: str) -> None:
+    """Cordon every node but `node_id` (the next create lands there)."""
+    with _api(server) as api:
+        for n in NODES:
+            path = "uncordon" if n == node_id else "cordon"
+            assert api.post(f"/nodes/{n}/{path}", json=None).status_code == 200
+
+
+def _uncordon_all(server: Any) -> None:
+    with _api(server) as api:
+        for n in NODES:
+            api.post(f"/nodes/{n}/uncordon")
+
+
+def _mark(sbx: Sandbox) -> str:
+    """A file on disk, one in RAM (/dev/shm) and a process; returns the process id."""
+    sbx.files.write("/home/user/disk.txt", "on disk")
+    sbx.commands.run("echo in-ram > /dev/shm/ram.txt", request_timeout=RT)
+    return sbx.commands.run(
+        "sleep 100000 >/dev/null 2>&1 & echo $!", request_timeout=RT
+    ).stdout.strip()
+
+
+def _check_marks(sbx: Sandbox, pid: str) -> None:
+    assert sbx.files.read("/home/user/disk.txt") == "on disk"
+    out = sbx.commands.run(f"cat /dev/shm/ram.txt; kill -0 {pid} && echo alive", request_timeout=RT)
+    assert out.stdout.split() == ["in-ram", "alive"], out
+
+
+def test_paused_on_a_cordoned_node_resumes_on_another_with_its_memory(
+    cluster: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    server, nodes = cluster["server"], cluster["nodes"]
+    _only_on(server, NODES[1])
+    try:
+        sbx = _create(monkeypatch, server)
+    finally:
+        _uncordon_all(server)
+    try:
+        assert _bound_node(server, sbx.sandbox_id, nodes) == NODES[1]
+        pid = _mark(sbx)
+        sbx.pause(request_timeout=RT)
+        with _api(server) as api:
+            assert api.post(f"/nodes/{NODES[1]}/cordon", json={}).status_code == 200
+        back = Sandbox.connect(sbx.sandbox_id, timeout=600, request_timeout=RT)
+        # Files, RAM and processes came with it, through object storage.
+        assert _bound_node(server, sbx.sandbox_id, nodes) != NODES[1]
+        _check_marks(back, pid)
+    finally:
+        _uncordon_all(server)
+        Sandbox.kill(sbx.sandbox_id, request_timeout=RT)
+
+
+def test_a_drained_node_loses_none_and_its_sandboxes_resume_elsewhere(
+    cluster: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    server, nodes = cluster["server"], cluster["nodes"]
+    _only_on(server, NODES[2])
+    try:
+        boxes = [_create(monkeypatch, server) for _ in range(2)]
+    finally:
+        _uncordon_all(server)
+    try:
+        pids = [_mark(b) for b in boxes]
+        with _api(server) as api:
+            resp = api.post(f"/nodes/{NODES[2]}/drain", timeout=600)
+            assert resp.status_code == 200, resp.text
+            body = resp.json()
+            assert sorted(body["paused"]) == sorted(b.sandbox_id for b in boxes)
+            assert body["failed"] == {} and body["node"]["state"] == "cordoned"
+            for b in boxes:
+                assert api.get(f"/sandboxes/{b.sandbox_id}").json()["state"] == "paused"
+        for b, pid in zip(boxes, pids, strict=True):
+            back = Sandbox.connect(b.sandbox_id, timeout=600, request_timeout=RT)
+            assert _bound_node(server, b.sandbox_id, nodes) != NODES[2]
+            _check_marks(back, pid)
+    finally:
+        _uncordon_all(server)
+        for b in boxes:
+            Sandbox.kill(b.sandbox_id, request_timeout=RT)
+
+
+def test_a_snapshot_taken_on_one_node_is_created_from_on_another(
+    cluster: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    server, nodes = cluster["server"], cluster["nodes"]
+    _only_on(server, NODES[0])
+    try:
+        src = _create(monkeypatch, server)
+    finally:
+        _uncordon_all(server)
+    child = None
+    try:
+        src.files.write("/home/user/made-on-a.txt", "from node a")
+        snap = src.create_snapshot(request_timeout=RT)
+        _only_on(server, NODES[2])
+        try:
+            child = Sandbox.create(snap.snapshot_id, timeout=600, request_timeout=RT)
+        finally:
+            _uncordon_all(server)
+        assert _bound_node(server, child.sandbox_id, nodes) == NODES[2]
+        assert child.files.read("/home/user/made-on-a.txt") == "from node a"
+    finally:
+        if child is not None:
+            child.kill(request_timeout=RT)
+        src.kill(request_timeout=RT)
+
+
+def test_every_sandbox_answers_through_either_replica_and_survives_one_dying(
+    cluster: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    first, second = cluster["servers"]
+    boxes = [_create(monkeypatch, first) for _ in range(2)]
+    try:
+        for k, v in second.sdk_env().items():
+            monkeypatch.setenv(k, v)
+        for b in boxes:
+            via = Sandbox.connect(b.sandbox_id, timeout=600, request_timeout=RT)
+            assert via.commands.run("hostname", request_timeout=RT).stdout.strip() == b.sandbox_id
+        listed = {s.sandbox_id for s in Sandbox.list(limit=100, request_timeout=RT).next_items()}
+        assert {b.sandbox_id for b in boxes} <= listed
+        # The first replica dies: the second serves every sandbox, and creates.
+        first.crash()
+        for b in boxes:
+            via = Sandbox.connect(b.sandbox_id, timeout=600, request_timeout=RT)
+            assert via.commands.run("echo up", request_timeout=RT).stdout.strip() == "up"
+        extra = Sandbox.create(template="base", timeout=600, request_timeout=RT)
+        boxes.append(extra)
+        assert extra.commands.run("echo new", request_timeout=RT).stdout.strip() == "new"
+        # It comes back on the same store and sees them all.
+        first.start()
+        with _api(first) as api:
+            ids = {r["sandboxID"] for r in api.get("/v2/sandboxes").json()}
+        assert {b.sandbox_id for b in boxes} <= ids
+    finally:
+        for b in boxes:
+            Sandbox.kill(b.sandbox_id, request_timeout=RT)
+
+
+def test_operations_go_on_after_the_etcd_leader_is_killed(
+    cluster: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    server, etcd = cluster["server"], cluster["etcd"]
+    sbx = _create(monkeypatch, server)
+    try:
+        dead = etcd.kill_leader()
+        try:
+            # The next operations ride out the election (each etcd call retries the others).
+            again = _create(monkeypatch, server)
+            assert again.commands.run("echo ok", request_timeout=RT).stdout.strip() == "ok"
+            again.kill(request_timeout=RT)
+            sbx.pause(request_timeout=RT)
+            back = Sandbox.connect(sbx.sandbox_id, timeout=600, request_timeout=RT)
+            assert back.commands.run("echo back", request_timeout=RT).stdout.strip() == "back"
+            assert sorted(_nodes(server)) == list(NODES)
+        finally:
+            etcd.restart(dead)
+    finally:
+        Sandbox.kill(sbx.sandbox_id, request_timeout=RT)
+
+
+def test_a_killed_node_agent_loses_its_running_sandboxes_and_creates_go_on(
+    cluster: dict[str, Any], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    server, nodes = cluster["server"], cluster["nodes"]
+    victim = nodes[0]
+    with _api(server) as api:
+        for n in NODES[1:]:
+            api.post(f"/nodes/{n}/cordon", json={"reason": "steer the next create"})
+    try:
+        doomed = _create(monkeypatch, server)
+    finally:
+        with _api(server) as api:
+            for n in NODES[1:]:
+                api.post(f"/nodes/{n}/uncordon")
+    _only_on(server, victim.node_id)
+    try:
+        parked = _create(monkeypatch, server)
+    finally:
+        _uncordon_all(server)
+    pid = _mark(parked)
+    parked.pause(request_timeout=RT)
+    assert _bound_node(server, doomed.sandbox_id, nodes) == victim.node_id
+    victim.crash()
+    # Its lease lapses; the control plane reports the sandbox lost, with the reason.
+    deadline = time.monotonic() + LEASE_GONE_S
+    with _api(server) as api:
+        while True:
+            resp = api.get(f"/sandboxes/{doomed.sandbox_id}")
+            if resp.status_code == 404:
+                break
+            assert time.monotonic() < deadline, f"still {resp.json()} after the agent died"
+            time.sleep(0.5)
+        assert "lost" in resp.json()["message"] and victim.node_id in resp.json()["message"]
+        assert victim.node_id not in _nodes(server)
+    # Its paused sandbox resumes on another node, from object storage, memory and all.
+    back = Sandbox.connect(parked.sandbox_id, timeout=600, request_timeout=RT)
+    _check_marks(back, pid)
+    moved_to = _bound_node(server, parked.sandbox_id, [n for n in nodes if n is not victim])
+    assert moved_to != victim.node_id
+    # Creates keep succeeding on the others.
+    fresh = [_create(monkeypatch, server) for _ in range(2)]
+    try:
+        for b in fresh:
+            assert _bound_node(server, b.sandbox_id, nodes) != victim.node_id
+            assert b.commands.run("echo ok", request_timeout=RT).stdout.strip() == "ok"
+    finally:
+        for b in fresh:
+            b.kill(request_timeout=RT)
+    # The agent comes back: what it still held for the lost sandbox is deleted there, and its
+    # old copy of the one that moved is dropped (the moved one keeps running elsewhere).
+    victim.start()
+    deadline = time.monotonic() + LEASE_GONE_S
+    while any(
+        (victim.home / "sandboxes" / s).exists() for s in (doomed.sandbox_id, parked.sandbox_id)
+    ):
+        assert time.monotonic() < deadline, "the returning node kept what is not its own"
+        time.sleep(0.5)
+    assert back.commands.run("echo still", request_timeout=RT).stdout.strip() == "still"
+    back.kill(request_timeout=RT)
