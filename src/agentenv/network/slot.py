@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pyroute2 import AsyncConntrack, AsyncIPRoute, netns
+from pyroute2.netlink import NETLINK_NETFILTER, NETLINK_ROUTE
 from pyroute2.netlink.exceptions import NetlinkError
 
 from agentenv.config import DEFAULT_SLOT_CIDR, NetworkPlan
@@ -29,6 +30,7 @@ from agentenv.filelock import file_lock
 from agentenv.network import nft
 from agentenv.network.egress import OPEN, Egress
 from agentenv.network.errors import NetworkError, NoFreeSlot
+from agentenv.network.netns_socket import add_netns, add_tap, netlink_fd, remove_netns
 from agentenv.vmm.confine import vm_ids
 
 NETNS_PREFIX = "ae-s"
@@ -124,7 +126,7 @@ def _claim_netns(plan: NetworkPlan, start: int) -> Slot:
             continue
         slot = slot_for(plan, index)
         try:
-            netns.create(slot.netns)
+            add_netns(slot.netns)
         except FileExistsError:
             continue
         _remember(slot.netns)
@@ -163,7 +165,7 @@ async def create_slot(
         else:
             slot = slot_for(plan, index)
             try:
-                netns.create(slot.netns)
+                add_netns(slot.netns)
             except FileExistsError as exc:
                 raise NetworkError(f"slot {index} is already in use") from exc
             _remember(slot.netns)
@@ -198,7 +200,7 @@ async def _build(plan: NetworkPlan, slot: Slot) -> None:
             _disable_ipv6(slot.host_veth)
             await ipr.addr("add", index=idx, address=str(slot.host_ip), prefixlen=30)
             await ipr.link("set", index=idx, state="up")
-        async with AsyncIPRoute(netns=slot.netns) as ipr:
+        async with AsyncIPRoute(fileno=await netlink_fd(slot.netns, NETLINK_ROUTE)) as ipr:
             await ipr.link("set", index=await _link_index(ipr, "lo"), state="up")
             idx = await _link_index(ipr, slot.ns_veth)
             await ipr.addr("add", index=idx, address=str(slot.slot_ip), prefixlen=30)
@@ -206,7 +208,7 @@ async def _build(plan: NetworkPlan, slot: Slot) -> None:
             # Owned by the uid the slot's confined QEMU runs as: a tap with no owner may be
             # attached by any process that can open /dev/net/tun in this namespace.
             uid, gid = vm_ids(slot.tap, slot.netns)
-            await ipr.link("add", ifname=slot.tap, kind="tuntap", mode="tap", uid=uid, gid=gid)
+            await add_tap(slot.netns, slot.tap, uid, gid)
             tap = await _link_index(ipr, slot.tap)
             await ipr.addr(
                 "add", index=tap, address=str(slot.gateway_ip), prefixlen=slot.guest_prefixlen
@@ -276,7 +278,7 @@ async def guard_counters(slot: Slot) -> dict[str, int]:
 
 async def conntrack_entries(slot: Slot) -> int:
     """Connections the slot's namespace tracks (dumped: the kernel's counter lags a flush)."""
-    async with AsyncConntrack(netns=slot.netns) as ct:
+    async with AsyncConntrack(fileno=await netlink_fd(slot.netns, NETLINK_NETFILTER)) as ct:
         return len([e async for e in await ct.dump_entries()])
 
 
@@ -292,7 +294,7 @@ async def apply_guard(slot: Slot) -> None:
     table is replaced in one transaction, so a running guest is never unguarded."""
     await nft.run_in_netns(slot.netns, "nft -f -", _guard(slot))
     try:
-        async with AsyncIPRoute(netns=slot.netns) as ipr:
+        async with AsyncIPRoute(fileno=await netlink_fd(slot.netns, NETLINK_ROUTE)) as ipr:
             await _shape(ipr, slot, await _link_index(ipr, slot.tap))
     except NetlinkError as exc:
         raise NetworkError(f"slot {slot.index}: netlink: {exc}") from exc
@@ -306,7 +308,7 @@ async def reset_slot(slot: Slot) -> None:
     await set_egress(slot, OPEN)
     await apply_guard(slot)
     try:
-        async with AsyncConntrack(netns=slot.netns) as ct:
+        async with AsyncConntrack(fileno=await netlink_fd(slot.netns, NETLINK_NETFILTER)) as ct:
             await ct.flush()
     except (NetlinkError, OSError) as exc:
         raise NetworkError(f"slot {slot.index}: conntrack flush failed: {exc}") from exc
@@ -320,7 +322,7 @@ async def _teardown(slot: Slot) -> None:
             if found:
                 await ipr.link("del", index=found[0])
     if slot.netns_path.exists():
-        netns.remove(slot.netns)
+        remove_netns(slot.netns)
     live_here.discard(slot.netns)
     if not _host_veths():
         await nft.remove_host_rules()
