@@ -5,20 +5,18 @@ stopped (or killed) by PID."""
 
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from agentenv.api.devserver import ServerProcess, free_port, prepare_home
+from agentenv.api.devserver import OwnProcess, ServerProcess, free_port, prepare_home
 
 NODE_READY_S = 120.0
 
 
-class NodeProcess:
+class NodeProcess(OwnProcess):
     def __init__(self, home: Path, node_id: str, slot_cidr: str, env: dict[str, str]) -> None:
         self.home = home
         self.node_id = node_id
@@ -61,34 +59,7 @@ class NodeProcess:
         raise RuntimeError(f"node {self.node_id} not ready in {NODE_READY_S:.0f} s")
 
     def stop(self, timeout_s: float = 120.0) -> int | None:
-        if self.proc is None:
-            return None
-        proc, self.proc = self.proc, None
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        return proc.returncode
-
-    def crash(self) -> None:
-        """SIGKILL the agent: its QEMUs keep running, as after a real crash."""
-        if self.proc is None:
-            return
-        proc, self.proc = self.proc, None
-        proc.kill()
-        proc.wait()
-
-    @property
-    def pid(self) -> int | None:
-        return None if self.proc is None else self.proc.pid
-
-    def log_tail(self, lines: int = 20) -> str:
-        with contextlib.suppress(OSError):
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        return ""
+        return super().stop(timeout_s)
 
 
 def cluster_env(endpoints: str, token: str, prefix: str) -> dict[str, str]:

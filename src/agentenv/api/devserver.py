@@ -39,7 +39,46 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-class ServerProcess:
+class OwnProcess:
+    """A process a test or benchmark started (`proc`), its log in `log_path`: stopped with
+    SIGTERM (SIGKILL past the timeout) or crashed with SIGKILL, by its PID only."""
+
+    proc: subprocess.Popen[bytes] | None
+    log_path: Path
+
+    def stop(self, timeout_s: float = 60.0) -> int | None:
+        if self.proc is None:
+            return None
+        proc, self.proc = self.proc, None
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        return proc.returncode
+
+    def crash(self) -> None:
+        """SIGKILL it (no shutdown runs: its VMs stay, as after a crash)."""
+        if self.proc is None:
+            return
+        proc, self.proc = self.proc, None
+        proc.kill()
+        proc.wait()
+
+    @property
+    def pid(self) -> int | None:
+        return None if self.proc is None else self.proc.pid
+
+    def log_tail(self, lines: int = 20) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+
+class ServerProcess(OwnProcess):
     def __init__(
         self,
         home: Path,
@@ -105,37 +144,6 @@ class ServerProcess:
             time.sleep(0.1)
         self.stop()
         raise ServerStartError(f"server not ready in {self.ready_timeout_s:.0f} s")
-
-    def stop(self, timeout_s: float = 60.0) -> int | None:
-        if self.proc is None:
-            return None
-        proc, self.proc = self.proc, None
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        return proc.returncode
-
-    def crash(self) -> None:
-        """SIGKILL the server (no shutdown runs: its VMs stay, as after a crash)."""
-        if self.proc is None:
-            return
-        proc, self.proc = self.proc, None
-        proc.kill()
-        proc.wait()
-
-    @property
-    def pid(self) -> int | None:
-        return None if self.proc is None else self.proc.pid
-
-    def log_tail(self, lines: int = 20) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return ""
 
     def __enter__(self) -> ServerProcess:
         return self.start()

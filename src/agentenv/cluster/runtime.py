@@ -373,8 +373,9 @@ class ClusterRuntime:
             self._bound[rid] = info.node_id
             log.info("sandbox %s resumed on %s (was paused on %s)", rid, info.node_id, node_id)
             if home is not None:
-                # The old copy goes; the sandbox's state lives on the new node.
-                self._spawn(self._forget_on(node_id, rid))
+                # The old copy goes before the caller hears of the new one (a node that is
+                # away drops it when it joins again).
+                await self._forget_on(node_id, rid)
             return placement
         raise Unavailable(
             f"sandbox {rid} could not be resumed on another node: " + "; ".join(refusals),

@@ -13,8 +13,8 @@ import re
 
 from agentenv.contract.runtime import TemplateInfo, TemplateSource, TemplateUnavailable
 
-# A snapshot id (sha256 hex), what `POST /sandboxes/{id}/snapshots` answers with.
-SNAPSHOT_ID = re.compile(r"[0-9a-f]{64}")
+# A snapshot id (32 hex digits, `SnapshotRepository.commit`), as snapshot creates answer.
+SNAPSHOT_ID = re.compile(r"[0-9a-f]{32}")
 
 
 class ClusterTemplates:

@@ -56,8 +56,8 @@ def snapshot_info(s: snaps.Snapshot) -> SnapshotInfo:
 GUEST_HEALTH_TIMEOUT_S = 3.0
 
 
-# A snapshot's id (`snapshot.digest`): what a create names when it starts from a snapshot.
-_SNAPSHOT_ID = re.compile(r"[0-9a-f]{64}")
+# A snapshot's id (32 hex digits, `SnapshotRepository.commit`): what a create from one names.
+_SNAPSHOT_ID = re.compile(r"[0-9a-f]{32}")
 
 
 def _has_snapshot(repo: snaps.SnapshotRepository, ref: str) -> bool:
