@@ -8,6 +8,7 @@ succeeding on the others."""
 
 from __future__ import annotations
 
+import re
 import secrets
 import time
 import uuid
@@ -110,10 +111,15 @@ def test_creates_spread_and_answer_through_the_control_plane(
         counts = {k: v["running"] for k, v in _wait_counts(server, where).items()}
         for node_id in set(where.values()):
             assert counts[node_id] == sum(1 for n in where.values() if n == node_id)
-        with _api(server) as api:
-            metrics = api.get("/metrics").text
-        for b in boxes:
-            assert b.sandbox_id in metrics or "agentenv_sandboxes" in metrics
+        # Prometheus, from either replica: every sandbox's host memory (asked of its node)
+        # and the cluster-wide count of running ones.
+        for replica_server in cluster["servers"]:
+            with _api(replica_server) as api:
+                metrics = api.get("/metrics").text
+            for b in boxes:
+                assert f'sandbox_id="{b.sandbox_id}"' in metrics, metrics[-2000:]
+            running = re.search(r'^agentenv_sandboxes\{state="running"\} (\d+)', metrics, re.M)
+            assert running is not None and int(float(running.group(1))) >= len(boxes)
     finally:
         for b in boxes:
             b.kill(request_timeout=RT)

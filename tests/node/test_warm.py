@@ -120,7 +120,7 @@ async def test_a_warm_guest_takes_the_id_and_init_the_caller_gives(
         await node.delete((await node.create("base", memory_mb=MEM)).id)
         await wait_ready(node, 1)
         (entry,) = node.warm.ready(SHAPE)
-        old_name, pid = entry.name, entry.vm.pid
+        old_name, pid, old_workdir = entry.name, entry.vm.pid, entry.workdir
         chosen = new_sandbox_id()
         token = "tok-" + chosen
         sb = await node.create(
@@ -151,6 +151,8 @@ async def test_a_warm_guest_takes_the_id_and_init_the_caller_gives(
             await node.create("base", memory_mb=MEM, sandbox_id=chosen)
         await node.delete(chosen)
         assert not (settings.sandboxes_dir / chosen).exists()
+        # The entry's old workdir (a symlink while its QEMU ran) goes with it.
+        assert not old_workdir.is_symlink() and not old_workdir.exists(), old_workdir
     finally:
         await node.close()
     assert not vm_registry.load_all(settings.vms_dir)

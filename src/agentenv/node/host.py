@@ -187,6 +187,9 @@ class SandboxHandle:
     booted: bool = False
     # The token its envd requires (the node's own calls into the guest send it).
     envd_token: str | None = field(default=None, repr=False)
+    # Taken from the warm pool: the entry's old workdir, left as a symlink to the new one
+    # while its QEMU runs (`relocate`); under the entry's name, not the sandbox's.
+    warm_link: Path | None = field(default=None, repr=False)
 
     @property
     def address(self) -> str:
@@ -747,6 +750,8 @@ class Node:
                     defaults=defaults, init=init,
                 )  # fmt: skip
                 handle.egress = egress
+                if warm is not None:
+                    handle.warm_link = warm_workdir
                 undo.append(lambda: self._release(handle))
                 if disk_mb > base_mb:
                     await self._grow_disk(handle, disk_mb)
@@ -852,7 +857,7 @@ class Node:
         try:
             if sb is not None and not sb.paused:
                 await sb.vm.kill()
-                await self._drop_warm_link(sandbox_id)
+                await self._drop_warm_link(sb)
         finally:
             if sb is not None and not sb.paused:
                 await self.pool.release(sb.slot)
@@ -1087,11 +1092,15 @@ class Node:
             "sandbox %s: disk grown to %d MB in %.2fs", handle.id, disk_mb, time.monotonic() - t0
         )
 
-    async def _drop_warm_link(self, sandbox_id: str) -> None:
+    async def _drop_warm_link(self, sb: SandboxHandle) -> None:
         """The old name of a sandbox that came from the warm pool (`relocate`), once its
-        QEMU is gone."""
-        if self._warm_root is not None:
-            await asyncio.to_thread(unlink_relocated, self._warm_root / sandbox_id)
+        QEMU is gone. A sandbox adopted after a restart has no record of it: the old name
+        lives in a dead process's warm root, which the next start removes."""
+        link, sb.warm_link = sb.warm_link, None
+        if link is None and self._warm_root is not None:
+            link = self._warm_root / sb.id
+        if link is not None:
+            await asyncio.to_thread(unlink_relocated, link)
 
     async def _warm_current(self, shape: Shape) -> str | None:
         from agentenv.template.catalog import TemplateNotFound
@@ -1292,7 +1301,7 @@ class Node:
         sb.paused = True
         if record.kind == "stream":
             self.conversions.start(sandbox_id, machine.workdir)
-        await self._drop_warm_link(sandbox_id)
+        await self._drop_warm_link(sb)
         await self.pool.release(sb.slot)
         # A paused sandbox no longer maps the snapshot it came from; it may have been the
         # last holder of a deleted one.
