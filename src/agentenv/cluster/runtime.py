@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import logging
 import random
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -98,6 +99,9 @@ class ClusterRuntime:
         # A hint only (sandbox -> node): `note_activity` cannot wait for etcd.
         self._bound: dict[str, str] = {}
         self._inflight_mb: dict[str, int] = {}
+        # Creates this replica placed that the node's published load may not show yet: (when,
+        # MiB) per node, counted until the node publishes a load measured after them.
+        self._placed: dict[str, list[tuple[float, int]]] = {}
         self._handlers: list[Callable[[str, str], None]] = []
         self._watch_task: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[None]] = set()
@@ -244,9 +248,7 @@ class ClusterRuntime:
         snapshot_holders = set(await self.locations.holders("snapshot", template))
         warm = set(await self.locations.holders("template", template)) | snapshot_holders
         need = spec.memory_mb + VMM_OVERHEAD_MB
-        cands = [
-            _Candidate(n, n.node_id in warm, self._inflight_mb.get(n.node_id, 0)) for n in nodes
-        ]
+        cands = [_Candidate(n, n.node_id in warm, self._pending_mb(n)) for n in nodes]
         if snapshot_holders and self.settings.object_store is None:
             # Without object storage a snapshot can only be created from where it was taken.
             cands = [c for c in cands if c.info.node_id in snapshot_holders]
@@ -266,6 +268,14 @@ class ClusterRuntime:
         best = sorted(sampled, key=_score, reverse=True)
         rest = sorted((c for c in fits if c not in best), key=_score, reverse=True)
         return [c.info for c in best + rest]
+
+    def _pending_mb(self, info: NodeInfo) -> int:
+        """What this replica has sent to the node that its published load does not count
+        yet: creates in flight, and those done since the node last measured its load."""
+        seen = info.load.updated_at
+        recent = [(t, mb) for t, mb in self._placed.get(info.node_id, []) if t > seen]
+        self._placed[info.node_id] = recent
+        return self._inflight_mb.get(info.node_id, 0) + sum(mb for _, mb in recent)
 
     async def create(self, spec: SandboxSpec) -> Placement:
         candidates = await self._candidates(spec, spec.template)
@@ -297,6 +307,7 @@ class ClusterRuntime:
             finally:
                 self._inflight_mb[info.node_id] -= need
             self._bound[spec.sandbox_id] = info.node_id
+            self._placed.setdefault(info.node_id, []).append((time.time(), need))
             return placement
         raise Unavailable(
             "no node could take the sandbox: " + "; ".join(refusals),

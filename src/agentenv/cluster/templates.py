@@ -9,12 +9,12 @@ is refused there (404), as an unknown template is here.
 
 from __future__ import annotations
 
-import re
-
-from agentenv.contract.runtime import TemplateInfo, TemplateSource, TemplateUnavailable
-
-# A snapshot id (32 hex digits, `SnapshotRepository.commit`), as snapshot creates answer.
-SNAPSHOT_ID = re.compile(r"[0-9a-f]{32}")
+from agentenv.contract.runtime import (
+    SNAPSHOT_ID,
+    TemplateInfo,
+    TemplateSource,
+    TemplateUnavailable,
+)
 
 
 class ClusterTemplates:

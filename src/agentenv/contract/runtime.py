@@ -9,6 +9,7 @@ one id, chosen by the control plane: the node runs it under that id.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
@@ -25,6 +26,11 @@ class HostMemory:
     pss_anon: int
     pss_file: int
     pss_shmem: int
+
+
+# A snapshot's id (32 hex digits, `snapshot.repository.SnapshotRepository.commit`): what a
+# create names as its template when it starts from a snapshot rather than a template.
+SNAPSHOT_ID = re.compile(r"[0-9a-f]{32}")
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,6 @@ import contextlib
 import errno
 import logging
 import os
-import re
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -18,6 +17,7 @@ from agentenv.config import Settings
 from agentenv.contract.errors import BadRequest, InsufficientStorage, Unavailable
 from agentenv.contract.nodes import NodeDirectory, NodeStatus, UnknownNode
 from agentenv.contract.runtime import (
+    SNAPSHOT_ID,
     Found,
     HostMemory,
     Lost,
@@ -54,10 +54,6 @@ def snapshot_info(s: snaps.Snapshot) -> SnapshotInfo:
 
 # The control plane asks before a pause that needs a live guest; a stuck envd must not hold it.
 GUEST_HEALTH_TIMEOUT_S = 3.0
-
-
-# A snapshot's id (32 hex digits, `SnapshotRepository.commit`): what a create from one names.
-_SNAPSHOT_ID = re.compile(r"[0-9a-f]{32}")
 
 
 def _has_snapshot(repo: snaps.SnapshotRepository, ref: str) -> bool:
@@ -250,7 +246,7 @@ class NodeRuntime:
         """A create from a snapshot (a built template's, or one taken through the API) that
         another node captured: fetched from object storage first (by id: names are each
         node's own). Nothing to do for templates and snapshots this node has."""
-        if self.remote is None or not _SNAPSHOT_ID.fullmatch(ref):
+        if self.remote is None or not SNAPSHOT_ID.fullmatch(ref):
             return
         if await asyncio.to_thread(_has_snapshot, self.node.repo, ref):
             return
