@@ -264,6 +264,17 @@ class Settings:
     # How long a node's membership lease outlives its last heartbeat: the time a dead node
     # still looks alive, against the time a paused agent (GC, SIGSTOP) has before it is dead.
     node_ttl_s: int = 10
+    # How often a control-plane replica compares each live node's sandboxes with the bindings
+    # to it (`cluster.runtime`): the longest a sandbox that died while its agent was down
+    # stays `running` once the agent is back with no lost reason of its own to tell.
+    node_reconcile_s: int = 30
+    # Control-plane replicas on a shared store (`cluster.replicas`, `control.ownership`): how
+    # long a replica's lease outlives its last heartbeat, how often each replica sweeps for
+    # rows a gone replica left in a transitional state, and how long such a row must have
+    # been seen orphaned before it is settled.
+    replica_ttl_s: int = 10
+    sweep_period_s: int = 2
+    sweep_grace_s: int = 5
     # The shared secret every node RPC carries (`Authorization: Bearer`); None: a node agent
     # refuses to serve and a control plane cannot call one.
     node_token: str | None = field(default=None, repr=False)
@@ -337,12 +348,29 @@ class Settings:
         # etcd raises shorter leases to 1.5 election timeouts; 2 s is the shortest we promise.
         if node_ttl < 2:
             raise ConfigError(f"AGENTENV_NODE_TTL_S={node_ttl}: expected 2 or more")
+        reconcile = _env_int("AGENTENV_NODE_RECONCILE_S", cls.node_reconcile_s)
+        replica_ttl = _env_int("AGENTENV_REPLICA_TTL_S", cls.replica_ttl_s)
+        if replica_ttl < 2:
+            raise ConfigError(f"AGENTENV_REPLICA_TTL_S={replica_ttl}: expected 2 or more")
+        sweep_period = _env_int("AGENTENV_SWEEP_PERIOD_S", cls.sweep_period_s)
+        sweep_grace = _env_int("AGENTENV_SWEEP_GRACE_S", cls.sweep_grace_s)
+        if sweep_period < 1 or sweep_grace < 0:
+            raise ConfigError(
+                f"AGENTENV_SWEEP_PERIOD_S={sweep_period}, AGENTENV_SWEEP_GRACE_S={sweep_grace}: "
+                "expected a period of 1 or more and a grace of 0 or more"
+            )
+        if reconcile < 1:
+            raise ConfigError(f"AGENTENV_NODE_RECONCILE_S={reconcile}: expected 1 or more")
         return cls(
             home=_env_path("AGENTENV_HOME", Path("/var/lib/agentenv")),
             cache=_env_path("AGENTENV_CACHE", Path.home() / ".cache" / "agentenv"),
             etcd_endpoints=_etcd_endpoints(),
             etcd_prefix=etcd_prefix,
             node_ttl_s=node_ttl,
+            node_reconcile_s=reconcile,
+            replica_ttl_s=replica_ttl,
+            sweep_period_s=sweep_period,
+            sweep_grace_s=sweep_grace,
             node_token=os.environ.get("AGENTENV_NODE_TOKEN") or None,
             node_rpc=NodeRpcConfig.from_env(),
             node_id=_node_id(os.environ.get("AGENTENV_NODE_ID") or socket.gethostname()),

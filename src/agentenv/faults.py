@@ -31,6 +31,7 @@ POINTS = frozenset(
         "template:booted",  # template build VM booted, not captured
         "create:relocated",  # a create took a warm entry: moved into the sandboxes dir, no state
         "create:restored",  # a create's guest runs, the control plane not told
+        "control:pausing",  # the control plane's row says pausing, the runtime not asked
     }
 )
 

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Request, Response
 from fastapi.testclient import TestClient
 
 from agentenv.api.nodes import mount_nodes
@@ -69,3 +70,52 @@ def test_only_the_servers_own_team_changes_a_node(runtime: NodeRuntime) -> None:
         refused = c.post("/nodes/local/cordon", json={})
         assert refused.status_code == 403 and refused.json()["code"] == 403
     assert runtime.cordon_reason is None
+
+
+def test_metrics_carry_a_series_per_node_read_at_each_scrape(
+    runtime: NodeRuntime, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from prometheus_client import generate_latest
+
+    from agentenv.api import nodes as nodes_api
+    from agentenv.control.metrics import Metrics
+
+    monkeypatch.setattr(nodes_api, "NODE_GAUGES_MIN_AGE_S", 0.0)
+    app = FastAPI()
+    metrics = Metrics()
+
+    async def api_key(request: Request) -> ApiKey:
+        return _key(DEFAULT_TEAM)
+
+    @app.get("/metrics")
+    async def scrape() -> Response:
+        return Response(generate_latest(metrics.registry).decode(), media_type="text/plain")
+
+    directory = LocalNodes(runtime)
+    mount_nodes(app, directory, api_key, metrics=metrics)
+    with TestClient(app) as c:
+        text = c.get("/metrics").text
+        assert 'agentenv_node_state{node_id="local",state="ready"} 1.0' in text, text
+        assert 'agentenv_node_state{node_id="local",state="cordoned"} 0.0' in text
+        assert 'agentenv_node_sandboxes{node_id="local",state="running"} 0.0' in text
+        node = c.get("/nodes/local").json()
+        assert _gauge(text, "free_slots") == node["freeSlots"] > 0
+        assert _gauge(text, "memory_bytes") == node["memoryMB"] << 20
+        # Read again at the next scrape: the cordon shows.
+        c.post("/nodes/local/cordon", json={"reason": "disk swap"})
+        text = c.get("/metrics").text
+        assert 'agentenv_node_state{node_id="local",state="cordoned"} 1.0' in text, text
+
+        async def broken() -> list[Any]:
+            raise RuntimeError("etcd is away")
+
+        monkeypatch.setattr(directory, "nodes", broken)
+        # A listing that fails leaves no node series (not the last ones, as if current).
+        text = c.get("/metrics").text
+        assert "agentenv_node_state{" not in text and c.get("/metrics").status_code == 200
+
+
+def _gauge(text: str, name: str) -> float:
+    found = re.findall(rf'^agentenv_node_{name}\{{node_id="local"\}} (\S+)$', text, re.M)
+    assert len(found) == 1, text
+    return float(found[0])

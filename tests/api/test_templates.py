@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from build.fakes import FakeCatalog, FakeRepo, add_build, built_templates
+from build.fakes import FakeCatalog, FakeRepo, add_build, built_templates, now
 from fastapi.testclient import TestClient
 
 from agentenv.api.control import ControlContext, build_control_app
@@ -139,11 +139,11 @@ def test_tags_move_and_go(env: Env) -> None:
     r = c.post("/templates/tags", json={"target": "app:v2", "tags": ["prod", "Stable"]})
     assert r.status_code == 201, r.text
     assert r.json() == {"tags": ["prod", "stable"], "buildID": v2.build_id}
-    assert env.built.get("app:prod").ref == v2.snapshot_id
+    assert asyncio.run(env.built.get("app:prod")).ref == v2.snapshot_id
     # `name` alone is `name:default`; assigning moves a tag.
     r = c.post("/templates/tags", json={"target": "app", "tags": ["prod"]})
     assert r.status_code == 201 and r.json()["buildID"] == v1.build_id
-    assert env.built.get("app:prod").ref == v1.snapshot_id
+    assert asyncio.run(env.built.get("app:prod")).ref == v1.snapshot_id
     rows = {row["tag"]: row["buildID"] for row in c.get("/templates/app/tags").json()}
     assert rows == {"default": v1.build_id, "v2": v2.build_id, "prod": v1.build_id,
                     "stable": v2.build_id}  # fmt: skip
@@ -314,8 +314,8 @@ def test_delete_releases_only_what_no_other_template_uses(
     assert env.client.post("/sandboxes", json={"templateID": "a"}).status_code == 404
     assert env.runtime.created == []
     for rec in (a1, a2, failed):
-        assert env.built.state.build(rec.build_id) is None
-    assert env.built.get("b").ref == shared.id
+        assert now(env.built.state.build(rec.build_id)) is None
+    assert asyncio.run(env.built.get("b")).ref == shared.id
     r = env.client.post("/templates/tags", json={"target": "a", "tags": ["x"]})
     assert r.status_code == 404
     # b's image goes with b, unless a sandbox still runs from the image template.

@@ -15,7 +15,7 @@ from typing import Any
 
 import httpx
 import pytest
-from build.fakes import FakeCatalog, FakeRepo, add_build, built_templates
+from build.fakes import FakeCatalog, FakeRepo, add_build, built_templates, now
 from fastapi.testclient import TestClient
 
 from agentenv.api.control import ControlContext, build_control_app
@@ -137,9 +137,9 @@ class SnapshotCatalog(FakeCatalog):
         super().__init__(names, settings)
         self.repo = repo
 
-    def get(self, name: str) -> TemplateInfo:
+    def info(self, name: str) -> TemplateInfo:
         if name in self.names:
-            return super().get(name)
+            return super().info(name)
         try:
             snap = self.repo.get(name)
         except SnapshotError as exc:
@@ -300,7 +300,7 @@ def test_snapshots_belong_to_the_team_that_made_them(env: Env) -> None:
 def test_built_templates_belong_to_their_team(env: Env) -> None:
     # Records from before teams (no team_id) are the default team's: A's.
     add_build(env.built, env.repo, "app", [DEFAULT_TAG])
-    build_id = env.built.state.template("app").builds[0]  # type: ignore[union-attr]
+    build_id = now(env.built.state.template("app")).builds[0]  # type: ignore[union-attr]
     a, b = env.a, env.b
     names_a = {t["templateID"] for t in a.get("/templates").json()}
     names_b = {t["templateID"] for t in b.get("/templates").json()}
@@ -324,7 +324,7 @@ def test_built_templates_belong_to_their_team(env: Env) -> None:
     r = b.request("DELETE", "/templates/tags", json={"name": "app", "tags": ["x"]})
     assert r.status_code == 404
     assert b.delete("/templates/app").status_code == 404
-    assert env.built.state.template("app") is not None
+    assert now(env.built.state.template("app")) is not None
     # One name space: B cannot build into A's name, nor build from A's template.
     r = b.post("/v3/templates", json={"name": "app"})
     assert r.status_code == 409, r.text
@@ -333,7 +333,7 @@ def test_built_templates_belong_to_their_team(env: Env) -> None:
     bid = r.json()["buildID"]
     r = b.post(f"/v2/templates/bapp/builds/{bid}", json={"fromTemplate": "app"})
     assert r.status_code == 400 and "fromTemplate" in r.json()["message"], r.text
-    assert env.built.state.template("bapp").team_id == env.b_team  # type: ignore[union-attr]
+    assert now(env.built.state.template("bapp")).team_id == env.b_team  # type: ignore[union-attr]
     assert a.get("/templates/bapp").status_code == 404
     assert a.post("/v3/templates", json={"name": "bapp"}).status_code == 409
     # teamID must be the key's own team (E2B's check).
@@ -365,9 +365,9 @@ def test_an_imported_images_entry_is_seen_by_the_teams_that_pulled_it(env: Env) 
     # A build of B's from that reference that failed (no credentials) shows nothing ...
     r = env.b.post("/v3/templates", json={"name": "mine"})
     assert r.status_code == 202, r.text
-    failed = env.built.state.build(r.json()["buildID"])
+    failed = now(env.built.state.build(r.json()["buildID"]))
     assert failed is not None
-    env.built.state.put_build(replace(failed, status="error", spec={"fromImage": ref}))
+    now(env.built.state.put_build(replace(failed, status="error", spec={"fromImage": ref})))
     assert image not in listed(env.b)
     # ... a ready one does: B's pull passed the registry's check.
     add_build(env.built, env.repo, "mine", ["v2"], spec={"fromImage": ref})

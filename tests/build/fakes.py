@@ -5,14 +5,29 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, TypeVar
 
 from agentenv.build.state import BuildRecord, BuildState, TemplateRecord
-from agentenv.build.templates import BuiltTemplates
+from agentenv.build.templates import BuiltTemplates, repo_lookup
 from agentenv.contract.runtime import TemplateInfo, TemplateUnavailable
 from agentenv.snapshot.errors import SnapshotNotFound
 from agentenv.snapshot.model import Snapshot
+
+T = TypeVar("T")
+
+
+def now(coro: Coroutine[Any, Any, T]) -> T:
+    """The result of a coroutine that never suspends (`BuildState`'s calls do their file IO
+    inline), from sync and async tests alike."""
+    try:
+        coro.send(None)
+    except StopIteration as done:
+        return done.value  # type: ignore[no-any-return]
+    coro.close()
+    raise RuntimeError("the coroutine suspended: await it instead")
 
 
 class FakeCatalog:
@@ -23,15 +38,18 @@ class FakeCatalog:
         self.settings = settings
         self.deleted: list[str] = []
 
-    def get(self, name: str) -> TemplateInfo:
+    def info(self, name: str) -> TemplateInfo:
         if name not in self.names:
             raise TemplateUnavailable(name)
         return TemplateInfo(name, 1024, 1.0, 1.0, 1, 512)
 
-    def list(self) -> list[TemplateInfo]:
-        return [self.get(n) for n in self.names]
+    async def get(self, name: str) -> TemplateInfo:
+        return self.info(name)
 
-    def delete(self, name: str) -> bool:
+    async def list(self) -> list[TemplateInfo]:
+        return [self.info(n) for n in self.names]
+
+    async def delete(self, name: str) -> bool:
         if name not in self.names:
             return False
         self.names.remove(name)
@@ -84,9 +102,10 @@ class FakeRepo:
 
 
 def built_templates(home: Path, catalog: FakeCatalog, repo: FakeRepo) -> BuiltTemplates:
-    built = BuiltTemplates(catalog, BuildState(home / "template-builds"), repo)  # type: ignore[arg-type]
+    state = BuildState(home / "template-builds", snapshot_lookup=repo_lookup(repo))  # type: ignore[arg-type]
+    built = BuiltTemplates(catalog, state, repo)  # type: ignore[arg-type]
     # No layer files: every disk is 100 MB.
-    built.size_mb = lambda snap: 100  # type: ignore[method-assign]
+    built._disk_mb = lambda top: 100  # type: ignore[method-assign]
     return built
 
 
@@ -103,7 +122,7 @@ def add_build(
     """A build of `name` as the builder leaves it: ready ones have a snapshot and own their
     tags (`Builder._publish`)."""
     state = built.state
-    tpl = state.template(name) or TemplateRecord(name, name, time.time(), time.time())
+    tpl = now(state.template(name)) or TemplateRecord(name, name, time.time(), time.time())
     rec = BuildRecord(str(uuid.uuid4()), name, status, time.time(), tags=tags, spec=spec)
     if status == "ready":
         snap = snapshot or repo.add([f"build-final-{uuid.uuid4().hex[:40]}"])
@@ -112,6 +131,6 @@ def add_build(
         for tag in tags:
             tpl.tags[tag] = rec.build_id
     tpl.builds.append(rec.build_id)
-    state.put_template(tpl)
-    state.put_build(rec)
+    now(state.update_template(name, lambda _: tpl))
+    now(state.put_build(rec))
     return rec

@@ -38,84 +38,85 @@ def test_clean_tags() -> None:
         clean_tags(["2f1b7c54-8d0e-4a53-9a53-2d6d1b2f0c11"])
 
 
-def test_name_resolves_the_default_tag_and_tags_name_builds(tmp_path: Path) -> None:
+async def test_name_resolves_the_default_tag_and_tags_name_builds(tmp_path: Path) -> None:
     repo = FakeRepo()
     built = built_templates(tmp_path, FakeCatalog(["base"]), repo)
     v1 = add_build(built, repo, "app", [DEFAULT_TAG])
     v2 = add_build(built, repo, "app", ["v2"])
 
-    got = built.get("app")
+    got = await built.get("app")
     assert got.ref == v1.snapshot_id
     assert (got.name, got.template_id) == ("app", "app")
     assert (got.cpu, got.memory_mb, got.size_mb) == (2, 768, 100)
-    assert built.get("app:default").ref == v1.snapshot_id
-    assert built.get("app:v2").ref == v2.snapshot_id
+    assert (await built.get("app:default")).ref == v1.snapshot_id
+    assert (await built.get("app:v2")).ref == v2.snapshot_id
     # The sandbox reports the template, not the tag.
-    assert built.get("app:v2").template_id == "app"
+    assert (await built.get("app:v2")).template_id == "app"
     # A build id is a tag too (E2B), while some tag still names that build.
-    assert built.get(f"app:{v2.build_id}").ref == v2.snapshot_id
+    assert (await built.get(f"app:{v2.build_id}")).ref == v2.snapshot_id
 
     with pytest.raises(TagNotFound, match="tag 'v3' does not exist for template 'app'"):
-        built.get("app:v3")
+        await built.get("app:v3")
 
 
-def test_a_tag_moves_with_the_record(tmp_path: Path) -> None:
+async def test_a_tag_moves_with_the_record(tmp_path: Path) -> None:
     repo = FakeRepo()
     built = built_templates(tmp_path, FakeCatalog([]), repo)
     v1 = add_build(built, repo, "app", [DEFAULT_TAG])
     v2 = add_build(built, repo, "app", ["v2"])
-    tpl = built.state.template("app")
+    tpl = await built.state.template("app")
     assert tpl is not None
     tpl.tags[DEFAULT_TAG] = v2.build_id
-    built.state.put_template(tpl)
-    assert built.get("app").ref == v2.snapshot_id
+    await built.state.update_template(tpl.template_id, lambda _: tpl)
+    assert (await built.get("app")).ref == v2.snapshot_id
     # v1 lost its last tag: its build id no longer resolves.
     with pytest.raises(TagNotFound):
-        built.get(f"app:{v1.build_id}")
+        await built.get(f"app:{v1.build_id}")
     del tpl.tags["v2"]
-    built.state.put_template(tpl)
+    await built.state.update_template(tpl.template_id, lambda _: tpl)
     with pytest.raises(TagNotFound):
-        built.get("app:v2")
+        await built.get("app:v2")
 
 
-def test_only_ready_builds_with_a_snapshot_resolve(tmp_path: Path) -> None:
+async def test_only_ready_builds_with_a_snapshot_resolve(tmp_path: Path) -> None:
     repo = FakeRepo()
     built = built_templates(tmp_path, FakeCatalog([]), repo)
     add_build(built, repo, "app", [DEFAULT_TAG], status="building")
     with pytest.raises(TagNotFound, match="'default'"):
-        built.get("app")
+        await built.get("app")
     ready = add_build(built, repo, "gone", [DEFAULT_TAG])
     assert ready.snapshot_id is not None
     del repo.snaps[ready.snapshot_id]
     with pytest.raises(TemplateUnavailable, match="gone"):
-        built.get("gone")
+        await built.get("gone")
 
 
-def test_other_names_go_to_the_catalog(tmp_path: Path) -> None:
+async def test_other_names_go_to_the_catalog(tmp_path: Path) -> None:
     repo = FakeRepo()
     built = built_templates(tmp_path, FakeCatalog(["base"]), repo)
-    got = built.get("base")
+    got = await built.get("base")
     assert (got.name, got.ref, got.template_id) == ("base", "", "base")
-    assert built.get("base:default").template_id == "base"
+    assert (await built.get("base:default")).template_id == "base"
     # Catalog templates and snapshots have no tags.
     with pytest.raises(TemplateUnavailable):
-        built.get("base:v1")
+        await built.get("base:v1")
     with pytest.raises(TemplateUnavailable):
-        built.get("nothing")
+        await built.get("nothing")
 
 
-def test_the_builders_snapshots_are_internal(tmp_path: Path) -> None:
+async def test_the_builders_snapshots_are_internal(tmp_path: Path) -> None:
     repo = FakeRepo()
     built = built_templates(tmp_path, FakeCatalog([]), repo)
     rec = add_build(built, repo, "app", [DEFAULT_TAG])
     cache = repo.add(["build-cache-" + "0" * 40])
     mine = repo.add(["mine"])
     unnamed = repo.add([])
-    assert built.internal("build-cache-" + "0" * 40)
-    assert built.internal("build-final-whatever")
-    assert rec.snapshot_id is not None and built.internal(rec.snapshot_id)
-    assert built.internal(cache.id)
-    assert not built.internal(mine.id)
-    assert not built.internal("mine")
-    assert not built.internal(unnamed.id)
-    assert not built.internal("app")
+    assert await built.internal("build-cache-" + "0" * 40)
+    assert await built.internal("build-final-whatever")
+    assert rec.snapshot_id is not None
+    assert await built.internal(rec.snapshot_id)
+    assert await built.internal(cache.id)
+    assert not await built.internal(mine.id)
+    assert not await built.internal("mine")
+    assert not await built.internal(unnamed.id)
+    assert not await built.internal("app")

@@ -261,3 +261,35 @@ async def test_watch_stops_cleanly(etcd: Etcd) -> None:
 
 async def _has(events: list[NodeEvent], kind: str, node_id: str) -> bool:
     return any(e.kind == kind and e.node_id == node_id for e in events)
+
+
+async def test_watch_reports_a_registration_under_a_new_lease_as_a_join(etcd: Etcd) -> None:
+    """An agent restarted within its TTL writes its record under a new lease before the old
+    one lapses: no leave, but a join (what it holds may have changed); its heartbeats not."""
+    members = Membership(etcd)
+    a = await registered(etcd, "node-a", ttl_s=TTL_S)
+    events: list[NodeEvent] = []
+
+    async def collect() -> None:
+        async with members.watch() as watch:
+            async for event in watch:
+                events.append(event)
+
+    collector = asyncio.create_task(collect())
+    try:
+        await wait_until(lambda: _has(events, "joined", "node-a"), timeout_s=5)
+        await a.stop(deregister=False)
+        again = await registered(etcd, "node-a", ttl_s=TTL_S)
+        await wait_until(lambda: _joins(events, 2), timeout_s=5)
+        # The first lease lapses (it holds no key now) and the new one beats: nothing more.
+        await asyncio.sleep(TTL_S + EXPIRY_MARGIN_S)
+        assert [(e.kind, e.node_id) for e in events] == [("joined", "node-a")] * 2
+        await again.stop()
+    finally:
+        await a.stop()
+        collector.cancel()
+        await asyncio.gather(collector, return_exceptions=True)
+
+
+async def _joins(events: list[NodeEvent], count: int) -> bool:
+    return sum(1 for e in events if e.kind == "joined") == count

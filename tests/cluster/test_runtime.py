@@ -9,17 +9,19 @@ import asyncio
 import secrets
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
+from typing import Any
 
 import pytest
 import pytest_asyncio
 from noderpc.memruntime import MemoryRuntime
 
+from agentenv.cluster.catalog import SharedCatalog, encode
 from agentenv.cluster.etcd import Etcd
 from agentenv.cluster.membership import Capacity, Load, NodeInfo, NodeRegistration
 from agentenv.cluster.runtime import ClusterRuntime, NodeDown
 from agentenv.config import Settings
 from agentenv.contract.errors import Unavailable
-from agentenv.contract.runtime import SandboxSpec
+from agentenv.contract.runtime import SandboxSpec, TemplateInfo
 from agentenv.noderpc.server import NodeServer
 
 from .etcd_cluster import EtcdCluster
@@ -220,3 +222,128 @@ async def test_a_returning_node_drops_what_nobody_is_bound_to(
     finally:
         await extra.registration.stop()
         await extra.server.stop()
+
+
+async def _lost_after(lost: list[tuple[str, str]], rid: str, within_s: float) -> str:
+    for _ in range(int(within_s / 0.05)):
+        for got, why in lost:
+            if got == rid:
+                return why
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"{rid} not reported lost within {within_s} s: {lost}")
+
+
+async def test_a_node_back_within_its_lease_reports_what_it_came_back_without(
+    cluster: ClusterRuntime, nodes: list[FakeNode]
+) -> None:
+    lost: list[tuple[str, str]] = []
+    cluster.watch_lost(lambda rid, why: lost.append((rid, why)))
+    await cluster.cordon("n1", cordoned=True)
+    await cluster.cordon("n2", cordoned=True)
+    for i in (1, 2, 3):
+        await cluster.create(spec(i))
+    await cluster.pause("sb-2")
+    assert set(where(nodes)) == {"sb-1", "sb-2", "sb-3"} and set(where(nodes).values()) == {"n0"}
+    # The agent dies and comes back before its lease lapses (no leave): the VM of sb-1 died
+    # meanwhile, which its recovery found (the lost event went to nobody).
+    n0 = nodes[0]
+    await n0.registration.stop(deregister=False)
+    del n0.runtime.held["sb-1"]
+    n0.runtime.lost["sb-1"] = "its VM was no longer running when the server restarted"
+    await n0.registration.start()
+    # Reported on its join, long before the periodic check (30 s).
+    why = await _lost_after(lost, "sb-1", 5.0)
+    assert "n0" in why and "no longer running" in why, why
+    await asyncio.sleep(0.5)
+    # The running one it re-adopted and the paused one it keeps are not lost.
+    assert [rid for rid, _ in lost] == ["sb-1"], lost
+    await cluster.reconcile()
+    assert [rid for rid, _ in lost] == ["sb-1"], lost
+
+
+async def test_reconciliation_spares_creates_in_flight_moves_and_waits_out_silence(
+    cluster: ClusterRuntime, nodes: list[FakeNode], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    lost: list[tuple[str, str]] = []
+    cluster.watch_lost(lambda rid, why: lost.append((rid, why)))
+    await cluster.cordon("n1", cordoned=True)
+    await cluster.cordon("n2", cordoned=True)
+    n0 = nodes[0]
+    # A create in flight: bound to n0, not there yet (the node takes a minute).
+    slow = asyncio.create_task(cluster.create(spec("slow", template="slow")))
+    # One whose binding moves to n1 while n0 is being asked (a resume elsewhere).
+    await cluster.create(spec("moving"))
+    del n0.runtime.held["sb-moving"]
+    n0.runtime.lost["sb-moving"] = "gone"
+    real_lost_reason = n0.runtime.lost_reason
+
+    async def moved_while_asked(runtime_id: str) -> Any:
+        if runtime_id == "sb-moving":
+            assert await cluster.bindings.move("sb-moving", "n0", "n1")
+        return await real_lost_reason(runtime_id)
+
+    monkeypatch.setattr(n0.runtime, "lost_reason", moved_while_asked)
+    # One the node lacks and says nothing about (its data dir was replaced, say).
+    assert await cluster.bindings.create("sb-silent", "n0")
+    try:
+        for _ in range(100):
+            if await cluster.bindings.get("sb-slow") == "n0":
+                break
+            await asyncio.sleep(0.05)
+        await cluster.reconcile()
+        # The create in flight and a young silent binding are within the grace (the longest
+        # call that binds first); the moved one is not n0's, whatever n0 says about it.
+        assert lost == []
+        await cluster.delete("sb-moving")
+    finally:
+        slow.cancel()
+        await asyncio.gather(slow, return_exceptions=True)
+    assert await cluster.bindings.get("sb-slow") is None
+    cluster.lost_grace_s = 1.0
+    await asyncio.sleep(1.2)
+    await cluster.reconcile()
+    # Missing, unchanged and unexplained for longer than the grace: lost, naming the node.
+    assert [rid for rid, _ in lost] == ["sb-silent"], lost
+    assert "n0" in lost[0][1] and "not there for" in lost[0][1], lost
+
+
+async def test_one_slow_node_does_not_hold_up_the_others(
+    cluster: ClusterRuntime, nodes: list[FakeNode], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    lost: list[tuple[str, str]] = []
+    cluster.watch_lost(lambda rid, why: lost.append((rid, why)))
+    await cluster.cordon("n1", cordoned=True)
+    await cluster.cordon("n2", cordoned=True)
+    await cluster.create(spec("dead"))
+    del nodes[0].runtime.held["sb-dead"]
+    nodes[0].runtime.lost["sb-dead"] = "its VM ended"
+
+    async def hang() -> list[str]:
+        await asyncio.sleep(3600)
+        return []
+
+    monkeypatch.setattr(nodes[1].runtime, "sandbox_ids", hang)
+    cluster.node_check_s = 1.0
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    await cluster.reconcile()
+    assert loop.time() - started < 3.0
+    assert [rid for rid, _ in lost] == ["sb-dead"] and "n0" in lost[0][1], lost
+
+
+async def test_a_catalog_template_is_placed_only_where_a_node_has_it(
+    cluster: ClusterRuntime, nodes: list[FakeNode]
+) -> None:
+    catalog = SharedCatalog(cluster.etcd)
+    info = TemplateInfo("py-image", 1024, 1.0, 1.0, 1, MEM, layers=("sha256:" + "c" * 64,))
+    await catalog.publish(nodes[2].registration, {"py-image": encode(info)}, {})
+    await asyncio.gather(*(cluster.create(spec(f"img-{i}", template="py-image")) for i in range(6)))
+    assert {where(nodes)[f"sb-img-{i}"] for i in range(6)} == {"n2"}
+    # A template no node publishes is not restricted (a snapshot id, or an older node).
+    await asyncio.gather(*(cluster.create(spec(f"free-{i}")) for i in range(6)))
+    assert len({where(nodes)[f"sb-free-{i}"] for i in range(6)}) >= 2
+    # Its only holder cordoned: no node can take it, and the answer says where it is.
+    await cluster.cordon("n2", cordoned=True)
+    with pytest.raises(Unavailable, match="n2"):
+        await cluster.create(spec("img-x", template="py-image"))
+    assert await cluster.bindings.get("sb-img-x") is None

@@ -70,8 +70,9 @@ async def test_an_older_database_gets_the_new_columns(tmp_path: Path) -> None:
         conn.executescript(_OLD_TABLE)
     store = SqliteStore(db)
     old = await store.get("iold")
-    # A row from before: its auto-pause kept memory, its pause mode is unknown.
+    # A row from before: its auto-pause kept memory, its pause mode is unknown, no replica.
     assert old is not None and old.auto_pause_memory is True and old.pause_mode is None
+    assert old.replica_id is None
     await store.insert(_record("inew", auto_pause_memory=False))
     assert await store.transition("inew", R, P, pause_mode="filesystem")
     new = await store.get("inew")
@@ -101,6 +102,7 @@ async def test_rows_round_trip_and_seq_follows_insertion(store: Store) -> None:
         api_key_id="kx",
         team_id="tx",
         auto_pause_memory=False,
+        replica_id="r1",
     )
     await store.insert(rec)
     got = await store.get("ia")
@@ -288,6 +290,28 @@ async def test_concurrent_transitions_of_one_sandbox_exactly_one_wins(
     await asyncio.gather(a.transition("irace", R, P), b.update("irace", end_at=99.0))
     got = await a.get("irace")
     assert got is not None and (got.state, got.end_at) == (P, 99.0)
+
+
+async def test_claim_takes_over_an_operation_once(open_store: OpenStore) -> None:
+    a, b = open_store(), open_store()
+    await a.insert(_record("io", state=SandboxState.PAUSING, replica_id="dead"))
+    await a.insert(_record("iu", state=SandboxState.KILLING))
+    # Of replicas claiming at once, one wins; the row keeps its state and fields.
+    claims = [s.claim("io", SandboxState.PAUSING, "dead", name) for s, name in ((a, "a"), (b, "b"))]
+    results = await asyncio.gather(*claims)
+    assert sorted(results) == [False, True], results
+    got = await b.get("io")
+    winner = "a" if results[0] else "b"
+    assert got is not None and (got.state, got.replica_id) == (SandboxState.PAUSING, winner)
+    # A stale owner or state claims nothing; a row no replica stamped is claimed as None.
+    assert not await a.claim("io", SandboxState.PAUSING, "dead", "c")
+    assert not await a.claim("iu", SandboxState.PAUSING, None, "c")
+    assert await a.claim("iu", SandboxState.KILLING, None, "c")
+    assert not await b.claim("missing", SandboxState.KILLING, None, "c")
+    # A transition carries the stamp like any change.
+    assert await a.transition("io", SandboxState.PAUSING, R, replica_id="d")
+    got = await a.get("io")
+    assert got is not None and (got.state, got.replica_id) == (R, "d")
 
 
 # -- etcd only -----------------------------------------------------------------------------

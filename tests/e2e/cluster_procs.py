@@ -40,6 +40,8 @@ class NodeProcess(OwnProcess):
             "AGENTENV_NODE_BIND": f"127.0.0.1:{self.port}",
             "AGENTENV_SLOT_CIDR": self.slot_cidr,
         }
+        # A restart appends to the same log: only what this run writes says it is ready.
+        offset = self.log_path.stat().st_size if self.log_path.exists() else 0
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "agentenv.cli", "node"],
@@ -52,7 +54,7 @@ class NodeProcess(OwnProcess):
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"node {self.node_id} exited: {self.log_tail()}")
-            if f"node {self.node_id} serving at" in self.log_tail(200):
+            if f"node {self.node_id} serving at" in self._log_since(offset):
                 return self
             time.sleep(0.1)
         self.crash()
@@ -61,6 +63,11 @@ class NodeProcess(OwnProcess):
     def stop(self, timeout_s: float = 120.0) -> int | None:
         return super().stop(timeout_s)
 
+    def _log_since(self, offset: int) -> str:
+        with open(self.log_path, "rb") as log:
+            log.seek(offset)
+            return log.read().decode(errors="replace")
+
 
 def cluster_env(endpoints: str, token: str, prefix: str) -> dict[str, str]:
     """What every process of one test cluster shares."""
@@ -68,8 +75,9 @@ def cluster_env(endpoints: str, token: str, prefix: str) -> dict[str, str]:
         "AGENTENV_ETCD": endpoints,
         "AGENTENV_ETCD_PREFIX": prefix,
         "AGENTENV_NODE_TOKEN": token,
-        # Short leases, so a killed agent is seen gone within seconds.
+        # Short leases, so a killed agent (or replica) is seen gone within seconds.
         "AGENTENV_NODE_TTL_S": "4",
+        "AGENTENV_REPLICA_TTL_S": "4",
         # No background QEMUs: 2 cores run 3 nodes' guests.
         "AGENTENV_WARM_LOW": "0",
         "AGENTENV_WARM_HIGH": "0",

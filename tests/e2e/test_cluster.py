@@ -8,8 +8,11 @@ succeeding on the others."""
 
 from __future__ import annotations
 
+import json
+import os
 import re
 import secrets
+import signal
 import time
 import uuid
 from collections.abc import Iterator
@@ -21,8 +24,10 @@ import pytest
 from api.conftest import stop_and_check
 from cluster.etcd_cluster import EtcdCluster
 from cluster_procs import NodeProcess, cluster_env, replica
-from e2b import Sandbox
+from e2b import Sandbox, Template, wait_for_port
 from objstore.seaweed import SeaweedFS
+
+from agentenv.api.devserver import prepare_home
 
 pytestmark = pytest.mark.vm
 
@@ -46,10 +51,13 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
         try:
             for node in nodes:
                 node.start()
-            from agentenv.api.devserver import prepare_home
-
             for i in range(2):
-                home = prepare_home(root / f"control-{i}")
+                # Replica 1 holds no template of its own: `base` is what the nodes publish.
+                home = root / f"control-{i}"
+                if i == 0:
+                    prepare_home(home)
+                else:
+                    home.mkdir()
                 if servers:
                     # One store (etcd) for both: the first replica made the first key.
                     (home / "api-key").write_text(servers[0].api_key)
@@ -120,9 +128,25 @@ def test_creates_spread_and_answer_through_the_control_plane(
                 assert f'sandbox_id="{b.sandbox_id}"' in metrics, metrics[-2000:]
             running = re.search(r'^agentenv_sandboxes\{state="running"\} (\d+)', metrics, re.M)
             assert running is not None and int(float(running.group(1))) >= len(boxes)
+            # A series per node, as `GET /nodes` has it (read again at each scrape).
+            for node_id in NODES:
+                node = _node_series(metrics, node_id)
+                assert node['state{state="ready"}'] == 1 and node['state{state="cordoned"}'] == 0
+                assert node["cpus"] >= 1 and node["memory_bytes"] >= node["free_memory_bytes"] > 0
+                assert node["slots"] >= node["free_slots"] > 0
+                assert node['sandboxes{state="running"}'] == counts.get(node_id, 0), node
     finally:
         for b in boxes:
             b.kill(request_timeout=RT)
+
+
+def _node_series(metrics: str, node_id: str) -> dict[str, float]:
+    """`agentenv_node_<name>{node_id="<node_id>"[,<labels>]} <value>` as {name[{labels}]: value}."""
+    out: dict[str, float] = {}
+    pattern = rf'^agentenv_node_(\w+)\{{node_id="{re.escape(node_id)}"(?:,([^}}]*))?\}} (\S+)$'
+    for name, labels, value in re.findall(pattern, metrics, re.M):
+        out[f"{name}{{{labels}}}" if labels else name] = float(value)
+    return out
 
 
 def _wait_counts(server: Any, where: dict[str, str]) -> dict[str, dict[str, Any]]:
@@ -268,6 +292,116 @@ def test_a_snapshot_taken_on_one_node_is_created_from_on_another(
         if child is not None:
             child.kill(request_timeout=RT)
         src.kill(request_timeout=RT)
+    # Deleted through the other replica: gone from both nodes' disks and the bucket.
+    r1 = cluster["servers"][1]
+    for k, v in r1.sdk_env().items():
+        monkeypatch.setenv(k, v)
+    assert Sandbox.delete_snapshot(snap.snapshot_id, request_timeout=RT) is True
+    for node in nodes:
+        assert not (node.home / "snapshots" / snap.snapshot_id).exists(), node.node_id
+    assert Sandbox.delete_snapshot(snap.snapshot_id, request_timeout=RT) is False
+    with pytest.raises(Exception, match=r"(?i)not found|404"):
+        Sandbox.create(snap.snapshot_id, timeout=600, request_timeout=RT)
+
+
+def test_a_template_built_through_one_replica_on_node_a_is_created_on_node_c(
+    cluster: dict[str, Any], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The official SDK's `Template.build` through replica 1, its build sandbox on node A;
+    the template, its tags, logs and step cache are the cluster's: replica 0 creates from
+    it by name on node C, sees the build's status and logs, and an identical rebuild
+    through replica 0 reuses the template snapshot replica 1 captured."""
+    r0, r1 = cluster["servers"]
+    (tmp_path / "hello.txt").write_text("copied through the bucket\n")
+    template = (
+        Template(file_context_path=tmp_path)
+        .from_template("base")
+        .copy("hello.txt", "/home/user/")
+        .run_cmd("echo built-on-a > /home/user/made.txt")
+        .set_start_cmd("python3 -m http.server 8000", wait_for_port(8000))
+    )
+    name = f"shared-{uuid.uuid4().hex[:6]}"
+    for k, v in r1.sdk_env().items():
+        monkeypatch.setenv(k, v)
+    _only_on(r1, NODES[0])
+    try:
+        info = Template.build(template, name, cpu_count=1, memory_mb=512)
+    finally:
+        _uncordon_all(r1)
+    for k, v in r0.sdk_env().items():
+        monkeypatch.setenv(k, v)
+    # Status and logs of a build replica 1 ran, through replica 0.
+    with _api(r0) as api:
+        status = api.get(f"/templates/{name}/builds/{info.build_id}/status").json()
+        assert status["status"] == "ready", status
+        assert any("built-on-a" in e["message"] or "made.txt" in e["message"]
+                   for e in status["logEntries"]), status  # fmt: skip
+        assert any(t["templateID"] == name for t in api.get("/templates").json())
+        r = api.post("/templates/tags", json={"target": name, "tags": ["prod"]})
+        assert r.status_code == 201, r.text
+    _only_on(r0, NODES[2])
+    try:
+        sbx = Sandbox.create(f"{name}:prod", timeout=600, request_timeout=RT)
+    finally:
+        _uncordon_all(r0)
+    try:
+        assert _bound_node(r0, sbx.sandbox_id, cluster["nodes"]) == NODES[2]
+        assert sbx.files.read("/home/user/hello.txt") == "copied through the bucket\n"
+        assert sbx.files.read("/home/user/made.txt").strip() == "built-on-a"
+        # The start command captured running in the template's memory serves on node C.
+        out = sbx.commands.run("curl -sf -o /dev/null -w '%{http_code}' localhost:8000 || "
+                               "python3 -c \"import urllib.request as u; "
+                               "print(u.urlopen('http://localhost:8000').status)\"",
+                               request_timeout=RT)  # fmt: skip
+        assert out.stdout.strip().endswith("200"), out
+    finally:
+        sbx.kill(request_timeout=RT)
+    # The same template again, through replica 0: replica 1's captured snapshot is reused.
+    logs: list[str] = []
+    again = Template.build(
+        template, name, cpu_count=1, memory_mb=512, on_build_logs=lambda e: logs.append(e.message)
+    )
+    assert again.build_id != info.build_id
+    assert any("reused from the cache" in line for line in logs), logs[-20:]
+    # Deleted through replica 1: the template snapshot goes from every node that has it.
+    assert _final_snapshots(cluster["nodes"]), "no node holds the template's snapshot"
+    with _api(r1) as api:
+        assert api.delete(f"/templates/{name}").status_code == 204
+        assert api.get(f"/templates/{name}").status_code == 404
+    assert _final_snapshots(cluster["nodes"]) == {}
+
+
+def _final_snapshots(nodes: list[NodeProcess]) -> dict[str, list[str]]:
+    """node id -> ids of the builder's template snapshots on its disk."""
+    out: dict[str, list[str]] = {}
+    for node in nodes:
+        path = node.home / "snapshots" / "catalog.json"
+        rows = json.loads(path.read_text())["snapshots"] if path.exists() else []
+        ids = [r["id"] for r in rows
+               if any(n.startswith("build-final-") for n in r.get("names", []))
+               and (node.home / "snapshots" / r["id"]).exists()]  # fmt: skip
+        if ids:
+            out[node.node_id] = ids
+    return out
+
+
+def test_an_upload_link_one_replica_signs_the_other_accepts(cluster: dict[str, Any]) -> None:
+    r0, r1 = cluster["servers"]
+    name = f"up-{uuid.uuid4().hex[:6]}"
+    with _api(r0) as a0, _api(r1) as a1:
+        assert a0.post("/v3/templates", json={"name": name}).status_code == 202
+        link = a0.get(f"/templates/{name}/files/abc123").json()
+        assert link["present"] is False
+        # The link names replica 0; replica 1 takes the upload.
+        path = httpx.URL(link["url"]).raw_path.decode()
+        put = httpx.put(f"{r1.url}{path}", content=b"archive", timeout=60, trust_env=False)
+        assert put.status_code == 200, put.text
+        assert a0.get(f"/templates/{name}/files/abc123").json() == {"present": True}
+        bad = httpx.put(f"{r1.url}{path.replace('sig=', 'sig=0')}", content=b"x", timeout=60,
+                        trust_env=False)  # fmt: skip
+        assert bad.status_code == 403
+        assert a1.delete(f"/templates/{name}").status_code == 204
+        assert a0.get(f"/templates/{name}").status_code == 404
 
 
 def test_every_sandbox_answers_through_either_replica_and_survives_one_dying(
@@ -299,6 +433,54 @@ def test_every_sandbox_answers_through_either_replica_and_survives_one_dying(
     finally:
         for b in boxes:
             Sandbox.kill(b.sandbox_id, request_timeout=RT)
+
+
+# A dead replica's lease lapses (AGENTENV_REPLICA_TTL_S=4), the row is seen orphaned for the
+# grace (5 s), then settled at the next sweep (every 2 s): about 11 s, bounded here with room.
+SETTLE_S = 45.0
+
+
+def test_a_replica_killed_mid_pause_leaves_the_sandbox_to_another(
+    cluster: dict[str, Any], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    first = cluster["servers"][0]
+    home = prepare_home(tmp_path / "control-doomed")
+    (home / "api-key").write_text(first.api_key)
+    (home / "api-key").chmod(0o600)
+    # This replica SIGKILLs itself once the row says pausing, before it asks the node.
+    doomed = replica(home, {**cluster["env"], "AGENTENV_CRASH_AT": "control:pausing"}).start()
+    sbx = _create(monkeypatch, first)
+    try:
+        pid = _mark(sbx)
+        proc = doomed.proc
+        assert proc is not None
+        with _api(doomed) as api, pytest.raises(httpx.TransportError):
+            api.post(f"/sandboxes/{sbx.sandbox_id}/pause")
+        assert proc.wait(timeout=30) == -signal.SIGKILL
+        crashed = time.monotonic()
+        with _api(first) as api:
+            # Meanwhile the row is the dead replica's: another pause is refused, not run.
+            assert api.post(f"/sandboxes/{sbx.sandbox_id}/pause").status_code == 409
+            while True:
+                lines = [e["message"] for e in api.get(f"/v2/sandboxes/{sbx.sandbox_id}/logs")
+                         .json()["logs"]]  # fmt: skip
+                if any("was gone (was pausing)" in line for line in lines):
+                    break
+                assert time.monotonic() - crashed < SETTLE_S, f"not settled: {lines}"
+                time.sleep(0.5)
+            settled_s = time.monotonic() - crashed
+            print(f"row of the dead replica settled {settled_s:.1f} s after the crash")
+            # The node was never asked to pause: it is running again, where it was.
+            state = api.get(f"/sandboxes/{sbx.sandbox_id}").json()["state"]
+            assert state == "running", lines
+        _check_marks(sbx, pid)
+        # And every operation works on it again, through the live replicas.
+        sbx.pause(request_timeout=RT)
+        back = Sandbox.connect(sbx.sandbox_id, timeout=600, request_timeout=RT)
+        _check_marks(back, pid)
+    finally:
+        doomed.crash()
+        Sandbox.kill(sbx.sandbox_id, request_timeout=RT)
 
 
 def test_operations_go_on_after_the_etcd_leader_is_killed(
@@ -382,3 +564,56 @@ def test_a_killed_node_agent_loses_its_running_sandboxes_and_creates_go_on(
         time.sleep(0.5)
     assert back.commands.run("echo still", request_timeout=RT).stdout.strip() == "still"
     back.kill(request_timeout=RT)
+
+
+def test_an_agent_back_within_its_lease_keeps_its_sandboxes_and_reports_a_dead_one(
+    cluster: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SIGKILL an agent and start it again (same id, same data dir) before its lease lapses:
+    the cluster never sees it leave. Its running sandbox carries on (files, RAM, a process
+    started before), and one whose QEMU was killed while the agent was down is reported lost
+    (naming the node) once the agent is back, not left `running` until a call fails."""
+    server, nodes = cluster["server"], cluster["nodes"]
+    victim = nodes[1]
+    # A lease that outlives the restart (the others' 4 s would lapse first).
+    victim.stop()
+    victim.env = {**victim.env, "AGENTENV_NODE_TTL_S": "60"}
+    victim.start()
+    _only_on(server, victim.node_id)
+    try:
+        keeper = _create(monkeypatch, server)
+        doomed = _create(monkeypatch, server)
+    finally:
+        _uncordon_all(server)
+    try:
+        assert {_bound_node(server, b.sandbox_id, nodes) for b in (keeper, doomed)} == {
+            victim.node_id
+        }
+        pid = _mark(keeper)
+        record = victim.home / "run" / "vms" / f"{doomed.sandbox_id}.json"
+        qemu = json.loads(record.read_text())["pid"]
+        assert "qemu-system" in Path(f"/proc/{qemu}/cmdline").read_text(errors="replace")
+        victim.crash()
+        os.kill(qemu, signal.SIGKILL)  # that VM alone, while its agent is down
+        victim.start()
+        back_at = time.monotonic()
+        # The dead one is reported lost with its node's name, without anyone calling it.
+        with _api(server) as api:
+            while True:
+                resp = api.get(f"/sandboxes/{doomed.sandbox_id}")
+                if resp.status_code == 404:
+                    break
+                assert time.monotonic() - back_at < LEASE_GONE_S, f"still {resp.json()}"
+                time.sleep(0.5)
+            message = resp.json()["message"]
+            assert "lost" in message and victim.node_id in message, message
+            assert api.get(f"/sandboxes/{keeper.sandbox_id}").json()["state"] == "running"
+        _check_marks(keeper, pid)
+        keeper.files.write("/home/user/after.txt", "after the restart")
+        assert keeper.files.read("/home/user/after.txt") == "after the restart"
+        for replica_server in cluster["servers"]:
+            with _api(replica_server) as api:
+                assert api.get(f"/sandboxes/{keeper.sandbox_id}").json()["state"] == "running"
+    finally:
+        Sandbox.kill(keeper.sandbox_id, request_timeout=RT)
+        Sandbox.kill(doomed.sandbox_id, request_timeout=RT)

@@ -304,6 +304,34 @@ async def test_paused_sandbox_moves_to_another_node(
         await b.pull_paused("isbx1", tmp_path / "other")
 
 
+async def test_a_node_finds_a_sandbox_paused_only_in_the_bucket(
+    store: ObjectStore, tmp_path: Path, tools: Path
+) -> None:
+    """A node whose disk lacks a paused sandbox that the bucket has holds it (paused: a resume
+    fetches it), so the control plane's reconciliation does not take it for lost."""
+    from dataclasses import replace
+
+    from agentenv.config import Settings
+    from agentenv.node.runtime import NodeRuntime
+
+    a = node(tmp_path / "a", store)
+    snap = capture_fake(a, tmp_path, tools)
+    await asyncio.to_thread(pause_fake, a, snap, tmp_path / "a" / "sandboxes" / "isbx1")
+    assert await a.paused_kind("isbx1") is None
+    await a.push_paused(tmp_path / "a" / "sandboxes" / "isbx1", "isbx1")
+    assert await a.paused_kind("isbx1") == "state"
+    elsewhere = NodeRuntime(replace(Settings.from_env(), home=tmp_path / "fresh-node"))
+    assert await elsewhere.find("isbx1") is None  # no bucket: nothing to say
+    elsewhere.remote = node(tmp_path / "fresh-node", store)
+    found = await elsewhere.find("isbx1")
+    assert found is not None and (found.state, found.placement, found.memory) == (
+        "paused", None, True,
+    )  # fmt: skip
+    assert await elsewhere.find("other") is None
+    await a.delete_paused("isbx1")
+    assert await elsewhere.find("isbx1") is None
+
+
 async def test_failed_paused_pull_leaves_no_workdir(
     store: ObjectStore, tmp_path: Path, tools: Path
 ) -> None:

@@ -30,11 +30,11 @@ def mount_build_progress(app: FastAPI, builds: TemplateBuilds) -> None:
         key = await api_key(
             request, request.headers.get("x-api-key"), request.headers.get("authorization")
         )
-        rec = builds.state.build(build_id)
+        rec = await builds.state.build(build_id)
         if (
             rec is None
             or rec.template_id != template_id
-            or builds.owned(template_id, key.team_id) is None
+            or await builds.owned(template_id, key.team_id) is None
         ):
             message = f"build {build_id} of template {template_id!r} not found"
             return JSONResponse({"code": 404, "message": message}, status_code=404)

@@ -194,7 +194,7 @@ def build_control_app(ctx: ControlContext) -> FastAPI:
         _refuse_unenforced(body, network)
         if BUILD_METADATA in body.metadata:
             raise ApiError(400, f"metadata.{BUILD_METADATA}: reserved for template builds")
-        if built.internal(body.templateID) or not await tenancy.template_visible(
+        if await built.internal(body.templateID) or not await tenancy.template_visible(
             body.templateID, key.team_id
         ):
             raise TemplateNotFound(body.templateID)
@@ -401,7 +401,7 @@ def build_control_app(ctx: ControlContext) -> FastAPI:
         body = body or SnapshotBody()
         if body.name is not None and is_internal_name(body.name):
             raise ApiError(400, f"name {body.name!r}: build-cache-* and build-final-* are reserved")
-        if body.name is not None and builds.state.template(body.name) is not None:
+        if body.name is not None and await builds.state.template(body.name) is not None:
             raise ApiError(409, f"name {body.name!r} is a built template's")
         await owned(sandbox_id, key)
         if body.name is not None and await tenancy.name_taken(body.name, key.team_id):
@@ -515,26 +515,26 @@ def build_control_app(ctx: ControlContext) -> FastAPI:
         spawns = await mgr.store.spawns(key.team_id)
         rows = [
             views.template(t, mgr.envd_version, spawns.get(t.name))
-            for t in ctx.templates.list()
-            if tenancy.catalog_visible(t.name, key.team_id)
+            for t in await ctx.templates.list()
+            if await tenancy.catalog_visible(t.name, key.team_id)
         ]
         made = sorted(
-            (t for t in builds.state.templates() if template_team(t) == key.team_id),
+            (t for t in await builds.state.templates() if template_team(t) == key.team_id),
             key=lambda t: t.created_at,
         )
-        rows += [builds.template_view(t, spawns) for t in made]
+        rows += [await builds.template_view(t, spawns) for t in made]
         return JSONResponse(rows)
 
     async def visible(ref: str, key: ApiKey) -> TemplateInfo:
         """A template the caller may see (not one of the builder's snapshots, not another
         team's snapshot)."""
-        if built.internal(ref) or not await tenancy.template_visible(ref, key.team_id):
+        if await built.internal(ref) or not await tenancy.template_visible(ref, key.team_id):
             raise TemplateUnavailable(ref)
-        return built.get(ref)
+        return await built.get(ref)
 
-    def own_template(name: str, key: ApiKey) -> TemplateRecord | None:
+    async def own_template(name: str, key: ApiKey) -> TemplateRecord | None:
         """The caller's built template of that name (another team's is None: a 404)."""
-        tpl = builds.state.template(name)
+        tpl = await builds.state.template(name)
         return tpl if tpl is not None and template_team(tpl) == key.team_id else None
 
     @app.get("/templates/aliases/{alias:path}", tags=["templates"])
@@ -543,13 +543,13 @@ def build_control_app(ctx: ControlContext) -> FastAPI:
         built template's name exists from its first build request on; `name:tag` only
         while the tag names a ready build."""
         name, tag = split_name(alias)
-        tpl = own_template(name, key)
-        if tpl is None and builds.state.template(name) is not None:
+        tpl = await own_template(name, key)
+        if tpl is None and await builds.state.template(name) is not None:
             raise ApiError(404, f"template '{alias}' not found")
         if tpl is not None:
             if ":" in alias:
                 try:
-                    built.build_for(tpl, tag)
+                    await built.build_for(tpl, tag)
                 except TemplateUnavailable as exc:
                     raise ApiError(404, str(exc)) from exc
             return JSONResponse({"templateID": tpl.template_id, "public": False})
@@ -568,9 +568,9 @@ def build_control_app(ctx: ControlContext) -> FastAPI:
     ) -> JSONResponse:
         """E2B's TemplateWithBuilds: builds newest first, `limit` a page (`x-next-token`)."""
         name = split_name(template_id)[0]
-        tpl = own_template(name, key)
+        tpl = await own_template(name, key)
         if tpl is None:
-            if builds.state.template(name) is not None:
+            if await builds.state.template(name) is not None:
                 raise ApiError(404, f"template {template_id!r} not found")
             try:
                 t = await visible(template_id, key)
@@ -581,8 +581,8 @@ def build_control_app(ctx: ControlContext) -> FastAPI:
             )
             body["builds"] = []
             return JSONResponse(body)
-        body = builds.template_view(tpl, await mgr.store.spawns(key.team_id))
-        rows = builds.build_rows(tpl)
+        body = await builds.template_view(tpl, await mgr.store.spawns(key.team_id))
+        rows = await builds.build_rows(tpl)
         start = _decode_offset(nextToken) if nextToken else 0
         body["builds"] = rows[start : start + limit]
         more = start + limit < len(rows)
@@ -595,7 +595,7 @@ def build_control_app(ctx: ControlContext) -> FastAPI:
         A built template or snapshot: only its team's keys; a catalog template (public):
         only the default team's, the server operator's."""
         name = split_name(template_id)[0]
-        tpl = own_template(name, key)
+        tpl = await own_template(name, key)
         if tpl is not None:
             refused = await builds.refuse_delete(tpl)
             if refused is not None:
@@ -603,12 +603,12 @@ def build_control_app(ctx: ControlContext) -> FastAPI:
             await builds.delete_template(tpl)
             return Response(status_code=204)
         if (
-            builds.state.template(name) is not None
-            or built.internal(template_id)
+            await builds.state.template(name) is not None
+            or await built.internal(template_id)
             or not await tenancy.template_visible(template_id, key.team_id)
         ):
             raise ApiError(404, f"template {template_id!r} not found")
-        if template_id in tenancy.catalog_names() and key.team_id != DEFAULT_TEAM:
+        if template_id in await tenancy.catalog_names() and key.team_id != DEFAULT_TEAM:
             raise ApiError(
                 403,
                 f"template {template_id!r} is a public catalog template; only the "
@@ -631,7 +631,7 @@ def build_control_app(ctx: ControlContext) -> FastAPI:
                 f"cannot delete template '{template_id}' because there are paused sandboxes "
                 "using it",
             )
-        if not ctx.templates.delete(template_id):
+        if not await ctx.templates.delete(template_id):
             raise ApiError(404, f"template {template_id!r} not found")
         return Response(status_code=204)
 

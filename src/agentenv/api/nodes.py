@@ -7,15 +7,27 @@ serves every team.
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict
 from typing import Annotated, Any
 
 from fastapi import Body, Depends, FastAPI
 from fastapi.responses import JSONResponse
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from agentenv.contract.nodes import NodeDirectory, NodeStatus, UnknownNode
+from agentenv.control.metrics import Metrics
 from agentenv.control.store import DEFAULT_TEAM, ApiKey
+
+log = logging.getLogger(__name__)
+
+# The node listing behind the per-node series: read at most this often (a scrape without a
+# key still reaches the hook before the route refuses it), and within this long.
+NODE_GAUGES_MIN_AGE_S = 1.0
+NODE_GAUGES_TIMEOUT_S = 10.0
 
 
 def view(st: NodeStatus) -> dict[str, Any]:
@@ -37,6 +49,47 @@ def view(st: NodeStatus) -> dict[str, Any]:
     }
 
 
+class NodeGauges:
+    """The per-node Prometheus series (`Metrics.watch_nodes`): what `GET /nodes` lists, read
+    again before each scrape of `/metrics` and kept in `seen` for the collector, which
+    cannot await (as the route does for sandbox counts and host memory)."""
+
+    def __init__(self, nodes: NodeDirectory, metrics: Metrics) -> None:
+        self.nodes = nodes
+        self.seen: list[NodeStatus] = []
+        self._read_at = -NODE_GAUGES_MIN_AGE_S
+        self._lock = asyncio.Lock()
+        metrics.watch_nodes(lambda: self.seen)
+
+    async def refresh(self) -> None:
+        """Never raises: a listing that fails (etcd away) or is slow leaves no node series,
+        rather than the last ones as if they were current."""
+        async with self._lock:  # concurrent scrapes share one read
+            if time.monotonic() - self._read_at < NODE_GAUGES_MIN_AGE_S:
+                return
+            try:
+                async with asyncio.timeout(NODE_GAUGES_TIMEOUT_S):
+                    self.seen = await self.nodes.nodes()
+            except Exception as exc:
+                log.warning("metrics: the nodes could not be listed: %s", exc)
+                self.seen = []
+            self._read_at = time.monotonic()
+
+
+class _RefreshBeforeScrape:
+    """ASGI middleware: `refresh()` before `GET <path>` goes on to the route."""
+
+    def __init__(self, app: ASGIApp, path: str, refresh: Callable[[], Awaitable[None]]) -> None:
+        self.app = app
+        self.path = path
+        self.refresh = refresh
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "GET" and scope["path"] == self.path:
+            await self.refresh()
+        await self.app(scope, receive, send)
+
+
 def _error(status: int, message: str) -> JSONResponse:
     return JSONResponse({"code": status, "message": message}, status_code=status)
 
@@ -46,9 +99,15 @@ def mount_nodes(
     nodes: NodeDirectory,
     api_key: Callable[..., Awaitable[ApiKey]],
     pause: Callable[[str], Awaitable[str | None]] | None = None,
+    *,
+    metrics: Metrics | None = None,
 ) -> None:
     """`pause(sandbox_id)` pauses one running sandbox through the state machine and says
-    what it did ("paused", or None if it was not running); `drain` needs it."""
+    what it did ("paused", or None if it was not running); `drain` needs it. With `metrics`,
+    the app's `/metrics` also carries a series per node (`NodeGauges`)."""
+    if metrics is not None:
+        gauges = NodeGauges(nodes, metrics)
+        app.add_middleware(_RefreshBeforeScrape, path="/metrics", refresh=gauges.refresh)
     # A default, not an `Annotated` alias: this module's annotations are strings, and FastAPI
     # resolves them in module globals, where a local alias is not.
     auth = Depends(api_key)

@@ -19,6 +19,7 @@ from agentenv.contract.errors import SandboxNotFound
 from agentenv.contract.nodes import NodeDirectory
 from agentenv.contract.runtime import Runtime, TemplateSource
 from agentenv.control.metrics import Metrics
+from agentenv.control.ownership import Replicas
 from agentenv.control.sandboxes import SandboxManager
 from agentenv.control.store import SandboxState, Store, open_store
 
@@ -40,23 +41,43 @@ def build_runtime(settings: Settings) -> tuple[Runtime, TemplateSource]:
     """The sandboxes' runtime: this host's node in-process (the single-node default), or, with
     `AGENTENV_ETCD`, the cluster's node agents over RPC (`cluster.runtime.ClusterRuntime`)."""
     from agentenv.build.state import BuildState, builds_dir
-    from agentenv.build.templates import BuiltTemplates
+    from agentenv.build.templates import BuiltTemplates, repo_lookup
     from agentenv.node.runtime import CatalogTemplates, NodeRuntime
 
     catalog = CatalogTemplates(settings)
-    state = BuildState(builds_dir(settings.home))
     if settings.etcd_endpoints:
+        from agentenv.build.shared_state import EtcdBuildState
+        from agentenv.cluster.catalog import SharedCatalog
+        from agentenv.cluster.etcd import Etcd
         from agentenv.cluster.runtime import ClusterRuntime
         from agentenv.cluster.templates import ClusterTemplates
+        from agentenv.objstore import ObjectStore
 
         if not settings.node_token:
             raise ConfigError("AGENTENV_ETCD is set: the node token (AGENTENV_NODE_TOKEN) too")
-        # Snapshots taken on any node are created from by id (the cluster resolves them).
-        return ClusterRuntime(settings), BuiltTemplates(
-            ClusterTemplates(catalog), state, catalog.repo
+        # Built templates are records every replica shares (etcd, archives in the bucket);
+        # snapshots taken on any node are created from by id (the cluster resolves them).
+        etcd = Etcd.from_settings(settings)
+        shared = EtcdBuildState(
+            etcd, ObjectStore.from_settings(settings), builds_dir(settings.home)
         )
+        cluster = ClusterRuntime(settings)
+        source = ClusterTemplates(catalog, SharedCatalog(etcd), cluster.delete_snapshot)
+        return cluster, BuiltTemplates(source, shared, catalog.repo, shared=True)
     # Built templates (`name:tag`) first, then the catalog and snapshots.
+    state = BuildState(builds_dir(settings.home), snapshot_lookup=repo_lookup(catalog.repo))
     return NodeRuntime(settings), BuiltTemplates(catalog, state, catalog.repo)
+
+
+def build_replicas(settings: Settings) -> Replicas | None:
+    """This replica's lease among the control-plane replicas sharing the store (etcd), whose
+    ids stamp the rows each one is operating on; None on one server."""
+    if not settings.etcd_endpoints:
+        return None
+    from agentenv.cluster.etcd import Etcd
+    from agentenv.cluster.replicas import ReplicaLease
+
+    return ReplicaLease(Etcd.from_settings(settings), ttl_s=settings.replica_ttl_s, owns_etcd=True)
 
 
 def node_directory(runtime: Runtime) -> NodeDirectory:
@@ -94,6 +115,9 @@ def build_app(
         max_memory_mb=settings.max_memory_mb,
         auto_resume=settings.auto_resume,
         shared=bool(settings.etcd_endpoints),
+        replicas=build_replicas(settings),
+        sweep_period_s=settings.sweep_period_s,
+        sweep_grace_s=settings.sweep_grace_s,
     )
     app = AgentenvApp(manager, KeyRing(store), templates, domain=domain)
 
@@ -109,7 +133,7 @@ def build_app(
         await manager.pause(sandbox_id)
         return "paused"
 
-    mount_nodes(app.control, node_directory(rt), api_key, pause_running)
+    mount_nodes(app.control, node_directory(rt), api_key, pause_running, metrics=manager.metrics)
     return app
 
 

@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import hashlib
 import hmac
-import os
+import logging
 import re
 import secrets
 import time
@@ -45,6 +45,7 @@ from agentenv.build.templates import (
     clean_tags,
     image_template_name,
     is_internal_name,
+    repo_lookup,
     split_name,
 )
 from agentenv.config import Settings
@@ -53,7 +54,9 @@ from agentenv.control.store import BUILD_METADATA, LIVE_STATES, SandboxState
 from agentenv.snapshot.errors import SnapshotError
 from agentenv.snapshot.repository import SnapshotRepository
 from agentenv.storage import LayerStore
-from agentenv.template.catalog import TemplateCatalog, TemplateNotFound
+from agentenv.template.catalog import TemplateNotFound
+
+log = logging.getLogger("agentenv.build")
 
 STATUS_PAGE = 100
 _NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}$")
@@ -76,25 +79,42 @@ class TemplateBuilds:
             # A context not made by `server.build_runtime`: the same wrapping, so the API
             # and the sandbox manager resolve `name:tag` alike.
             repo = SnapshotRepository(settings.home / "snapshots", LayerStore(settings.layers_dir))
-            built = BuiltTemplates(built, BuildState(builds_dir(settings.home)), repo)
+            state = BuildState(builds_dir(settings.home), snapshot_lookup=repo_lookup(repo))
+            built = BuiltTemplates(built, state, repo)
             ctx.templates = ctx.manager.templates = built
         self.built: BuiltTemplates = built
         self.state = built.state
         self.tenancy = Tenancy(ctx.manager.store, built)
-        self.builder = Builder(ctx.manager, settings, self.state)
-        self.catalog = TemplateCatalog(settings)
-        # Upload links are signed, not authenticated: the SDK sends no API key with them.
-        self._secret = secrets.token_bytes(32)
+        # A cluster's replica (its lease): who runs a build, and who is still alive.
+        replica = ctx.manager.replicas
+        self.builder = Builder(
+            ctx.manager,
+            settings,
+            self.state,
+            runner=replica.replica_id if replica is not None else None,
+            live_runners=replica.live if replica is not None else None,
+            shared=built.shared,
+        )
+        # Upload links are signed, not authenticated: the SDK sends no API key with them. A
+        # cluster's replicas share the key (a link one signs, another accepts), derived from
+        # the secret they already share.
+        if settings.etcd_endpoints and settings.node_token:
+            self._secret = hashlib.sha256(
+                b"agentenv upload links\n" + settings.node_token.encode()
+            ).digest()
+        else:
+            self._secret = secrets.token_bytes(32)
 
     async def start(self) -> None:
         await self.builder.start()
 
     async def close(self) -> None:
         await self.builder.close()
+        await self.state.close()
 
-    def owned(self, template_id: str, team_id: str) -> TemplateRecord | None:
+    async def owned(self, template_id: str, team_id: str) -> TemplateRecord | None:
         """The team's built template of that id; another team's is None (a 404)."""
-        tpl = self.state.template(template_id)
+        tpl = await self.state.template(template_id)
         return tpl if tpl is not None and template_team(tpl) == team_id else None
 
     def sign(self, template_id: str, files_hash: str, expires: int) -> str:
@@ -103,7 +123,7 @@ class TemplateBuilds:
 
     # -- built templates as E2B shows them -------------------------------------------------
 
-    def template_view(
+    async def template_view(
         self, tpl: TemplateRecord, spawns: dict[str, tuple[int, float]]
     ) -> dict[str, Any]:
         """E2B's `Template`: the shape, disk and envd of the ready build the default tag
@@ -111,21 +131,19 @@ class TemplateBuilds:
         carry the default tag."""
         default: BuildRecord | None = None
         with contextlib.suppress(TemplateUnavailable):
-            default = self.built.build_for(tpl, None)
-        snap = self.built.snapshot_of(default) if default is not None else None
-        newest = next(
-            (
-                b
-                for b in (self.state.build(bid) for bid in reversed(tpl.builds))
-                if b is not None and DEFAULT_TAG in b.tags
-            ),
-            None,
-        )
+            default = await self.built.build_for(tpl, None)
+        snap = await self.built.snapshot_of(default) if default is not None else None
+        newest = None
+        for bid in reversed(tpl.builds):
+            b = await self.state.build(bid)
+            if b is not None and DEFAULT_TAG in b.tags:
+                newest = b
+                break
         return views.built_template(
             tpl.template_id,
             build_id=default.build_id if default is not None and snap is not None else NO_BUILD,
             snapshot=snap,
-            disk_mb=self.built.size_mb(snap) if snap is not None else 0,
+            disk_mb=snap.size_mb if snap is not None else 0,
             created_at=tpl.created_at,
             updated_at=tpl.updated_at,
             spawns=spawns.get(tpl.template_id),
@@ -133,19 +151,19 @@ class TemplateBuilds:
             build_status=newest.status if newest is not None else "waiting",
         )
 
-    def build_rows(self, tpl: TemplateRecord) -> list[dict[str, Any]]:
+    async def build_rows(self, tpl: TemplateRecord) -> list[dict[str, Any]]:
         """E2B's `TemplateBuild`s, newest first."""
         rows = []
         for bid in reversed(tpl.builds):
-            rec = self.state.build(bid)
+            rec = await self.state.build(bid)
             if rec is None:
                 continue
-            snap = self.built.snapshot_of(rec) if rec.status == "ready" else None
+            snap = await self.built.snapshot_of(rec) if rec.status == "ready" else None
             rows.append(
                 views.template_build(
                     rec,
                     snap,
-                    disk_mb=self.built.size_mb(snap) if snap is not None else None,
+                    disk_mb=snap.size_mb if snap is not None else None,
                     cpu=rec.cpu or self.settings.default_cpu,
                     memory_mb=rec.memory_mb or self.settings.default_memory_mb,
                 )
@@ -171,8 +189,11 @@ class TemplateBuilds:
             return _err(
                 400, f"cannot delete template '{name}' because there are paused sandboxes using it"
             )
-        if any(self.builder.running(bid) for bid in tpl.builds):
-            return _err(409, f"cannot delete template '{name}' while one of its builds runs")
+        # A build in progress is `building` wherever it runs (here or on another replica).
+        for bid in tpl.builds:
+            rec = await self.state.build(bid)
+            if self.builder.running(bid) or (rec is not None and rec.status == "building"):
+                return _err(409, f"cannot delete template '{name}' while one of its builds runs")
         return None
 
     async def delete_template(self, tpl: TemplateRecord) -> None:
@@ -181,23 +202,33 @@ class TemplateBuilds:
         was built from if no other template's build and no sandbox uses that. What still
         runs from any of it keeps its own disk layers and memory mapping (the layer store
         and the snapshot holders protect them); the step cache stays."""
-        self.state.drop_template(tpl.template_id)
+        await self.state.drop_template(tpl.template_id)
         others = [
             b
-            for t in self.state.templates()
-            for b in (self.state.build(bid) for bid in t.builds)
+            for t in await self.state.templates()
+            for b in [await self.state.build(bid) for bid in t.builds]
             if b is not None
         ]
-        mine = [b for b in (self.state.build(bid) for bid in tpl.builds) if b is not None]
+        mine = [b for b in [await self.state.build(bid) for bid in tpl.builds] if b is not None]
         kept = {b.snapshot_id for b in others}
         snapshots = {b.snapshot_id for b in mine if b.snapshot_id and b.snapshot_id not in kept}
         theirs = {_image_of(b) for b in others}
         live = {r.template for r in await self.ctx.manager.store.select(LIVE_STATES)}
         images = {i for b in mine if (i := _image_of(b)) and i not in theirs and i not in live}
         ours = {b.snapshot_id for b in mine if b.snapshot_id}
-        await asyncio.to_thread(self._release, tpl.template_id, ours, snapshots, images)
+        if self.built.shared:
+            # A cluster's snapshots are on its nodes and in the bucket: each node deletes its
+            # copy (`fromImage` builds, whose images would be here, are refused there).
+            for sid in sorted(snapshots):
+                try:
+                    await self.ctx.manager.runtime.delete_snapshot(sid)
+                except Exception as exc:
+                    log.warning("template %s: snapshot %s not deleted: %s",
+                                tpl.template_id, sid, exc)  # fmt: skip
+        else:
+            await asyncio.to_thread(self._release, tpl.template_id, ours, snapshots, images)
         for b in mine:
-            self.state.drop_build(b.build_id)
+            await self.state.drop_build(b.build_id)
 
     def _release(self, name: str, ours: set[str], snapshots: set[str], images: set[str]) -> None:
         from agentenv.template.image import remove_template  # the OCI stack, only if needed
@@ -257,12 +288,12 @@ def mount_templates(app: FastAPI, ctx: Any) -> TemplateBuilds:
             request.headers.get("authorization"),
         )
 
-    def build_of(template_id: str, build_id: str, key: Any) -> BuildRecord | JSONResponse:
-        rec = state.build(build_id)
+    async def build_of(template_id: str, build_id: str, key: Any) -> BuildRecord | JSONResponse:
+        rec = await state.build(build_id)
         if (
             rec is None
             or rec.template_id != template_id
-            or builds.owned(template_id, key.team_id) is None
+            or await builds.owned(template_id, key.team_id) is None
         ):
             return _err(404, f"build {build_id} of template {template_id!r} not found")
         return rec
@@ -299,21 +330,23 @@ def mount_templates(app: FastAPI, ctx: Any) -> TemplateBuilds:
         for field_name, value in (("cpuCount", cpu), ("memoryMB", memory)):
             if value is not None and (not isinstance(value, int) or value < 1):
                 return _err(400, f"{field_name}: must be a positive integer")
-        try:
-            await asyncio.to_thread(builds.catalog.get, name)
-        except TemplateNotFound:
-            pass
-        else:
+        if name in await builds.tenancy.catalog_names():
             return _err(409, f"template {name!r} is a built-in template; choose another name")
         if await builds.tenancy.name_taken(name, key.team_id):
             # One name space per server: the name is another team's template or snapshot.
             return _err(409, f"template name {name!r} is taken; choose another name")
-        tpl = state.template(name) or replace(template_record(name), team_id=key.team_id)
         build_id = str(uuid.uuid4())
-        tpl.builds.append(build_id)
-        tpl.cpu, tpl.memory_mb = cpu, memory
-        state.put_template(tpl)
-        state.put_build(
+
+        def add_build(tpl: TemplateRecord | None) -> TemplateRecord | None:
+            if tpl is not None and template_team(tpl) != key.team_id:
+                return None
+            tpl = tpl or replace(template_record(name), team_id=key.team_id)
+            tpl.builds.append(build_id)
+            tpl.cpu, tpl.memory_mb = cpu, memory
+            return tpl
+
+        # The build's record first: a template never lists a build that has none.
+        await state.put_build(
             BuildRecord(
                 build_id=build_id,
                 template_id=name,
@@ -324,6 +357,11 @@ def mount_templates(app: FastAPI, ctx: Any) -> TemplateBuilds:
                 memory_mb=memory,
             )
         )
+        tpl = await state.update_template(name, add_build)
+        if tpl is None or template_team(tpl) != key.team_id:
+            # Another team took the name between the check and the write.
+            await state.drop_build(build_id)
+            return _err(409, f"template name {name!r} is taken; choose another name")
         return JSONResponse(
             {
                 "templateID": name,
@@ -339,11 +377,11 @@ def mount_templates(app: FastAPI, ctx: Any) -> TemplateBuilds:
     @app.get("/templates/{template_id}/files/{files_hash}", status_code=201, tags=["templates"])
     async def file_link(template_id: str, files_hash: str, request: Request) -> Response:
         key = await auth(request)
-        if builds.owned(template_id, key.team_id) is None:
+        if await builds.owned(template_id, key.team_id) is None:
             return _err(404, f"template {template_id!r} not found")
         if not _HASH_RE.match(files_hash):
             return _err(400, f"files hash {files_hash!r} is not a hash")
-        if state.files_path(files_hash).exists():
+        if await state.has_files(files_hash):
             return JSONResponse({"present": True}, status_code=201)
         expires = int(time.time()) + 3600
         sig = builds.sign(template_id, files_hash, expires)
@@ -361,14 +399,13 @@ def mount_templates(app: FastAPI, ctx: Any) -> TemplateBuilds:
             return _err(
                 403, "upload link is invalid or expired; ask GET /templates/{id}/files/{hash} again"
             )
-        final = state.files_path(files_hash)
-        tmp = final.with_name(f".{final.name}.{secrets.token_hex(4)}")
+        tmp = state.staging() / f".{files_hash}.{secrets.token_hex(4)}.upload"
         f = await asyncio.to_thread(tmp.open, "wb")
         try:
             async for chunk in request.stream():
                 await asyncio.to_thread(f.write, chunk)
             await asyncio.to_thread(f.close)
-            await asyncio.to_thread(os.replace, tmp, final)
+            await state.put_files(files_hash, tmp)
         except BaseException:
             f.close()
             tmp.unlink(missing_ok=True)
@@ -378,7 +415,7 @@ def mount_templates(app: FastAPI, ctx: Any) -> TemplateBuilds:
     @app.post("/v2/templates/{template_id}/builds/{build_id}", status_code=202, tags=["templates"])
     async def start_build(template_id: str, build_id: str, request: Request) -> Response:
         key = await auth(request)
-        found = build_of(template_id, build_id, key)
+        found = await build_of(template_id, build_id, key)
         if isinstance(found, JSONResponse):
             return found
         if found.status != "waiting" or builds.builder.running(build_id):
@@ -387,8 +424,14 @@ def mount_templates(app: FastAPI, ctx: Any) -> TemplateBuilds:
             spec = parse(await body_of(request))
         except SpecError as exc:
             return _err(400, str(exc))
+        if spec.from_image and builds.built.shared:
+            return _err(
+                400,
+                "fromImage: builds from a container image are not supported when the control "
+                "plane runs a cluster (AGENTENV_ETCD) yet; build from a template",
+            )
         for i, step in enumerate(spec.steps):
-            if step.files_hash and not state.files_path(step.files_hash).exists():
+            if step.files_hash and not await state.has_files(step.files_hash):
                 return _err(
                     400,
                     f"steps[{i}].filesHash {step.files_hash}: not uploaded; ask "
@@ -396,14 +439,15 @@ def mount_templates(app: FastAPI, ctx: Any) -> TemplateBuilds:
                 )
         if spec.from_template:
             try:
-                if builds.built.internal(
+                if await builds.built.internal(
                     spec.from_template
                 ) or not await builds.tenancy.template_visible(spec.from_template, key.team_id):
                     raise TemplateUnavailable(spec.from_template)
-                builds.built.get(spec.from_template)
+                await builds.built.get(spec.from_template)
             except TemplateUnavailable as exc:
                 return _err(400, f"fromTemplate: template {spec.from_template!r} not found ({exc})")
-        builds.builder.submit(found, spec, key.id)
+        if not await builds.builder.submit(found, spec, key.id):
+            return _err(409, f"build {build_id} was already started")
         return Response(status_code=202)
 
     def level_ok(line: LogLine, level: str | None) -> bool:
@@ -424,12 +468,12 @@ def mount_templates(app: FastAPI, ctx: Any) -> TemplateBuilds:
         level: str | None = None,
     ) -> Response:
         key = await auth(request)
-        found = build_of(template_id, build_id, key)
+        found = await build_of(template_id, build_id, key)
         if isinstance(found, JSONResponse):
             return found
         if (bad := check_level(level)) is not None:
             return bad
-        lines = [line for line in state.logs(build_id) if level_ok(line, level)]
+        lines = [line for line in await state.logs(build_id) if level_ok(line, level)]
         page = lines[logsOffset : logsOffset + limit]
         body: dict[str, Any] = {
             "templateID": template_id,
@@ -456,7 +500,7 @@ def mount_templates(app: FastAPI, ctx: Any) -> TemplateBuilds:
         """E2B's cursor is a time in milliseconds: forward gives lines at or after it,
         backward lines at or before it, newest first."""
         key = await auth(request)
-        found = build_of(template_id, build_id, key)
+        found = await build_of(template_id, build_id, key)
         if isinstance(found, JSONResponse):
             return found
         if (bad := check_level(level)) is not None:
@@ -465,7 +509,7 @@ def mount_templates(app: FastAPI, ctx: Any) -> TemplateBuilds:
             return _err(400, f"direction {direction!r}: use forward or backward")
         if source not in (None, "persistent", "temporary"):
             return _err(400, f"source {source!r}: use persistent or temporary")
-        lines = [line for line in state.logs(build_id) if level_ok(line, level)]
+        lines = [line for line in await state.logs(build_id) if level_ok(line, level)]
         if direction == "forward":
             lines = [x for x in lines if cursor is None or x.timestamp * 1000 >= cursor]
         else:
@@ -476,12 +520,12 @@ def mount_templates(app: FastAPI, ctx: Any) -> TemplateBuilds:
     async def list_builds(template_id: str, request: Request) -> Response:
         """Not an E2B route: the builds of a template, newest first (`aenv template logs`)."""
         key = await auth(request)
-        tpl = builds.owned(template_id, key.team_id)
+        tpl = await builds.owned(template_id, key.team_id)
         if tpl is None:
             return _err(404, f"template {template_id!r} has no builds")
         rows = []
         for bid in reversed(tpl.builds):
-            rec = state.build(bid)
+            rec = await state.build(bid)
             if rec is None:
                 continue
             rows.append(
@@ -497,13 +541,13 @@ def mount_templates(app: FastAPI, ctx: Any) -> TemplateBuilds:
 
     # -- tags ------------------------------------------------------------------------------
 
-    def tag_rows(template_id: str) -> list[dict[str, Any]]:
-        tpl = state.template(template_id)
+    async def tag_rows(template_id: str) -> list[dict[str, Any]]:
+        tpl = await state.template(template_id)
         if tpl is None:
             return []
         rows = []
         for tag, bid in sorted(tpl.tags.items()):
-            rec = state.build(bid)
+            rec = await state.build(bid)
             at = rec.finished_at or rec.created_at if rec else tpl.updated_at
             rows.append(
                 {
@@ -517,9 +561,9 @@ def mount_templates(app: FastAPI, ctx: Any) -> TemplateBuilds:
     @app.get("/templates/{template_id}/tags", tags=["tags"])
     async def list_tags(template_id: str, request: Request) -> Response:
         key = await auth(request)
-        if builds.owned(template_id, key.team_id) is None:
+        if await builds.owned(template_id, key.team_id) is None:
             return _err(404, f"template {template_id!r} not found")
-        return JSONResponse(tag_rows(template_id))
+        return JSONResponse(await tag_rows(template_id))
 
     @app.post("/templates/tags", status_code=201, tags=["tags"])
     async def assign_tags(request: Request) -> Response:
@@ -539,17 +583,24 @@ def mount_templates(app: FastAPI, ctx: Any) -> TemplateBuilds:
         except BadTag as exc:
             return _err(400, f"tags: {exc}")
         name, tag = split_name(target)
-        tpl = builds.owned(name, key.team_id)
+        tpl = await builds.owned(name, key.team_id)
         if tpl is None:
             return _err(404, f"template '{name}' not found")
         try:
-            bid = builds.built.build_for(tpl, tag).build_id
+            bid = (await builds.built.build_for(tpl, tag)).build_id
         except TemplateUnavailable:
             return _err(404, f"Template '{target}' with tag '{tag or DEFAULT_TAG}' not found")
-        for t in tags:
-            tpl.tags[t] = bid
-        tpl.updated_at = time.time()
-        state.put_template(tpl)
+
+        def assign(found: TemplateRecord | None) -> TemplateRecord | None:
+            if found is None:
+                return None
+            for t in tags:
+                found.tags[t] = bid
+            found.updated_at = time.time()
+            return found
+
+        if await state.update_template(name, assign) is None:
+            return _err(404, f"template '{name}' not found")
         return JSONResponse({"tags": tags, "buildID": bid}, status_code=201)
 
     @app.delete("/templates/tags", status_code=204, tags=["tags"])
@@ -575,13 +626,18 @@ def mount_templates(app: FastAPI, ctx: Any) -> TemplateBuilds:
         base, tag = split_name(name)
         if tag is not None:
             return _err(400, "name: give the template's name without a tag (tags go in 'tags')")
-        tpl = builds.owned(base, key.team_id)
-        if tpl is None:
+        if await builds.owned(base, key.team_id) is None:
             return _err(404, f"template '{name}' not found")
-        for t in tags:
-            tpl.tags.pop(t, None)
-        tpl.updated_at = time.time()
-        state.put_template(tpl)
+
+        def remove(found: TemplateRecord | None) -> TemplateRecord | None:
+            if found is None:
+                return None
+            for t in tags:
+                found.tags.pop(t, None)
+            found.updated_at = time.time()
+            return found
+
+        await state.update_template(base, remove)
         return Response(status_code=204)
 
     mount_build_progress(app, builds)

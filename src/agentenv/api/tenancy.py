@@ -22,11 +22,13 @@ does not exist (404 with the same message), so ids and names do not leak through
 
 from __future__ import annotations
 
+import asyncio
 import re
 
 from agentenv.build.state import TemplateRecord
 from agentenv.build.templates import BuiltTemplates, image_template_name, split_name
 from agentenv.contract.errors import SandboxNotFound
+from agentenv.contract.runtime import SNAPSHOT_ID
 from agentenv.control.store import DEFAULT_TEAM, LIVE_STATES, SandboxRecord, Store
 from agentenv.snapshot.errors import SnapshotError
 
@@ -57,19 +59,19 @@ class Tenancy:
 
     # -- templates and snapshots -----------------------------------------------------------
 
-    def catalog_names(self) -> set[str]:
-        return {t.name for t in self.built.inner.list()}
+    async def catalog_names(self) -> set[str]:
+        return {t.name for t in await self.built.inner.list()}
 
-    def catalog_visible(self, name: str, team_id: str) -> bool:
+    async def catalog_visible(self, name: str, team_id: str) -> bool:
         """Whether a catalog template is the team's to see (see the module's docstring)."""
         if not name.startswith(IMAGE_PREFIX) or team_id == DEFAULT_TEAM:
             return True
         state = self.built.state
-        for tpl in state.templates():
+        for tpl in await state.templates():
             if template_team(tpl) != team_id:
                 continue
             for build_id in tpl.builds:
-                rec = state.build(build_id)
+                rec = await state.build(build_id)
                 if rec is None or rec.status != "ready":
                     continue
                 ref = (rec.spec or {}).get("fromImage")
@@ -79,8 +81,13 @@ class Tenancy:
 
     async def snapshot_team(self, ref: str) -> str | None:
         """The owner of the snapshot `ref` names (id or name), None if it names none."""
+        if self.built.shared:
+            # A cluster's snapshots are on its nodes: known here by id only.
+            if not SNAPSHOT_ID.fullmatch(ref):
+                return None
+            return await self.store.snapshot_owner(ref)
         try:
-            snap = self.built.repo.get(ref)
+            snap = await asyncio.to_thread(self.built.repo.get, ref)
         except SnapshotError:
             return None
         return await self.store.snapshot_owner(snap.id)
@@ -89,19 +96,19 @@ class Tenancy:
         """Whether `ref` (as a create's templateID) may be used by the team. A ref that
         names nothing is "visible": the normal path answers its 404."""
         name, tag = split_name(ref)
-        tpl = self.built.state.template(name)
+        tpl = await self.built.state.template(name)
         if tpl is not None:
             return template_team(tpl) == team_id
         if tag is not None:
             return True
-        if name in self.catalog_names():
-            return self.catalog_visible(name, team_id)
+        if name in await self.catalog_names():
+            return await self.catalog_visible(name, team_id)
         owner = await self.snapshot_team(name)
         return owner is None or owner == team_id
 
     async def name_taken(self, name: str, team_id: str) -> bool:
         """Whether another team's template or snapshot holds `name`."""
-        tpl = self.built.state.template(name)
+        tpl = await self.built.state.template(name)
         if tpl is not None and template_team(tpl) != team_id:
             return True
         owner = await self.snapshot_team(name)

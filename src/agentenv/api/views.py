@@ -6,9 +6,9 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from agentenv.build.state import BuildRecord
+from agentenv.build.templates import BuiltShape
 from agentenv.contract.runtime import HostMemory, TemplateInfo
 from agentenv.control.store import BUILD_METADATA, LogLine, SandboxRecord, SandboxState
-from agentenv.snapshot.model import Snapshot
 
 CLIENT_ID = "agentenv"
 
@@ -149,7 +149,7 @@ def built_template(
     name: str,
     *,
     build_id: str,
-    snapshot: Snapshot | None,
+    snapshot: BuiltShape | None,
     disk_mb: int,
     created_at: float,
     updated_at: float,
@@ -163,7 +163,7 @@ def built_template(
     return {
         "templateID": name,
         "buildID": build_id,
-        "cpuCount": snapshot.vcpus if snapshot is not None else 0,
+        "cpuCount": snapshot.cpu if snapshot is not None else 0,
         "memoryMB": snapshot.memory_mb if snapshot is not None else 0,
         "diskSizeMB": disk_mb,
         "public": False,
@@ -180,7 +180,7 @@ def built_template(
 
 
 def template_build(
-    rec: BuildRecord, snapshot: Snapshot | None, *, disk_mb: int | None, cpu: int, memory_mb: int
+    rec: BuildRecord, snapshot: BuiltShape | None, *, disk_mb: int | None, cpu: int, memory_mb: int
 ) -> dict[str, Any]:
     """E2B's TemplateBuild; a ready build's shape is its snapshot's, another's the shape its
     build sandbox was asked for."""
@@ -189,7 +189,7 @@ def template_build(
         "status": rec.status,
         "createdAt": iso(rec.created_at),
         "updatedAt": iso(rec.finished_at or rec.created_at),
-        "cpuCount": snapshot.vcpus if snapshot is not None else cpu,
+        "cpuCount": snapshot.cpu if snapshot is not None else cpu,
         "memoryMB": snapshot.memory_mb if snapshot is not None else memory_mb,
     }
     if rec.finished_at is not None:

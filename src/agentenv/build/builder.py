@@ -3,9 +3,11 @@ snapshot per filesystem step (the step cache), then the start command, the ready
 and a memory snapshot named after the template (a create from it is a restore with the
 start command already running).
 
-A build is an asyncio task owned by `Builder`; its record on disk says where it is, so a
-server that restarts marks a build it finds `building` as failed (and kills its sandbox)
-instead of leaving it stuck.
+A build is an asyncio task owned by `Builder`; its record says where it is, so a server that
+restarts marks a build it finds `building` as failed (and kills its sandbox) instead of leaving
+it stuck. In a cluster the records are shared: a build carries the id of the replica running
+it (`runner`), and each replica fails only the builds whose runner is no longer alive (at its
+start and every `SWEEP_S`), never another live replica's.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import logging
 import os
 import shlex
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,11 +26,11 @@ import httpx
 
 from agentenv.build.progress import BuildProgress, receiver
 from agentenv.build.spec import BuildSpec, Step, chain_key
-from agentenv.build.state import BuildRecord, BuildState, TemplateRecord
+from agentenv.build.state import BuildRecord, BuildStore, TemplateRecord
 from agentenv.build.templates import image_template_name
 from agentenv.config import Settings
 from agentenv.contract.errors import SandboxNotFound
-from agentenv.contract.runtime import TemplateUnavailable
+from agentenv.contract.runtime import SNAPSHOT_ID, SnapshotInfo, TemplateUnavailable
 from agentenv.control.sandboxes import CreateSpec, SandboxManager
 from agentenv.control.store import BUILD_METADATA, DEFAULT_TEAM, SandboxRecord
 from agentenv.guest.envd.client import EnvdClient, EnvdError
@@ -49,6 +51,8 @@ DEFAULT_USER = "user"
 DEFAULT_WORKDIR = "/home/user"
 START_LOG = "/tmp/.agentenv-start.log"
 TAIL_LINES = 20
+# How often a cluster's replica looks for builds whose runner died.
+SWEEP_S = float(os.environ.get("AGENTENV_BUILD_SWEEP_S", "10"))
 
 
 class StepFailed(Exception):
@@ -150,10 +154,27 @@ def copy_script(src: str, dest: str, owner: str, mode: str, staging: str) -> str
 
 
 class Builder:
-    def __init__(self, manager: SandboxManager, settings: Settings, state: BuildState) -> None:
+    """`runner`/`live_runners`: this replica's id and the ids of the live replicas, in a
+    cluster (both None on one server, where every unfinished build is this server's)."""
+
+    def __init__(
+        self,
+        manager: SandboxManager,
+        settings: Settings,
+        state: BuildStore,
+        *,
+        runner: str | None = None,
+        live_runners: Callable[[], Awaitable[set[str]]] | None = None,
+        shared: bool = False,
+    ) -> None:
         self.manager = manager
         self.settings = settings
         self.state = state
+        self.runner = runner
+        self.live_runners = live_runners
+        # Records shared with other replicas: without knowing who is alive, fail nothing.
+        self.shared = shared
+        self._sweeper: asyncio.Task[None] | None = None
         self.layers = LayerStore(settings.layers_dir)
         self.repo = SnapshotRepository(settings.home / "snapshots", self.layers)
         self.catalog = TemplateCatalog(settings)
@@ -166,19 +187,48 @@ class Builder:
 
     async def start(self) -> None:
         """Builds a previous server left unfinished failed with it; their sandboxes go."""
-        for rec in self.state.builds():
+        await self._fail_orphans()
+        if self.live_runners is not None:
+            self._sweeper = asyncio.create_task(self._sweep_forever(), name="build-sweeper")
+
+    async def _sweep_forever(self) -> None:
+        while True:
+            await asyncio.sleep(SWEEP_S)
+            try:
+                await self._fail_orphans()
+            except Exception:
+                log.warning("build sweep failed; trying again in %.0f s", SWEEP_S, exc_info=True)
+
+    async def _fail_orphans(self) -> None:
+        """Fails every unfinished build nobody runs: on one server, each one this server does
+        not run (a previous server's); in a cluster, each whose runner is not alive."""
+        if self.shared and self.live_runners is None:
+            return
+        live = await self.live_runners() if self.live_runners is not None else set()
+        for rec in await self.state.builds():
             if rec.status not in ("building", "waiting") or rec.build_id in self._tasks:
                 continue
             if rec.status == "waiting" and rec.spec is None:
                 continue  # requested, never started: the client may still start it
+            if self.live_runners is not None and (rec.runner in live or rec.runner == self.runner):
+                continue
+            stale = rec.status
             rec.status = "error"
             rec.finished_at = time.time()
-            rec.reason = {"message": "the build was interrupted by a server restart"}
-            self.state.put_build(rec)
+            who = "its control-plane replica stopped" if self.runner else "a server restart"
+            rec.reason = {"message": f"the build was interrupted by {who}"}
+            if not await self.state.put_build(rec, expect_status=stale):
+                continue  # another replica settled it first
             self.state.log(rec.build_id, rec.reason["message"], "error")
+            await self.state.flush_logs(rec.build_id)
             await self._kill(rec.sandbox_id, "build interrupted")
 
     async def close(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sweeper
+            self._sweeper = None
         tasks = list(self._tasks.values())
         for task in tasks:
             task.cancel()
@@ -188,13 +238,18 @@ class Builder:
     def running(self, build_id: str) -> bool:
         return build_id in self._tasks
 
-    def submit(self, rec: BuildRecord, spec: BuildSpec, api_key_id: str | None) -> None:
+    async def submit(self, rec: BuildRecord, spec: BuildSpec, api_key_id: str | None) -> bool:
+        """Starts the build; False if it had been started already (here or on another
+        replica: the move out of `waiting` is one compare-and-set)."""
         rec.status = "building"
         rec.spec = spec.to_json()
-        self.state.put_build(rec)
+        rec.runner = self.runner
+        if not await self.state.put_build(rec, expect_status="waiting"):
+            return False
         task = asyncio.create_task(self._run(rec, spec, api_key_id), name=f"build-{rec.build_id}")
         self._tasks[rec.build_id] = task
         task.add_done_callback(lambda _: self._forget(rec.build_id))
+        return True
 
     def _forget(self, build_id: str) -> None:
         self._tasks.pop(build_id, None)
@@ -219,39 +274,48 @@ class Builder:
                 # `ready`) finds the build sandbox, its disk and its QEMU gone already.
                 await self._kill(rec.sandbox_id, "build finished")
         except asyncio.CancelledError:
-            self._finish(rec, "error", {"message": "the build was cancelled: server shutdown"})
+            await asyncio.shield(
+                self._finish(rec, "error", {"message": "the build was cancelled: server shutdown"})
+            )
             raise
         except StepFailed as exc:
-            tail = [line.wire() for line in self.state.logs(bid)[-TAIL_LINES:]]
+            tail = [line.wire() for line in (await self.state.logs(bid))[-TAIL_LINES:]]
             self.state.log(bid, exc.message, "error", exc.step)
-            self._finish(
+            await self._finish(
                 rec, "error", {"message": exc.message, "step": exc.step, "logEntries": tail}
             )
         except Exception as exc:
             log.exception("build %s failed", bid)
             msg = f"build failed: {type(exc).__name__}: {exc}"
             self.state.log(bid, msg, "error")
-            self._finish(rec, "error", {"message": msg})
+            await self._finish(rec, "error", {"message": msg})
         else:
             rec.snapshot_id = snapshot_id
             self.state.log(bid, f"Build finished in {time.monotonic() - started:.1f}s")
-            self._finish(rec, "ready", None)
-            self._publish(rec)
+            await self._finish(rec, "ready", None)
+            await self._publish(rec)
 
-    def _finish(self, rec: BuildRecord, status: str, reason: dict[str, Any] | None) -> None:
+    async def _finish(self, rec: BuildRecord, status: str, reason: dict[str, Any] | None) -> None:
+        # Every line first: a client that sees the end sees the whole log.
+        await self.state.flush_logs(rec.build_id)
         rec.status = status
         rec.reason = reason
         rec.finished_at = time.time()
-        self.state.put_build(rec)
+        if not await self.state.put_build(rec, expect_status="building"):
+            # Settled by a sweep that took this replica for dead (etcd cut it off too long).
+            log.warning("build %s: its record was settled elsewhere; %s not recorded",
+                        rec.build_id, status)  # fmt: skip
 
-    def _publish(self, rec: BuildRecord) -> None:
-        tpl = self.state.template(rec.template_id)
-        if tpl is None:
-            return
-        for tag in rec.tags:
-            tpl.tags[tag] = rec.build_id
-        tpl.updated_at = time.time()
-        self.state.put_template(tpl)
+    async def _publish(self, rec: BuildRecord) -> None:
+        def tag(tpl: TemplateRecord | None) -> TemplateRecord | None:
+            if tpl is None:
+                return None
+            for t in rec.tags:
+                tpl.tags[t] = rec.build_id
+            tpl.updated_at = time.time()
+            return tpl
+
+        await self.state.update_template(rec.template_id, tag)
 
     def _log(self, rec: BuildRecord, step: str | None) -> Callable[[str, str], None]:
         def emit(line: str, stream: str) -> None:
@@ -268,11 +332,21 @@ class Builder:
         else:
             assert spec.from_template is not None
             name = spec.from_template
-            try:
-                # A built template's `name[:tag]` is the snapshot of the build it names.
-                name = self.manager.templates.get(name).ref or name
-            except TemplateUnavailable as exc:
-                raise StepFailed("base", f"base template {name!r} not found: {exc}") from None
+        try:
+            found = await self.manager.templates.get(name)
+        except TemplateUnavailable as exc:
+            raise StepFailed("base", f"base template {name!r} not found: {exc}") from None
+        if found.ref:
+            # A built template's `name[:tag]` is the snapshot of the build it names.
+            return found.ref, f"snapshot:{found.ref}", Context()
+        if found.layers:
+            # A catalog template (here, or as the cluster's nodes publish it).
+            ctx = Context(
+                envs=dict(found.env),
+                user=found.user or DEFAULT_USER,
+                workdir=found.workdir or DEFAULT_WORKDIR,
+            )
+            return name, f"layers:{','.join(found.layers)}", ctx
         try:
             snap = await asyncio.to_thread(self.repo.get, name)
         except SnapshotError:
@@ -282,6 +356,10 @@ class Builder:
         try:
             tpl = await asyncio.to_thread(self.catalog.get, name)
         except TemplateNotFound:
+            if SNAPSHOT_ID.fullmatch(name):
+                # A cluster's snapshot, on its nodes and in the bucket, not in this replica's
+                # repository (the template source accepted it).
+                return name, f"snapshot:{name}", Context()
             raise StepFailed("base", f"base template {name!r} not found") from None
         ctx = Context(
             envs=dict(tpl.env),
@@ -348,19 +426,23 @@ class Builder:
         # Docker's rule: a forced step invalidates itself and every step after it.
         forced_from = 0 if spec.force else next((i for i, s in enumerate(spec.steps) if s.force), n)
         usable = forced_from == n and not spec.force
-        if usable and await self._snapshot(final_name(final)) is not None:
+        cached = await self._snapshot(final_name(final)) if usable else None
+        if cached is not None:
             for i, step in enumerate(spec.steps):
                 self.state.log(bid, f"CACHED [{i + 1}/{n}] {describe(step)}", step=str(i + 1))
-            snap = await self._snapshot(final_name(final))
-            assert snap is not None
             self.state.log(bid, "Template snapshot reused from the cache", step="finalize")
-            return snap
+            await self._record_shape(rec, cached)
+            return cached
         # The longest cached prefix: the last filesystem step before any forced one whose
         # result is on disk.
         resume_at, start_from = 0, base_name
         for i in range(min(forced_from, n) - 1, -1, -1):
-            if spec.steps[i].type in ("RUN", "COPY") and await self._snapshot(cache_name(keys[i])):
-                resume_at, start_from = i + 1, cache_name(keys[i])
+            if spec.steps[i].type not in ("RUN", "COPY"):
+                continue
+            step_snap = await self._snapshot(cache_name(keys[i]))
+            if step_snap is not None:
+                # By id: a cluster's replicas resolve ids, not the builder's names.
+                resume_at, start_from = i + 1, step_snap
                 break
         for i in range(resume_at):
             ctx.apply(spec.steps[i])
@@ -386,10 +468,26 @@ class Builder:
         return await self._finalize(rec, spec, sandbox, ctx, final)
 
     async def _snapshot(self, name: str) -> str | None:
-        try:
-            return (await asyncio.to_thread(self.repo.get, name)).id
-        except SnapshotError:
-            return None
+        return await self.state.snapshot_named(name)
+
+    async def _take(self, sandbox: SandboxRecord, name: str, *, memory: bool) -> SnapshotInfo:
+        info = await self.manager.snapshot(sandbox.id, name, memory=memory)
+        await self.state.name_snapshot(name, info.snapshot_id)
+        return info
+
+    async def _record_shape(self, rec: BuildRecord, snapshot_id: str) -> None:
+        """What the template is (its shape, kept on the record for replicas without the
+        snapshot's files)."""
+        rec.snapshot_id = snapshot_id
+        if rec.snapshot_cpu is None:
+            for info in await self.manager.snapshots():
+                if info.snapshot_id == snapshot_id:
+                    rec.snapshot_cpu, rec.snapshot_memory_mb = info.cpu, info.memory_mb
+                    break
+        if rec.snapshot_cpu is None:
+            rec.snapshot_cpu = rec.cpu or self.settings.default_cpu
+            rec.snapshot_memory_mb = rec.memory_mb or self.settings.default_memory_mb
+        rec.snapshot_envd_version = self.manager.envd_version
 
     async def _sandbox(
         self, rec: BuildRecord, template: str, api_key_id: str | None
@@ -408,7 +506,7 @@ class Builder:
         except Exception as exc:
             raise StepFailed("base", f"the build sandbox did not start: {exc}") from exc
         rec.sandbox_id = sandbox.id
-        self.state.put_build(rec)
+        await self.state.put_build(rec)
         self.state.log(
             rec.build_id,
             f"Build sandbox {sandbox.id} running after {time.monotonic() - t0:.1f}s",
@@ -451,8 +549,8 @@ class Builder:
         self, rec: BuildRecord, sandbox: SandboxRecord, step: Step, ctx: Context, label: str
     ) -> None:
         assert step.files_hash is not None and sandbox.envd_url is not None
-        local = self.state.files_path(step.files_hash)
-        if not local.exists():
+        local = await self.state.files(step.files_hash)
+        if local is None:
             raise StepFailed(label, f"step {label}: files {step.files_hash} were not uploaded")
         staging = f"/tmp/.agentenv-copy-{step.files_hash[:16]}.tar"
         async with EnvdClient(sandbox.envd_url, sandbox.envd_token) as envd:
@@ -470,7 +568,7 @@ class Builder:
         self, rec: BuildRecord, sandbox: SandboxRecord, name: str, label: str
     ) -> None:
         try:
-            await self.manager.snapshot(sandbox.id, name, memory=False)
+            await self._take(sandbox, name, memory=False)
         except Exception as exc:
             # The cache is an optimisation: a step whose result could not be kept still counts.
             self.state.log(rec.build_id, f"step {label} not cached: {exc}", "warn", label)
@@ -503,9 +601,11 @@ class Builder:
         self.state.log(bid, "Capturing the template snapshot", step="finalize")
         t0 = time.monotonic()
         try:
-            info = await self.manager.snapshot(sandbox.id, final_name(final))
+            info = await self._take(sandbox, final_name(final), memory=True)
         except Exception as exc:
             raise StepFailed("finalize", f"the template snapshot failed: {exc}") from exc
+        rec.snapshot_cpu, rec.snapshot_memory_mb = info.cpu, info.memory_mb
+        await self._record_shape(rec, info.snapshot_id)
         self.state.log(
             bid,
             f"Template snapshot {info.snapshot_id[:12]} in {time.monotonic() - t0:.1f}s",

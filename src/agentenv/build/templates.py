@@ -19,20 +19,22 @@ from, build from or delete them by name or id (`internal`).
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import re
 import uuid
-from dataclasses import replace
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
-from agentenv.build.state import BuildRecord, BuildState, TemplateRecord
+from agentenv.build.state import BuildRecord, BuildStore, TemplateRecord
 from agentenv.contract.runtime import (
+    SNAPSHOT_ID,
     TagUnavailable,
     TemplateInfo,
     TemplateSource,
     TemplateUnavailable,
 )
 from agentenv.snapshot.errors import SnapshotError
-from agentenv.snapshot.model import Snapshot
 from agentenv.snapshot.repository import SnapshotRepository
 from agentenv.storage import info
 
@@ -45,6 +47,18 @@ INTERNAL_PREFIXES = ("build-cache-", "build-final-")
 # E2B's buildID of a template no ready build carries the default tag of.
 NO_BUILD = "00000000-0000-0000-0000-000000000000"
 _MIB = 1024 * 1024
+
+
+def repo_lookup(repo: SnapshotRepository) -> Callable[[str], str | None]:
+    """The builder's snapshot names as one server's repository resolves them."""
+
+    def lookup(name: str) -> str | None:
+        try:
+            return repo.get(name).id
+        except SnapshotError:
+            return None
+
+    return lookup
 
 
 class BadTag(ValueError):
@@ -97,90 +111,130 @@ def is_internal_name(name: str) -> bool:
     return name.startswith(INTERNAL_PREFIXES)
 
 
-class BuiltTemplates:
-    """`inner` (the catalog and snapshots) plus the templates of the build API."""
+@dataclass(frozen=True)
+class BuiltShape:
+    """What a ready build's template is: its snapshot and the shape captured in it."""
 
-    def __init__(self, inner: TemplateSource, state: BuildState, repo: SnapshotRepository) -> None:
+    snapshot_id: str
+    cpu: int
+    memory_mb: int
+    envd_version: str
+    # The template's disk; 0 where it is not known here (the snapshot is on other nodes).
+    size_mb: int
+
+
+class BuiltTemplates:
+    """`inner` (the catalog and snapshots) plus the templates of the build API.
+
+    `shared`: a cluster's control plane, whose snapshots live on the nodes and in the bucket,
+    not in this replica's repository; a ready build's shape is then the one its record kept.
+    """
+
+    def __init__(
+        self,
+        inner: TemplateSource,
+        state: BuildStore,
+        repo: SnapshotRepository,
+        *,
+        shared: bool = False,
+    ) -> None:
         self.inner = inner
         self.state = state
         self.repo = repo
+        self.shared = shared
         self._size_mb: dict[str, int] = {}
         # The wrapped source's settings, where it has them (`api.templates` reads them).
         self.settings: object = getattr(inner, "settings", None)
 
     # -- resolution ------------------------------------------------------------------------
 
-    def build_for(self, tpl: TemplateRecord, tag: str | None) -> BuildRecord:
+    async def build_for(self, tpl: TemplateRecord, tag: str | None) -> BuildRecord:
         """The ready build `tag` (None: the default) of `tpl` names; `TagNotFound` if none."""
         tag = tag or DEFAULT_TAG
         if _is_uuid(tag):
             bid: str | None = tag if tag in tpl.tags.values() else None
         else:
             bid = tpl.tags.get(tag)
-        rec = self.state.build(bid) if bid is not None else None
+        rec = await self.state.build(bid) if bid is not None else None
         if rec is None or rec.status != "ready" or rec.snapshot_id is None:
             raise TagNotFound(tpl.name, tag)
         return rec
 
-    def snapshot_of(self, build: BuildRecord) -> Snapshot | None:
+    async def snapshot_of(self, build: BuildRecord) -> BuiltShape | None:
         if build.snapshot_id is None:
             return None
+        if self.shared:
+            if build.snapshot_cpu is None or build.snapshot_memory_mb is None:
+                return None
+            return BuiltShape(
+                build.snapshot_id,
+                build.snapshot_cpu,
+                build.snapshot_memory_mb,
+                build.snapshot_envd_version or "",
+                0,
+            )
         try:
-            return self.repo.get(build.snapshot_id)
+            snap = await asyncio.to_thread(self.repo.get, build.snapshot_id)
         except SnapshotError:
             return None
+        size = await asyncio.to_thread(self._disk_mb, snap.top_layer)
+        return BuiltShape(snap.id, snap.vcpus, snap.memory_mb, snap.envd_version, size)
 
-    def size_mb(self, snap: Snapshot) -> int:
+    def _disk_mb(self, top: str) -> int:
         """The snapshot's disk (its top layer's virtual size); layers never change, so one
         `qemu-img info` per layer."""
-        top = snap.top_layer
         if top not in self._size_mb:
             size = info(self.repo.layers.path(top)).virtual_size
             self._size_mb[top] = -(-size // _MIB)
         return self._size_mb[top]
 
-    def get(self, name: str) -> TemplateInfo:
+    async def get(self, name: str) -> TemplateInfo:
         base, tag = split_name(name)
-        tpl = self.state.template(base)
+        tpl = await self.state.template(base)
         if tpl is None:
             if tag is not None:
                 # Only built templates have tags (catalog and snapshot names cannot).
                 raise TemplateUnavailable(f"template {base!r} not found")
-            found = self.inner.get(base)
+            found = await self.inner.get(base)
             return replace(found, template_id=found.template_id or base)
-        build = self.build_for(tpl, tag)
-        snap = self.snapshot_of(build)
-        if snap is None:
+        build = await self.build_for(tpl, tag)
+        shape = await self.snapshot_of(build)
+        if shape is None:
             raise TemplateUnavailable(f"template {name!r}: the snapshot of build "
                                       f"{build.build_id} is gone")  # fmt: skip
         return TemplateInfo(
             name=tpl.name,
-            size_mb=self.size_mb(snap),
+            size_mb=shape.size_mb,
             created_at=tpl.created_at,
             updated_at=tpl.updated_at,
-            cpu=snap.vcpus,
-            memory_mb=snap.memory_mb,
-            ref=snap.id,
+            cpu=shape.cpu,
+            memory_mb=shape.memory_mb,
+            ref=shape.snapshot_id,
             template_id=tpl.template_id,
         )
 
-    def list(self) -> list[TemplateInfo]:
+    async def list(self) -> list[TemplateInfo]:
         """The wrapped source's templates (built ones are listed from their records)."""
-        return self.inner.list()
+        return await self.inner.list()
 
-    def delete(self, name: str) -> bool:
+    async def delete(self, name: str) -> bool:
         """Not for built templates: the API checks their users first (`api.templates`)."""
-        return self.inner.delete(name)
+        return await self.inner.delete(name)
 
     # -- the builder's own snapshots --------------------------------------------------------
 
-    def internal(self, ref: str) -> bool:
+    async def internal(self, ref: str) -> bool:
         """Whether `ref` names one of the builder's snapshots (by name, or by the id of a
         snapshot whose every name is the builder's)."""
         if is_internal_name(ref):
             return True
+        if self.shared:
+            # By id: the ids the builder recorded under its names.
+            return SNAPSHOT_ID.fullmatch(ref) is not None and await self.state.is_builder_snapshot(
+                ref
+            )
         try:
-            snap = self.repo.get(ref)
+            snap = await asyncio.to_thread(self.repo.get, ref)
         except SnapshotError:
             return False
         return snap.id == ref and bool(snap.names) and all(map(is_internal_name, snap.names))

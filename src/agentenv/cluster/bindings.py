@@ -122,6 +122,13 @@ class Bindings:
         prefix = len(self._etcd.dir(BINDINGS))
         return {kv.key[prefix:].decode(): _node_of(kv) for kv in kvs}
 
+    async def of_node_revisions(self, node_id: str) -> dict[str, int]:
+        """The sandboxes bound to one node, each with the revision it was bound there at (its
+        index key's): a binding that moved away and back meanwhile has a newer one."""
+        kvs, _ = await self._etcd.get_prefix(self._etcd.dir(NODE_BINDINGS, node_id))
+        prefix = len(self._etcd.dir(NODE_BINDINGS, node_id))
+        return {kv.key[prefix:].decode(): kv.mod_revision for kv in kvs}
+
     async def of_node(self, node_id: str) -> list[str]:
         """The sandboxes bound to one node, sorted."""
         kvs, _ = await self._etcd.get_prefix(self._etcd.dir(NODE_BINDINGS, node_id))

@@ -13,29 +13,19 @@ ready when its record exists and it is not cordoned.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
-from typing import Any, Literal
+from typing import Literal
 
-from agentenv.cluster.etcd import (
-    ClusterUnavailable,
-    Etcd,
-    KeyValue,
-    LeaseNotFound,
-    PrefixWatch,
-    WatchCompacted,
-    get_op,
-    put_op,
-)
+from agentenv.cluster.etcd import Etcd, KeyValue, PrefixWatch, WatchCompacted, get_op
+from agentenv.cluster.leases import DEFAULT_TTL_S, LeasedRecord
 
 log = logging.getLogger(__name__)
 
-DEFAULT_TTL_S = 10
 NODES = "nodes"
 CORDONS = "cordons"
 
@@ -195,13 +185,16 @@ class NodeWatch:
 
     Built on the revisions etcd gives every change: the current list is read at revision R and
     the watch starts at R+1, so nothing between the two is missed. Heartbeats rewrite a live
-    node's record; those are not joins and are not reported.
+    node's record under the same lease; those are not joins and are not reported. A record
+    written under another lease while the old one still stood is a join again: the agent
+    restarted (or registered anew) within its TTL, so what it holds may have changed.
     """
 
     def __init__(self, etcd: Etcd, *, include_existing: bool) -> None:
         self._etcd = etcd
         self._include_existing = include_existing
-        self._known: set[str] = set()
+        # node id -> the lease its record is under.
+        self._known: dict[str, int] = {}
         self._pending: deque[NodeEvent] = deque()
         self._watch: PrefixWatch | None = None
         self._started = False
@@ -220,18 +213,21 @@ class NodeWatch:
         """Reads the live nodes, queues the differences from what was known, watches on."""
         kvs, revision = await self._etcd.get_prefix(self._etcd.dir(NODES))
         current: dict[str, NodeInfo | None] = {}
+        leases: dict[str, int] = {}
         for kv in kvs:
             node_id = _id_from_key(self._etcd, NODES, kv.key)
+            leases[node_id] = kv.lease
             try:
                 current[node_id] = NodeInfo.from_json(kv.value)
             except BadRecord:
                 current[node_id] = None
         if report:
-            for node_id in sorted(self._known - current.keys()):
+            for node_id in sorted(self._known.keys() - current.keys()):
                 self._pending.append(NodeEvent("left", node_id))
-            for node_id in sorted(current.keys() - self._known):
-                self._pending.append(NodeEvent("joined", node_id, current[node_id]))
-        self._known = set(current)
+            for node_id in sorted(current):
+                if self._known.get(node_id) != leases[node_id]:
+                    self._pending.append(NodeEvent("joined", node_id, current[node_id]))
+        self._known = leases
         self._watch = self._etcd.watch_prefix(self._etcd.dir(NODES), revision + 1)
 
     async def __anext__(self) -> NodeEvent:
@@ -250,10 +246,11 @@ class NodeWatch:
             node_id = _id_from_key(self._etcd, NODES, event.kv.key)
             if event.kind == "delete":
                 if node_id in self._known:
-                    self._known.discard(node_id)
+                    del self._known[node_id]
                     self._pending.append(NodeEvent("left", node_id))
-            elif node_id not in self._known:
-                self._known.add(node_id)
+            elif self._known.get(node_id) != event.kv.lease:
+                # New, or registered again under a new lease (restarted within its TTL).
+                self._known[node_id] = event.kv.lease
                 try:
                     info: NodeInfo | None = NodeInfo.from_json(event.kv.value)
                 except BadRecord:
@@ -267,14 +264,15 @@ class NodeWatch:
             await self._watch.stop()
 
 
-class NodeRegistration:
+class NodeRegistration(LeasedRecord):
     """A node's membership: its record and every other key that lives and dies with it.
 
     `start()` registers and starts the heartbeat; `stop()` ends it and revokes the lease, so the
     node's keys vanish at once instead of after a TTL. Keys added with `hold()` (the node's
     template and snapshot locations) share the lease; when a heartbeat finds the lease gone
     (etcd lost it, or this process was paused past the TTL) the node registers again under a
-    new lease with all of them, and logs that it did.
+    new lease with all of them, and logs that it did (`leases.LeasedRecord`). Each beat also
+    republishes the node's load.
     """
 
     def __init__(
@@ -285,128 +283,17 @@ class NodeRegistration:
         ttl_s: int = DEFAULT_TTL_S,
         load_source: Callable[[], Load] | None = None,
     ) -> None:
-        self.etcd = etcd
+        super().__init__(
+            etcd, etcd.key(NODES, info.node_id), ttl_s=ttl_s, label=f"node {info.node_id}"
+        )
         self.info = info
-        self.ttl_s = ttl_s
         # Called at each heartbeat for the load to publish; None: what `set_load` gave.
         self.load_source = load_source
-        self.lease_id = 0
-        # How many times this node registered: 1 after start, one more per lost lease.
-        self.registrations = 0
-        self._held: dict[bytes, bytes] = {}
-        self._task: asyncio.Task[None] | None = None
-        self._stopping = False
-        # Beats, holds and re-registration never interleave: a re-registration must carry
-        # every held key, and a hold must not land on a lease that is being replaced.
-        self._lock = asyncio.Lock()
-
-    @property
-    def key(self) -> bytes:
-        return self.etcd.key(NODES, self.info.node_id)
-
-    @property
-    def interval_s(self) -> float:
-        return self.ttl_s / 3
-
-    async def start(self) -> None:
-        """Registers (raises `ClusterUnavailable` if etcd cannot be reached) and beats."""
-        async with self._lock:
-            await self._register()
-        self._stopping = False
-        self._task = asyncio.create_task(self._heartbeats(), name=f"heartbeat {self.info.node_id}")
-
-    async def stop(self, *, deregister: bool = True) -> None:
-        """Stops beating; with `deregister` the node's keys go now, else when the lease lapses."""
-        task, self._task = self._task, None
-        # Also a flag, not only the cancel: the loop must end even if a cancel is swallowed.
-        self._stopping = True
-        if task is not None:
-            task.cancel()
-            # The heartbeat's own end, not ours: a cancel of the caller still propagates.
-            await asyncio.gather(task, return_exceptions=True)
-        if deregister and self.lease_id:
-            lease, self.lease_id = self.lease_id, 0
-            await self.etcd.revoke_lease(lease)
 
     def set_load(self, load: Load) -> None:
         self.info = replace(self.info, load=load)
-
-    async def hold(self, key: bytes, value: bytes) -> None:
-        """Puts `key` under the node's lease, and again under each new lease."""
-        async with self._lock:
-            self._held[key] = value
-            if not self.lease_id:  # not registered (yet, or any more): start() will write it
-                return
-            try:
-                await self.etcd.put(key, value, lease=self.lease_id)
-            except LeaseNotFound:
-                await self._register()
-
-    async def release(self, key: bytes) -> None:
-        async with self._lock:
-            self._held.pop(key, None)
-            await self.etcd.delete(key)
-
-    def holds(self, key: bytes) -> bool:
-        return key in self._held
 
     def _record(self) -> bytes:
         load = self.load_source() if self.load_source is not None else self.info.load
         self.info = replace(self.info, load=replace(load, updated_at=time.time()))
         return self.info.to_json()
-
-    async def _register(self) -> None:
-        lost = self.lease_id
-        lease = await self.etcd.grant_lease(self.ttl_s)
-        # The record and every held key in one transaction: a reader never sees the node
-        # without the locations it holds.
-        ops: list[Any] = [get_op(self.key), put_op(self.key, self._record(), lease)]
-        ops += [put_op(key, value, lease) for key, value in self._held.items()]
-        result = await self.etcd.txn([], ops)
-        self.lease_id = lease
-        self.registrations += 1
-        previous = result.ranges[0]
-        if lost:
-            log.warning(
-                "node %s: lease %x was lost (expired or revoked); registered again with lease %x",
-                self.info.node_id,
-                lost,
-                lease,
-            )
-        elif previous and previous[0].lease != lease:
-            # An earlier run of this agent (or another agent with the same id) left a record.
-            log.info(
-                "node %s: replaced the record of lease %x with lease %x",
-                self.info.node_id,
-                previous[0].lease,
-                lease,
-            )
-        else:
-            log.info(
-                "node %s: registered with lease %x (ttl %d s)", self.info.node_id, lease, self.ttl_s
-            )
-
-    async def beat(self) -> None:
-        """One heartbeat: keep the lease alive, republish the load; re-register if lost."""
-        async with self._lock:
-            if await self.etcd.refresh_lease(self.lease_id) <= 0:
-                await self._register()
-                return
-            try:
-                await self.etcd.put(self.key, self._record(), lease=self.lease_id)
-            except LeaseNotFound:  # lapsed between the two calls
-                await self._register()
-
-    async def _heartbeats(self) -> None:
-        loop = asyncio.get_running_loop()
-        while not self._stopping:
-            started = loop.time()
-            try:
-                await self.beat()
-            except ClusterUnavailable as error:
-                # The lease may still be alive (etcd extends leases across a leader change);
-                # the next beat finds out, and re-registers if it is gone.
-                log.warning("node %s: heartbeat failed: %s", self.info.node_id, error)
-            except Exception:
-                log.exception("node %s: heartbeat failed", self.info.node_id)
-            await asyncio.sleep(max(0.0, started + self.interval_s - loop.time()))

@@ -17,6 +17,11 @@ A node that leaves the cluster (its lease lapsed, or it stopped) takes its runni
 with it: they are reported lost through `watch_lost` with the reason. Paused ones keep their
 binding and come back when the node does. A node that joins again may still hold sandboxes
 nobody is bound to any more (killed while it was away): they are deleted there.
+
+A node can also lose a sandbox without leaving: its agent restarts within its lease, and the
+VM had died meanwhile, so the lost event went to nobody. Reconciliation finds those: when a
+node joins (again) and every `node_reconcile_s`, each live node's bindings are compared with
+what it holds (`reconcile`).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from agentenv.cluster.bindings import Bindings
+from agentenv.cluster.catalog import SharedCatalog
 from agentenv.cluster.etcd import Etcd
 from agentenv.cluster.locations import Locations
 from agentenv.cluster.membership import Membership, NodeInfo
@@ -58,6 +64,10 @@ SAMPLE_K = 2
 VMM_OVERHEAD_MB = 128
 # Retry-After when no node can take a sandbox now.
 NO_NODE_RETRY_S = 5
+# etcd reads in one node's reconciliation (each within the client's own deadline, 6 s).
+RECONCILE_ETCD_S = 15.0
+# Questions about missing sandboxes one node's check has in flight at once.
+RECONCILE_ASKS = 16
 
 
 class NodeDown(Unavailable):
@@ -82,6 +92,8 @@ class ClusterRuntime:
         etcd: Etcd | None = None,
         sample_k: int = SAMPLE_K,
         rng: random.Random | None = None,
+        reconcile_s: float | None = None,
+        lost_grace_s: float | None = None,
     ) -> None:
         if not settings.node_token:
             raise ValueError("a cluster control plane needs the node token (AGENTENV_NODE_TOKEN)")
@@ -91,6 +103,7 @@ class ClusterRuntime:
         self.membership = Membership(self.etcd)
         self.bindings = Bindings(self.etcd)
         self.locations = Locations(self.etcd)
+        self.catalog = SharedCatalog(self.etcd)
         self.sample_k = max(1, sample_k)
         self._rng = rng or random.Random()
         self._clients: dict[str, RemoteRuntime] = {}
@@ -104,7 +117,20 @@ class ClusterRuntime:
         self._placed: dict[str, list[tuple[float, int]]] = {}
         self._handlers: list[Callable[[str, str], None]] = []
         self._watch_task: asyncio.Task[None] | None = None
+        self._reconcile_task: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[None]] = set()
+        self.reconcile_s = float(reconcile_s or settings.node_reconcile_s)
+        rpc = settings.node_rpc
+        # A binding made before its node is asked (create, resume elsewhere, fork) outlives
+        # that call by at most its deadline: the binding is then dropped or moved back. One
+        # the node lacks for longer, and says nothing about, is lost.
+        self.lost_grace_s = rpc.long_s + rpc.query_s if lost_grace_s is None else lost_grace_s
+        # One node's whole check: its list, a find and a lost reason per suspect, two reads.
+        self.node_check_s = 3 * rpc.query_s + RECONCILE_ETCD_S
+        # Bindings a node was found not to hold: sandbox -> (node, binding revision, since,
+        # reported). Reported once per binding: a receiver that keeps it (a row that is not
+        # running) is not told again at every check.
+        self._missing: dict[str, tuple[str, int, float, bool]] = {}
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -113,12 +139,16 @@ class ClusterRuntime:
             await self._client_for(info)
             self._live.add(info.node_id)
         self._watch_task = asyncio.create_task(self._watch_nodes(), name="cluster-node-watch")
+        self._reconcile_task = asyncio.create_task(
+            self._reconcile_forever(), name="cluster-reconcile"
+        )
 
     async def close(self) -> None:
-        if self._watch_task is not None:
-            self._watch_task.cancel()
-            await asyncio.gather(self._watch_task, return_exceptions=True)
-            self._watch_task = None
+        for task in (self._watch_task, self._reconcile_task):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        self._watch_task = self._reconcile_task = None
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -190,10 +220,88 @@ class ClusterRuntime:
                         await client.forget(rid)
         except Exception as exc:
             log.warning("cluster: reconciling node %s failed: %s", info.node_id, exc)
+            return
+        # And the other way: what is bound to it that it came back without.
+        await self._check_node(info.node_id, set(held))
+
+    # -- reconciliation: bindings to a live node that no longer holds the sandbox ------------
+
+    async def _reconcile_forever(self) -> None:
+        while True:
+            # Jittered: replicas started together do not ask every node at the same moment.
+            await asyncio.sleep(self.reconcile_s * self._rng.uniform(0.9, 1.1))
+            await self.reconcile()
+
+    async def reconcile(self) -> None:
+        """One check of every live node, all at once: a slow node holds up only its own."""
+        await asyncio.gather(*(self._check_node(n) for n in sorted(self._live)))
+
+    async def _check_node(self, node_id: str, held: set[str] | None = None) -> None:
+        """Reports lost what is bound to the node but not there (`held`: its list, if just
+        asked). Never raises; gives up on the node at `node_check_s`."""
+        try:
+            async with asyncio.timeout(self.node_check_s):
+                await self._check_node_now(node_id, held)
+        except TimeoutError:
+            log.warning("cluster: node %s not reconciled within %g s", node_id, self.node_check_s)
+        except Exception as exc:
+            log.warning("cluster: reconciling node %s failed: %s", node_id, exc)
+
+    async def _check_node_now(self, node_id: str, held: set[str] | None) -> None:
+        client = self._clients.get(node_id)
+        if client is None or node_id not in self._live:
+            return
+        before = await self.bindings.of_node_revisions(node_id)
+        if held is None:
+            held = set(await client.sandbox_ids())
+        suspects = {rid: rev for rid, rev in before.items() if rid not in held}
+        for rid, (on, *_) in list(self._missing.items()):
+            if on == node_id and rid not in suspects:
+                del self._missing[rid]
+        if not suspects:
+            return
+        # Asked after the list: a create that finished meanwhile is there now.
+        asking = asyncio.Semaphore(RECONCILE_ASKS)
+        answers = await asyncio.gather(*(self._ask(client, rid, asking) for rid in suspects))
+        # Read again after the node answered: a binding that moved (a resume elsewhere) or
+        # was made again meanwhile is not this node's to lose.
+        after = await self.bindings.of_node_revisions(node_id)
+        now = time.monotonic()
+        for (rid, rev), (there, why) in zip(suspects.items(), answers, strict=True):
+            if there or after.get(rid) != rev:
+                self._missing.pop(rid, None)
+                continue
+            seen = self._missing.get(rid)
+            if seen is None or seen[:2] != (node_id, rev):
+                seen = self._missing[rid] = (node_id, rev, now, False)
+            if seen[3] or (why is None and now - seen[2] < self.lost_grace_s):
+                # Told already; or it may still be on its way there (a create in flight).
+                continue
+            self._missing[rid] = (node_id, rev, seen[2], True)
+            if why is None:
+                why = f"not there for {now - seen[2]:.0f} s"
+            log.warning("cluster: node %s no longer holds %s: %s", node_id, rid, why)
+            self._deliver(rid, f"its node {node_id} no longer has it: {why}")
+
+    async def _ask(
+        self, client: RemoteRuntime, runtime_id: str, asking: asyncio.Semaphore
+    ) -> tuple[bool, str | None]:
+        """(held, why): the reason the node lost the sandbox when it knows one (its restart
+        found the VM gone), asked first: a stale copy in the bucket would make `find` say
+        paused. Else whether it holds it after all (running, paused on its disk or in the
+        bucket)."""
+        async with asking:
+            why = await client.lost_reason(runtime_id)
+            if why is not None:
+                return False, why
+            return await client.find(runtime_id) is not None, None
 
     async def _left(self, node_id: str) -> None:
         why = f"its node {node_id} left the cluster (the agent stopped or its lease lapsed)"
         log.warning("cluster: node %s left", node_id)
+        for rid, (on, *_) in list(self._missing.items()):
+            if on == node_id:
+                del self._missing[rid]
         try:
             bound = await self.bindings.of_node(node_id)
         except Exception as exc:
@@ -252,6 +360,17 @@ class ClusterRuntime:
         if snapshot_holders and self.settings.object_store is None:
             # Without object storage a snapshot can only be created from where it was taken.
             cands = [c for c in cands if c.info.node_id in snapshot_holders]
+        catalog_holders = set(await self.catalog.holders(template)) if template else set()
+        if catalog_holders:
+            # A catalog template (its layers) is only where a node has it: the bucket holds
+            # snapshots, not catalogs (an image imported on one node, `docker` built on some).
+            cands = [c for c in cands if c.info.node_id in catalog_holders]
+            if not cands:
+                raise Unavailable(
+                    f"no ready node has template {template!r} (it is on "
+                    f"{', '.join(sorted(catalog_holders))})",
+                    NO_NODE_RETRY_S,
+                )
         fits = [c for c in cands if _fits(c, need)]
         if not fits:
             detail = ", ".join(
@@ -502,6 +621,21 @@ class ClusterRuntime:
             for snap in got:
                 seen.setdefault(snap.snapshot_id, snap)
         return list(seen.values())
+
+    async def delete_snapshot(self, snapshot_id: str) -> bool:
+        """Every live node deletes its copy (the first also the bucket's). A node that is down
+        keeps its files until it is asked again; if no node answers, nothing is known
+        deleted (503)."""
+        clients = [self._clients[n] for n in sorted(self._live) if n in self._clients]
+        answers = await asyncio.gather(
+            *(c.delete_snapshot(snapshot_id) for c in clients), return_exceptions=True
+        )
+        failed = [a for a in answers if isinstance(a, BaseException)]
+        for err in failed:
+            log.warning("cluster: a node did not delete snapshot %s: %s", snapshot_id, err)
+        if failed and len(failed) == len(answers):
+            raise Unavailable(f"snapshot {snapshot_id}: no node could delete it now")
+        return any(a is True for a in answers)
 
     def note_activity(self, runtime_id: str) -> None:
         node_id = self._bound.get(runtime_id)

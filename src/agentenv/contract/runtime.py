@@ -208,6 +208,11 @@ class Runtime(Protocol):
         """Persistent snapshots (not template snapshots or fork captures)."""
         ...
 
+    async def delete_snapshot(self, snapshot_id: str) -> bool:
+        """Deletes a persistent snapshot by id, wherever the runtime keeps it (its files,
+        object storage). False: no such snapshot. Sandboxes created from it keep running."""
+        ...
+
     def note_activity(self, runtime_id: str) -> None:
         """Traffic reached the sandbox (the proxy calls this): it is not idle. Never waits."""
         ...
@@ -231,13 +236,20 @@ class TemplateInfo:
     # The templateID its sandboxes report ("" = the name they were created with); a built
     # template's is its name without the tag, as E2B reports the template, not the tag.
     template_id: str = ""
+    # A catalog template's read-only layers (bottom → top) and the defaults its commands
+    # run with (an image's config): what a build from it starts from and is keyed by.
+    layers: tuple[str, ...] = ()
+    env: tuple[tuple[str, str], ...] = ()
+    user: str | None = None
+    workdir: str | None = None
 
 
 class TemplateSource(Protocol):
-    def get(self, name: str) -> TemplateInfo:
-        """Raises ``TemplateUnavailable`` for an unknown name."""
+    async def get(self, name: str) -> TemplateInfo:
+        """Raises ``TemplateUnavailable`` for an unknown name. Async: a cluster's built
+        templates are records in etcd, and a snapshot's size takes a `qemu-img info`."""
         ...
 
-    def list(self) -> list[TemplateInfo]: ...
+    async def list(self) -> list[TemplateInfo]: ...
 
-    def delete(self, name: str) -> bool: ...
+    async def delete(self, name: str) -> bool: ...

@@ -206,14 +206,18 @@ class EtcdStore:
         expected: frozenset[SandboxState] | None,
         new: SandboxState | None,
         changes: dict[str, Any],
+        match: dict[str, Any] | None = None,
     ) -> bool:
-        """The compare-and-set loop under `transition` (`expected`, `new`) and `update`."""
+        """The compare-and-set loop under `transition` (`expected`, `new`), `update` and
+        `claim` (`match`: fields the row must still hold, else nothing is written)."""
         unknown = set(changes) - _FIELDS - {"state"}
         if unknown:
             raise ValueError(f"unknown sandbox fields: {', '.join(sorted(unknown))}")
         row = await self._read(sandbox_id)
         for _ in range(MAX_CAS_ATTEMPTS):
             if row is None or (expected is not None and row.state not in expected):
+                return False
+            if match and any(row.data.get(k) != v for k, v in match.items()):
                 return False
             data = dict(row.data)
             data.update({k: _row_value(v) for k, v in changes.items()})
@@ -248,6 +252,14 @@ class EtcdStore:
 
     async def update(self, sandbox_id: str, **changes: Any) -> None:
         await self._rewrite(sandbox_id, None, None, changes)
+
+    async def claim(
+        self, sandbox_id: str, state: SandboxState, was: str | None, replica_id: str
+    ) -> bool:
+        # A row from before stamps has no `replica_id` key at all: `get` reads that as None.
+        return await self._rewrite(
+            sandbox_id, frozenset([state]), None, {"replica_id": replica_id}, {"replica_id": was}
+        )
 
     async def select(
         self,

@@ -12,9 +12,11 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from agentenv.contract.nodes import NodeStatus
 from agentenv.contract.runtime import HostMemory
 from agentenv.control.store import SandboxState
 
+MIB = 1 << 20
 _LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 3, 5, 8, 13, 20, 30, 60, 120)
 
 
@@ -71,6 +73,51 @@ class _HostMemoryCollector(Collector):
         return [pss, rss]
 
 
+class _NodeCollector(Collector):
+    """Per node, from the last `GET /nodes` listing (`NodeDirectory.nodes()`): its capacity,
+    what it has free, its sandboxes and whether it takes new ones. A node that left has no
+    series any more."""
+
+    def __init__(self, statuses: Callable[[], list[NodeStatus]]) -> None:
+        self._statuses = statuses
+
+    def collect(self) -> list[GaugeMetricFamily]:
+        def per_node(name: str, doc: str) -> GaugeMetricFamily:
+            return GaugeMetricFamily(f"agentenv_node_{name}", doc, labels=["node_id"])
+
+        state = GaugeMetricFamily(
+            "agentenv_node_state",
+            "1 for the node's state (ready: takes new sandboxes; cordoned: does not), 0 else",
+            labels=["node_id", "state"],
+        )
+        sandboxes = GaugeMetricFamily(
+            "agentenv_node_sandboxes",
+            "Sandboxes a node runs (as it last published) and paused ones bound to it",
+            labels=["node_id", "state"],
+        )
+        cpus = per_node("cpus", "CPUs of the node's host")
+        memory = per_node("memory_bytes", "Memory of the node's host")
+        free_memory = per_node("free_memory_bytes", "Memory the node can still give sandboxes")
+        slots = per_node("slots", "Network slots of the node (its most sandboxes at once)")
+        free_slots = per_node("free_slots", "Network slots the node has free")
+        updated = per_node(
+            "load_timestamp_seconds", "When the node last published its load (unix time)"
+        )
+        for st in sorted(self._statuses(), key=lambda st: st.node_id):
+            node = [st.node_id]
+            for name in ("ready", "cordoned"):
+                state.add_metric([st.node_id, name], 1 if st.state == name else 0)
+            sandboxes.add_metric([st.node_id, "running"], st.running)
+            sandboxes.add_metric([st.node_id, "paused"], st.paused)
+            cpus.add_metric(node, st.cpus)
+            memory.add_metric(node, st.memory_mb * MIB)
+            free_memory.add_metric(node, st.free_memory_mb * MIB)
+            slots.add_metric(node, st.slots)
+            free_slots.add_metric(node, st.free_slots)
+            updated.add_metric(node, st.updated_at)
+        return [state, sandboxes, cpus, memory, free_memory, slots, free_slots, updated]
+
+
 class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
@@ -123,3 +170,6 @@ class Metrics:
 
     def watch_host_memory(self, samples: Callable[[], dict[str, HostMemory]]) -> None:
         self.registry.register(_HostMemoryCollector(samples))
+
+    def watch_nodes(self, statuses: Callable[[], list[NodeStatus]]) -> None:
+        self.registry.register(_NodeCollector(statuses))

@@ -44,6 +44,16 @@ from agentenv.contract.runtime import (
     Unsupported,
 )
 from agentenv.control.metrics import Metrics
+from agentenv.control.ownership import (
+    DEFAULT_SWEEP_GRACE_S,
+    DEFAULT_SWEEP_PERIOD_S,
+    RESTART,
+    TRANSITIONAL,
+    Orphans,
+    Replicas,
+    Settling,
+    after_replica,
+)
 from agentenv.control.store import (
     BUILD_METADATA,
     DEFAULT_TEAM,
@@ -53,6 +63,7 @@ from agentenv.control.store import (
     Store,
 )
 from agentenv.control.tenants import TeamLimits
+from agentenv.faults import crash_point
 from agentenv.network.egress import Egress
 
 log = logging.getLogger("agentenv.sandboxes")
@@ -133,12 +144,23 @@ class SandboxManager:
         retention_check_s: float | None = None,
         auto_resume: bool = False,
         shared: bool = False,
+        replicas: Replicas | None = None,
+        sweep_period_s: float = DEFAULT_SWEEP_PERIOD_S,
+        sweep_grace_s: float = DEFAULT_SWEEP_GRACE_S,
     ) -> None:
         self.store = store
         self.runtime = runtime
         # Store and runtime shared with other control-plane replicas (a cluster): this one's
         # start and stop must not act on sandboxes other replicas are working on.
         self.shared = shared
+        # With a shared store: this replica's registration among the others. Its id stamps
+        # the rows it moves into a transitional state, and a sweep every `sweep_period_s`
+        # settles rows whose replica is gone (`control.ownership`).
+        self.replicas = replicas if shared else None
+        self.replica_id = self.replicas.replica_id if self.replicas is not None else None
+        self.sweep_period_s = sweep_period_s
+        self._orphans = Orphans(sweep_grace_s)
+        self._sweeper: asyncio.Task[None] | None = None
         self.templates = templates
         self.envd_version = envd_version
         self.metrics = metrics or Metrics()
@@ -176,17 +198,40 @@ class SandboxManager:
     # -- lifecycle of the manager ----------------------------------------------------------
 
     async def start(self) -> None:
+        if self.replicas is not None:
+            # Registered before any row is stamped with the id: a stamp always names a
+            # replica that was alive when it was written.
+            await self.replicas.start()
         await self.runtime.start()
         self.runtime.watch_lost(self._runtime_lost)
         if not self.shared:
-            # A replica that starts beside others cannot tell their operations in flight from
-            # a crashed server's: the cluster's runtime reports what is lost (its nodes').
             await self._reconcile()
+        elif self.replicas is not None:
+            # A replica that starts beside others cannot tell their operations in flight from
+            # a crashed one's by looking: the stamps and the replicas' leases tell.
+            self._sweeper = asyncio.create_task(self._sweep_forever(), name="orphan-sweeper")
         self._reaper = asyncio.create_task(self._reap_forever(), name="sandbox-reaper")
+
+    @property
+    def _stamp(self) -> dict[str, Any]:
+        """The change that marks a row as this replica's operation (none on one server)."""
+        return {} if self.replica_id is None else {"replica_id": self.replica_id}
 
     async def close(self) -> None:
         """Stop the reaper and tear down every running sandbox. Paused ones stay: the runtime
         keeps them on disk and the next server resumes them."""
+        try:
+            await self._close()
+        finally:
+            if self.replicas is not None:
+                # Revoked last: what this replica leaves half-done is the others' at once.
+                await self.replicas.close()
+
+    async def _close(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            await asyncio.gather(self._sweeper, return_exceptions=True)
+            self._sweeper = None
         if self._reaper is not None:
             self._reaper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -205,81 +250,172 @@ class SandboxManager:
     async def _reconcile(self) -> None:
         """Match the rows a previous server left with what the runtime re-adopted.
 
-        Running and paused sandboxes carry on (ids, tokens, timeouts, metadata kept). A
-        pause or resume cut short by the crash ends in the state the runtime found the
-        sandbox in (rolled forward or back there); a create or kill cut short is finished
-        as a kill (the caller never got the sandbox, or asked for it to go). A row whose
-        sandbox the runtime does not hold is lost, with the reason in its log. Sandboxes
-        the runtime holds that no row names (a fork cut short) are deleted."""
+        Running and paused sandboxes carry on (ids, tokens, timeouts, metadata kept); rows
+        in a transitional state are settled (`_settle`). Sandboxes the runtime holds that no
+        row names (a fork cut short) are deleted."""
         named: set[str] = set()
-        now = time.time()
         for rec in await self.store.select(LIVE_STATES):
-            rid = rec.runtime_id
-            found = await self.runtime.find(rid) if rid else None
-            was = rec.state.value
-            if found is None or rec.state in (SandboxState.CREATING, SandboxState.KILLING):
-                if found is not None and rid is not None:
-                    with contextlib.suppress(Exception):
-                        await self.runtime.delete(rid)
-                await self.store.transition(rec.id, rec.state, SandboxState.GONE)
-                if rec.state is SandboxState.KILLING:
-                    await self.store.log(rec.id, "killed (finished after a server restart)")
-                elif rec.state is SandboxState.CREATING:
-                    await self.store.log(rec.id, "create cut short by a server restart", "warn")
-                else:
-                    why = (rid and await self.runtime.lost_reason(rid)) or (
-                        "the server restarted and found nothing of it"
-                    )
-                    await self.store.log(rec.id, f"{LOST}{why} (was {was})", "error")
-                await self._released(rec.id)
-                continue
-            assert rid is not None
-            named.add(rid)
-            if found.state == "running" and found.placement is not None:
-                # A resume that the crash cut short after the guest ran: the timeout it
-                # would have started (its request's value is gone with the request).
-                end_at = rec.end_at
-                if rec.state in (SandboxState.RESUMING, SandboxState.PAUSED):
-                    end_at = now + DEFAULT_TIMEOUT_S
-                await self.store.transition(
-                    rec.id,
-                    rec.state,
-                    SandboxState.RUNNING,
-                    address=found.placement.address,
-                    envd_url=found.placement.envd_url,
-                    end_at=end_at,
-                    pause_mode=None,
-                )
-                await self.store.log(
-                    rec.id, f"running, taken over by a restarted server (was {was})"
-                )
-                if rec.state is SandboxState.RESUMING:
-                    # The crash may have come before the control plane's `/init`: a guest
-                    # booted from its disk would run with an envd that has no token yet.
-                    try:
-                        await self.runtime.init_guest(self._spec(rec, rid))
-                    except Exception as exc:
-                        await self.store.log(
-                            rec.id, f"envd /init after the restart failed: {exc}", "warn"
-                        )
-            elif found.state == "paused":
-                await self.store.transition(
-                    rec.id,
-                    rec.state,
-                    SandboxState.PAUSED,
-                    address=None,
-                    end_at=min(rec.end_at, now),
-                    pause_mode=_pause_mode(found.memory),
-                )
-                if rec.state is not SandboxState.PAUSED:
-                    await self.store.log(
-                        rec.id, f"paused, as a restarted server found it (was {was})"
-                    )
+            rid = await self._settle(rec, RESTART)
+            if rid is not None:
+                named.add(rid)
         for rid in await self.runtime.sandbox_ids():
             if rid not in named:
                 log.warning("runtime sandbox %s belongs to no sandbox; deleting it", rid)
                 with contextlib.suppress(Exception):
                     await self.runtime.delete(rid)
+
+    async def _settle(self, rec: SandboxRecord, how: Settling) -> str | None:
+        """Bring a row whose operation nobody runs any more in line with the runtime.
+
+        A pause or resume cut short ends in the state the runtime finds the sandbox in
+        (rolled forward or back there); a create or kill cut short is finished as a kill
+        (the caller never got the sandbox, or asked for it to go). A row whose sandbox the
+        runtime does not hold is lost, with the reason in its log. Every write is a
+        compare-and-set from the state read: if another writer moved the row meanwhile,
+        nothing more is done. Returns the runtime id the row still names (None once gone)."""
+        rid = rec.runtime_id
+        if rid is None and self.shared and rec.state is SandboxState.CREATING:
+            # A create's sandbox goes by the row's id until the create records it; on one
+            # server the end of `_reconcile` deletes what no row names instead.
+            rid = rec.id
+        found = await self.runtime.find(rid) if rid else None
+        was = rec.state.value
+        now = time.time()
+        if found is None or rec.state in (SandboxState.CREATING, SandboxState.KILLING):
+            state = rec.state
+            if self.shared and state is SandboxState.CREATING and found is not None:
+                # Killing while its VM goes: a replica that dies here leaves a kill (stamped
+                # with its id) for the next sweep, not a create.
+                if not await self.store.transition(rec.id, state, SandboxState.KILLING):
+                    return None
+                state = SandboxState.KILLING
+            if found is not None and rid is not None:
+                with contextlib.suppress(Exception):
+                    await self.runtime.delete(rid)
+            why = None
+            if state not in (SandboxState.CREATING, SandboxState.KILLING):
+                # Asked before the row goes: a node that cannot answer now raises here, and
+                # the row stays for another try instead of being lost on a hiccup.
+                why = (rid and await self.runtime.lost_reason(rid)) or how.nothing
+            if not await self.store.transition(rec.id, state, SandboxState.GONE):
+                return None
+            if rec.state is SandboxState.KILLING:
+                await self.store.log(rec.id, how.killed)
+            elif rec.state is SandboxState.CREATING:
+                await self.store.log(rec.id, how.cut_short, "warn")
+            else:
+                await self.store.log(rec.id, f"{LOST}{why} (was {was})", "error")
+            await self._released(rec.id)
+            return None
+        assert rid is not None
+        if found.state == "running" and found.placement is not None:
+            # A resume cut short after the guest ran: the timeout it would have started
+            # (its request's value is gone with the request).
+            end_at = rec.end_at
+            if rec.state in (SandboxState.RESUMING, SandboxState.PAUSED):
+                end_at = now + DEFAULT_TIMEOUT_S
+            if not await self.store.transition(
+                rec.id,
+                rec.state,
+                SandboxState.RUNNING,
+                address=found.placement.address,
+                envd_url=found.placement.envd_url,
+                end_at=end_at,
+                pause_mode=None,
+            ):
+                return rid
+            await self.store.log(rec.id, how.running.format(was=was))
+            if rec.state is SandboxState.RESUMING:
+                # The cut may have come before the control plane's `/init`: a guest
+                # booted from its disk would run with an envd that has no token yet.
+                try:
+                    await self.runtime.init_guest(self._spec(rec, rid))
+                except Exception as exc:
+                    await self.store.log(rec.id, how.init_failed.format(exc=exc), "warn")
+        elif found.state == "paused":
+            if not await self.store.transition(
+                rec.id,
+                rec.state,
+                SandboxState.PAUSED,
+                address=None,
+                end_at=min(rec.end_at, now),
+                pause_mode=_pause_mode(found.memory),
+            ):
+                return rid
+            if rec.state is not SandboxState.PAUSED:
+                await self.store.log(rec.id, how.paused.format(was=was))
+                if self.shared:
+                    # Other replicas' proxies may hold connections to it: a paused guest
+                    # answers nothing, so they are ended here.
+                    await self._released(rec.id)
+        return rid
+
+    # -- orphaned operations (replicas sharing a store) ------------------------------------
+
+    async def _sweep_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.sweep_period_s)
+            try:
+                await self.sweep_orphans()
+            except Exception as exc:
+                # etcd or a node out of reach: the next sweep tries again.
+                log.warning("orphan sweep failed: %r", exc)
+
+    async def sweep_orphans(self) -> list[str]:
+        """Settle the rows left in a transitional state by replicas that are gone (seen so
+        for the grace period); returns the ids this replica settled."""
+        if self.replicas is None:
+            return []
+        # The rows first, then who is alive: a stamp in a row read here was written by a
+        # replica registered before it, so one alive now is in the set read after.
+        rows = await self.store.select(TRANSITIONAL)
+        live = await self.replicas.live() if rows else set()
+        if rows and self.replica_id not in live:
+            # Our own lease is gone (etcd out of reach, or this process stalled): we are the
+            # one that may look dead, and must not judge the others until registered again.
+            log.warning("replica %s: not registered; orphan sweep skipped", self.replica_id)
+            return []
+        orphans = [r for r in rows if r.replica_id not in live]
+        settled: list[str] = []
+        for rec in self._orphans.due(orphans, time.monotonic()):
+            try:
+                if await self._take_over(rec):
+                    settled.append(rec.id)
+            except Exception as exc:
+                log.warning("sandbox %s: taking over its %s failed: %r", rec.id, rec.state, exc)
+            self._orphans.forget(rec.id)
+        return settled
+
+    async def _take_over(self, rec: SandboxRecord) -> bool:
+        assert self.replica_id is not None
+        async with self._locked(rec.id):
+            # Of replicas sweeping at once, one stamps the row; the others find the stamp
+            # changed (or the row moved on) and leave it.
+            if not await self.store.claim(rec.id, rec.state, rec.replica_id, self.replica_id):
+                return False
+            owner = rec.replica_id or "none"
+            log.warning(
+                "sandbox %s: %s left by replica %s, which is gone; settling it",
+                rec.id,
+                rec.state.value,
+                owner,
+                extra={"sandbox_id": rec.id},
+            )
+            await self.store.log(
+                rec.id, f"replica {self.replica_id} settles the {rec.state.value} of {owner}"
+            )
+            current = await self.store.get(rec.id)
+            if current is None or current.state is not rec.state:
+                return False
+            try:
+                await self._settle(current, after_replica(rec.replica_id))
+            except BaseException:
+                # Stamped with a live replica, the row would never be swept again: the old
+                # stamp goes back, so a later sweep (this one's or another's) tries again.
+                with contextlib.suppress(Exception):
+                    await self.store.update(rec.id, replica_id=rec.replica_id)
+                raise
+        return True
 
     def _runtime_lost(self, runtime_id: str, why: str) -> None:
         """The runtime says a running sandbox's VM ended on its own."""
@@ -406,7 +542,7 @@ class SandboxManager:
         apply (429), except to template build sandboxes, which are the server's."""
         team = team_id or await self.team_of_key(api_key_id)
         try:
-            tpl = self.templates.get(spec.template)
+            tpl = await self.templates.get(spec.template)
         except TemplateUnavailable as exc:
             tag = str(exc) if isinstance(exc, TagUnavailable) else None
             raise TemplateNotFound(spec.template, tag) from exc
@@ -448,6 +584,7 @@ class SandboxManager:
             network=dict(spec.network),
             api_key_id=api_key_id,
             team_id=team,
+            replica_id=self.replica_id,
         )
         started = time.monotonic()
         async with self._locked(rec.id):
@@ -511,7 +648,9 @@ class SandboxManager:
     async def _teardown_failed_create(
         self, rec: SandboxRecord, placement: Placement | None, exc: BaseException
     ) -> None:
-        await self.store.transition(rec.id, SandboxState.CREATING, SandboxState.KILLING)
+        await self.store.transition(
+            rec.id, SandboxState.CREATING, SandboxState.KILLING, **self._stamp
+        )
         await self.store.log(rec.id, f"create failed: {exc!r}", "error")
         log.warning("sandbox %s create failed: %r", rec.id, exc, extra={"sandbox_id": rec.id})
         if placement is not None:
@@ -611,6 +750,7 @@ class SandboxManager:
                 network=dict(src.network),
                 api_key_id=api_key_id,
                 team_id=src.team_id,
+                replica_id=self.replica_id,
             )
             await self.store.insert(rec)
             await self.store.log(rec.id, f"forked from {sandbox_id}")
@@ -647,7 +787,9 @@ class SandboxManager:
 
     async def _kill_locked(self, rec: SandboxRecord, reason: str) -> None:
         sandbox_id = rec.id
-        if not await self.store.transition(sandbox_id, rec.state, SandboxState.KILLING):
+        if not await self.store.transition(
+            sandbox_id, rec.state, SandboxState.KILLING, **self._stamp
+        ):
             raise SandboxNotFound(sandbox_id)
         if rec.runtime_id is not None:
             try:
@@ -753,12 +895,14 @@ class SandboxManager:
         self, rec: SandboxRecord, seconds: int | None, *, memory: bool = True
     ) -> None:
         if BUILD_METADATA in rec.metadata:
-            moved = await self.store.transition(rec.id, SandboxState.PAUSED, SandboxState.RESUMING)
+            moved = await self.store.transition(
+                rec.id, SandboxState.PAUSED, SandboxState.RESUMING, **self._stamp
+            )
         else:
             # A resumed sandbox takes a place again: held from the check until it has.
             async with self.limits.reserve(rec.team_id, create=False):
                 moved = await self.store.transition(
-                    rec.id, SandboxState.PAUSED, SandboxState.RESUMING
+                    rec.id, SandboxState.PAUSED, SandboxState.RESUMING, **self._stamp
                 )
         if not moved:
             raise Conflict(f"sandbox {rec.id} changed state during resume")
@@ -831,9 +975,11 @@ class SandboxManager:
                         f"answer ({why}); it keeps running"
                     )
             if not await self.store.transition(
-                sandbox_id, SandboxState.RUNNING, SandboxState.PAUSING
+                sandbox_id, SandboxState.RUNNING, SandboxState.PAUSING, **self._stamp
             ):
                 raise Conflict(f"sandbox {sandbox_id} is {rec.state.value}")
+            # Tests of a replica dying mid-pause: the row says pausing, the node was not asked.
+            crash_point("control:pausing")
             try:
                 rid = rec.runtime_id or rec.id
                 if memory:

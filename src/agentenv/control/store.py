@@ -89,6 +89,11 @@ class SandboxRecord:
     # What the last pause of a paused sandbox kept: "full" (memory and disk) or
     # "filesystem" (disk only; the resume cold-boots); None while not paused.
     pause_mode: str | None = None
+    # On a store shared by control-plane replicas: the replica that moved the row into its
+    # current (or last) transitional state, i.e. the one running that operation. A row left
+    # transitional by a replica that is no longer alive is settled by another one
+    # (`SandboxManager.sweep_orphans`). None on one server, and from older replicas.
+    replica_id: str | None = None
     seq: int = 0
 
     @property
@@ -193,13 +198,14 @@ _COLUMNS = (
     "id", "template", "alias", "state", "started_at", "end_at", "cpu", "memory_mb", "disk_mb",
     "envd_version", "metadata", "env_vars", "envd_token", "traffic_token", "auto_pause",
     "auto_resume", "allow_internet", "network", "address", "envd_url", "runtime_id", "api_key_id",
-    "auto_pause_memory", "pause_mode", "team_id",
+    "auto_pause_memory", "pause_mode", "team_id", "replica_id",
 )  # fmt: skip
 # Columns added after the first schema: (table, name, declaration), added to older databases.
 _ADDED_COLUMNS = (
     ("sandboxes", "auto_pause_memory", "INTEGER NOT NULL DEFAULT 1"),
     ("sandboxes", "pause_mode", "TEXT"),
     ("sandboxes", "team_id", "TEXT"),
+    ("sandboxes", "replica_id", "TEXT"),
     ("api_keys", "team_id", "TEXT"),
 )
 _KEY_COLUMNS = "id, name, prefix, created_at, revoked_at, team_id"
@@ -224,6 +230,11 @@ class Store(Protocol):
         **changes: Any,
     ) -> bool: ...
     async def update(self, sandbox_id: str, **changes: Any) -> None: ...
+    # Takes over the operation of a row still in `state` and still stamped `was` (None: no
+    # stamp) by stamping it `replica_id`; of two replicas taking it over, one returns True.
+    async def claim(
+        self, sandbox_id: str, state: SandboxState, was: str | None, replica_id: str
+    ) -> bool: ...
     async def select(
         self,
         states: Iterable[SandboxState] | None = None,
@@ -347,6 +358,15 @@ class SqliteStore:
         cur = self._db.execute(
             f"UPDATE sandboxes SET {', '.join(sets)} WHERE id = ? AND state IN ({marks})",
             [*args, sandbox_id, *(s.value for s in states)],
+        )
+        return cur.rowcount == 1
+
+    async def claim(
+        self, sandbox_id: str, state: SandboxState, was: str | None, replica_id: str
+    ) -> bool:
+        cur = self._db.execute(
+            "UPDATE sandboxes SET replica_id = ? WHERE id = ? AND state = ? AND replica_id IS ?",
+            (replica_id, sandbox_id, state.value, was),
         )
         return cur.rowcount == 1
 
@@ -660,5 +680,6 @@ def _from_row(row: sqlite3.Row) -> SandboxRecord:
         team_id=row["team_id"] or DEFAULT_TEAM,
         auto_pause_memory=bool(row["auto_pause_memory"]),
         pause_mode=row["pause_mode"],
+        replica_id=row["replica_id"],
         seq=row["seq"],
     )

@@ -5,7 +5,8 @@ behind the node RPC (`agentenv.noderpc`), registered in etcd under a lease it ke
 heartbeats that publish its capacity and load (`agentenv.cluster.membership`). A control
 plane finds it there and places sandboxes on it; if the agent dies its lease lapses and the
 cluster sees it gone. The templates this node holds a ready snapshot of are published as
-locations under the same lease, so placement can prefer a node whose page cache is warm.
+locations under the same lease, so placement can prefer a node whose page cache is warm, and
+its catalog templates (`cluster.catalog`), so replicas need no templates of their own.
 """
 
 from __future__ import annotations
@@ -16,11 +17,12 @@ import logging
 import signal
 from urllib.parse import urlsplit
 
+from agentenv.cluster.catalog import SharedCatalog, encode
 from agentenv.cluster.etcd import Etcd
 from agentenv.cluster.locations import Locations
 from agentenv.cluster.membership import Capacity, Load, NodeInfo, NodeRegistration
 from agentenv.config import ConfigError, Settings
-from agentenv.node.runtime import TEMPLATE_SOURCE, NodeRuntime
+from agentenv.node.runtime import TEMPLATE_SOURCE, CatalogTemplates, NodeRuntime
 from agentenv.noderpc.server import NodeServer
 
 log = logging.getLogger(__name__)
@@ -54,6 +56,8 @@ class NodeAgent:
         self.server = NodeServer(self.runtime, host, port, settings.node_token, log_level="info")
         self.registration: NodeRegistration | None = None
         self._published: set[tuple[str, str]] = set()
+        self._catalog = CatalogTemplates(settings)
+        self._published_catalog: dict[str, bytes] = {}
         self._locations: asyncio.Task[None] | None = None
 
     @property
@@ -86,6 +90,8 @@ class NodeAgent:
                 self.etcd, info, ttl_s=self.settings.node_ttl_s, load_source=self.load
             )
             await self.registration.start()
+            # Before the agent says it serves: a replica may create from `base` at once.
+            await self._publish_once()
             self._locations = asyncio.create_task(self._publish_locations(), name="locations")
         except BaseException:
             await self.stop()
@@ -118,19 +124,27 @@ class NodeAgent:
         return held
 
     async def _publish_locations(self) -> None:
-        assert self.registration is not None
-        locations = Locations(self.etcd, self.registration)
         while True:
+            await asyncio.sleep(LOCATIONS_EVERY_S)
             try:
-                held = await asyncio.to_thread(self._held)
-                for kind, item in sorted(held - self._published):
-                    await locations.add(kind, item)
-                for kind, item in sorted(self._published - held):
-                    await locations.remove(kind, item)
-                self._published = held
+                await self._publish_once()
             except Exception as exc:
                 log.warning("node %s: publishing template locations failed: %s", self.node_id, exc)
-            await asyncio.sleep(LOCATIONS_EVERY_S)
+
+    async def _publish_once(self) -> None:
+        """This node's template and snapshot locations and its catalog, as they are now."""
+        assert self.registration is not None
+        locations = Locations(self.etcd, self.registration)
+        held = await asyncio.to_thread(self._held)
+        for kind, item in sorted(held - self._published):
+            await locations.add(kind, item)
+        for kind, item in sorted(self._published - held):
+            await locations.remove(kind, item)
+        self._published = held
+        entries = {t.name: encode(t) for t in await asyncio.to_thread(self._catalog.catalog_infos)}
+        self._published_catalog = await SharedCatalog(self.etcd).publish(
+            self.registration, entries, self._published_catalog
+        )
 
 
 async def run(settings: Settings, *, version: str = "") -> None:

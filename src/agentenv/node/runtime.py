@@ -40,7 +40,8 @@ from agentenv.node.errors import (
 from agentenv.node.host import GuestInit, Node, SandboxHandle
 from agentenv.objstore import ObjectStore, ObjectStoreError
 from agentenv.snapshot.fork import MAX_CHILDREN
-from agentenv.snapshot.remote import RemoteSnapshots
+from agentenv.snapshot.pause import DISK
+from agentenv.snapshot.remote import CACHE_HOLDER, RemoteSnapshots
 from agentenv.storage import LayerStore, info
 from agentenv.template.catalog import Template, TemplateCatalog, TemplateNotFound
 
@@ -330,11 +331,24 @@ class NodeRuntime:
 
     async def find(self, runtime_id: str) -> Found | None:
         if not self.node.is_alive(runtime_id):
-            return None
+            return await self._find_in_bucket(runtime_id)
         sb = self.node.running(runtime_id)
         if sb is not None:
             return Found("running", _placement(sb))
         return Found("paused", None, memory=self.node.paused_memory(runtime_id) is not False)
+
+    async def _find_in_bucket(self, runtime_id: str) -> Found | None:
+        """Paused, with its files only in the bucket (this node's disk was replaced, say): a
+        resume here fetches it, so it is held, not lost. A bucket that does not answer says
+        nothing (None, logged): as if there were no bucket."""
+        if self.remote is None:
+            return None
+        try:
+            kind = await self.remote.paused_kind(runtime_id)
+        except ObjectStoreError as exc:
+            log.warning("sandbox %s: the bucket was not asked for it: %s", runtime_id, exc)
+            return None
+        return None if kind is None else Found("paused", None, memory=kind != DISK)
 
     async def sandbox_ids(self) -> list[str]:
         return self.node.sandbox_ids()
@@ -401,6 +415,26 @@ class NodeRuntime:
             snapshot_info(s) for s in listed if s.names and not s.source.startswith(TEMPLATE_SOURCE)
         ]
 
+    async def delete_snapshot(self, snapshot_id: str) -> bool:
+        """This node's copy and the bucket's (any node deleting it deletes it for all)."""
+        if not SNAPSHOT_ID.fullmatch(snapshot_id):
+            raise BadRequest(f"snapshot id {snapshot_id!r}: expected 32 hex digits")
+        found = False
+        try:
+            # A copy pulled from the bucket is held by the pull cache only: that is no reason
+            # to keep it. A sandbox mapping its memory keeps it until it ends (`repo.gc`).
+            await asyncio.to_thread(self.node.repo.unref, snapshot_id, CACHE_HOLDER)
+            await asyncio.to_thread(self.node.repo.delete, snapshot_id)
+            found = True
+        except snaps.SnapshotNotFound:
+            pass
+        if self.remote is not None:
+            try:
+                found = await self.remote.delete(snapshot_id) or found
+            except ObjectStoreError as exc:
+                raise Unavailable(f"snapshot {snapshot_id}: the bucket's copy: {exc}") from exc
+        return found
+
 
 class CatalogTemplates:
     """The host's template catalog, seen as ``TemplateInfo`` rows; persistent snapshots are
@@ -428,18 +462,31 @@ class CatalogTemplates:
             updated_at=tpl.created_at,
             cpu=self.settings.default_cpu,
             memory_mb=self.settings.default_memory_mb,
+            layers=tuple(tpl.layers),
+            env=tuple(sorted(tpl.env.items())),
+            user=tpl.user,
+            workdir=tpl.workdir,
         )
 
-    def get(self, name: str) -> TemplateInfo:
+    async def get(self, name: str) -> TemplateInfo:
+        return await asyncio.to_thread(self._lookup, name)
+
+    def _lookup(self, name: str) -> TemplateInfo:
         try:
             return self._info(self.catalog.get(name))
         except TemplateNotFound:
             return self._snapshot(name)
 
-    def list(self) -> list[TemplateInfo]:
+    def catalog_infos(self) -> list[TemplateInfo]:
         return [self._info(t) for t in self.catalog.list()]
 
-    def delete(self, name: str) -> bool:
+    async def list(self) -> list[TemplateInfo]:
+        return await asyncio.to_thread(self.catalog_infos)
+
+    async def delete(self, name: str) -> bool:
+        return await asyncio.to_thread(self._delete, name)
+
+    def _delete(self, name: str) -> bool:
         try:
             self.catalog.delete(name)
         except TemplateNotFound:

@@ -345,6 +345,15 @@ class RemoteRuntime:
         )
         return [convert.snapshot_from_pb(s) for s in res.snapshots]
 
+    async def delete_snapshot(self, snapshot_id: str) -> bool:
+        req = pb.SnapshotRef(snapshot_id=snapshot_id)
+        res = await self._call(
+            "DeleteSnapshot",
+            self._change_s,
+            lambda ms: self._client().delete_snapshot(req, headers=self._headers, timeout_ms=ms),
+        )
+        return bool(res.deleted)
+
     async def host_memory(self, runtime_id: str) -> HostMemory | None:
         req = pb.SandboxRef(runtime_id=runtime_id)
         res = await self._call(

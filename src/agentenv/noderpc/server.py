@@ -224,6 +224,14 @@ class NodeService(NodeServiceProtocol):
         infos = await _call(ctx, "snapshots", self.runtime.snapshots())
         return pb.SnapshotsResponse(snapshots=[convert.snapshot_to_pb(i) for i in infos])
 
+    async def delete_snapshot(
+        self, request: pb.SnapshotRef, ctx: RequestContext[Any, Any]
+    ) -> pb.DeletedResponse:
+        deleted = await _call(
+            ctx, "delete_snapshot", self.runtime.delete_snapshot(request.snapshot_id)
+        )
+        return pb.DeletedResponse(deleted=deleted)
+
     async def note_activity(
         self, request: pb.NoteActivityRequest, ctx: RequestContext[Any, Any]
     ) -> pb.Empty:

@@ -530,6 +530,25 @@ class RemoteSnapshots:
             raise
         return workdir
 
+    async def delete(self, snapshot_id: str) -> bool:
+        """Drop a snapshot's manifest: no node fetches it from here any more. Its blobs stay
+        for any other manifest that names them. False: the bucket had no such snapshot."""
+        self._manifest_copy(snapshot_id).unlink(missing_ok=True)
+        if not await self.exists(snapshot_id):
+            return False
+        await self.store.delete(manifest_key(snapshot_id))
+        return True
+
+    async def paused_kind(self, sandbox_id: str) -> str | None:
+        """The kind of pause (`snapshot.pause`: state, stream or disk) of the sandbox's copy in
+        the bucket; None when the bucket has none."""
+        try:
+            raw = await self.store.get_json(paused_key(sandbox_id))
+        except BlobNotFound:
+            return None
+        kind = raw.get("kind") if isinstance(raw, dict) else None
+        return kind if isinstance(kind, str) else None
+
     async def delete_paused(self, sandbox_id: str) -> None:
         """Drop a paused sandbox's manifest (it resumed somewhere, or was killed); its blobs
         stay for any other manifest that names them."""

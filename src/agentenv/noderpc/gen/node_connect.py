@@ -16,7 +16,7 @@ from connectrpc.server import ConnectASGIApplication, ConnectWSGIApplication, DE
 from protobuf import DescService
 
 from . import node_pb
-from .node_pb import AliveResponse, CreateRequest, Empty, FindResponse, ForkRequest, ForkResponse, GuestMetricsRequest, HostMemoryResponse, InitGuestRequest, LostEvent, NoteActivityRequest, OptionalJson, OptionalText, PauseRequest, PlacementResponse, ResumeRequest, SandboxIdsResponse, SandboxRef, SnapshotInfo, SnapshotRequest, SnapshotsResponse, UpdateEgressRequest, WatchLostRequest
+from .node_pb import AliveResponse, CreateRequest, DeletedResponse, Empty, FindResponse, ForkRequest, ForkResponse, GuestMetricsRequest, HostMemoryResponse, InitGuestRequest, LostEvent, NoteActivityRequest, OptionalJson, OptionalText, PauseRequest, PlacementResponse, ResumeRequest, SandboxIdsResponse, SandboxRef, SnapshotInfo, SnapshotRef, SnapshotRequest, SnapshotsResponse, UpdateEgressRequest, WatchLostRequest
 
 if TYPE_CHECKING:
     from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Iterator, Mapping
@@ -77,6 +77,9 @@ class NodeService(Protocol):
         raise ConnectError(Code.UNIMPLEMENTED, 'Not implemented')
 
     async def snapshots(self, request: Empty, ctx: RequestContext[Empty, SnapshotsResponse], /) -> SnapshotsResponse:
+        raise ConnectError(Code.UNIMPLEMENTED, 'Not implemented')
+
+    async def delete_snapshot(self, request: SnapshotRef, ctx: RequestContext[SnapshotRef, DeletedResponse], /) -> DeletedResponse:
         raise ConnectError(Code.UNIMPLEMENTED, 'Not implemented')
 
     async def note_activity(self, request: NoteActivityRequest, ctx: RequestContext[NoteActivityRequest, Empty], /) -> Empty:
@@ -272,6 +275,16 @@ class NodeServiceASGIApplication(ConnectASGIApplication[NodeService]):
                         idempotency_level=IdempotencyLevel.UNKNOWN,
                     ),
                     function=svc.snapshots,
+                ),
+                "/agentenv.node.v1.NodeService/DeleteSnapshot": Endpoint.unary(
+                    method=MethodInfo(
+                        name="DeleteSnapshot",
+                        service_name="agentenv.node.v1.NodeService",
+                        input=SnapshotRef,
+                        output=DeletedResponse,
+                        idempotency_level=IdempotencyLevel.UNKNOWN,
+                    ),
+                    function=svc.delete_snapshot,
                 ),
                 "/agentenv.node.v1.NodeService/NoteActivity": Endpoint.unary(
                     method=MethodInfo(
@@ -647,6 +660,26 @@ class NodeServiceClient(ConnectClient):
             timeout_ms=timeout_ms,
         )
 
+    async def delete_snapshot(
+        self,
+        request: SnapshotRef,
+        *,
+        headers: Headers | Mapping[str, str] | None = None, 
+        timeout_ms: int | None = None,
+    ) -> DeletedResponse:
+        return await self.execute_unary(
+            request=request,
+            method=MethodInfo(
+                name="DeleteSnapshot",
+                service_name="agentenv.node.v1.NodeService",
+                input=SnapshotRef,
+                output=DeletedResponse,
+                idempotency_level=IdempotencyLevel.UNKNOWN,
+            ),
+            headers=headers,
+            timeout_ms=timeout_ms,
+        )
+
     async def note_activity(
         self,
         request: NoteActivityRequest,
@@ -737,6 +770,9 @@ class NodeServiceSync(Protocol):
         raise ConnectError(Code.UNIMPLEMENTED, 'Not implemented')
 
     def snapshots(self, request: Empty, ctx: RequestContext[Empty, SnapshotsResponse], /) -> SnapshotsResponse:
+        raise ConnectError(Code.UNIMPLEMENTED, 'Not implemented')
+
+    def delete_snapshot(self, request: SnapshotRef, ctx: RequestContext[SnapshotRef, DeletedResponse], /) -> DeletedResponse:
         raise ConnectError(Code.UNIMPLEMENTED, 'Not implemented')
 
     def note_activity(self, request: NoteActivityRequest, ctx: RequestContext[NoteActivityRequest, Empty], /) -> Empty:
@@ -930,6 +966,16 @@ class NodeServiceWSGIApplication(ConnectWSGIApplication):
                         idempotency_level=IdempotencyLevel.UNKNOWN,
                     ),
                     function=service.snapshots,
+                ),
+                "/agentenv.node.v1.NodeService/DeleteSnapshot": EndpointSync.unary(
+                    method=MethodInfo(
+                        name="DeleteSnapshot",
+                        service_name="agentenv.node.v1.NodeService",
+                        input=SnapshotRef,
+                        output=DeletedResponse,
+                        idempotency_level=IdempotencyLevel.UNKNOWN,
+                    ),
+                    function=service.delete_snapshot,
                 ),
                 "/agentenv.node.v1.NodeService/NoteActivity": EndpointSync.unary(
                     method=MethodInfo(
@@ -1283,6 +1329,25 @@ class NodeServiceClientSync(ConnectClientSync):
                 service_name="agentenv.node.v1.NodeService",
                 input=Empty,
                 output=SnapshotsResponse,
+                idempotency_level=IdempotencyLevel.UNKNOWN,
+            ),
+            headers=headers,
+            timeout_ms=timeout_ms,
+        )
+    def delete_snapshot(
+        self,
+        request: SnapshotRef,
+        *,
+        headers: Headers | Mapping[str, str] | None = None, 
+        timeout_ms: int | None = None,
+    ) -> DeletedResponse:
+        return self.execute_unary(
+            request=request,
+            method=MethodInfo(
+                name="DeleteSnapshot",
+                service_name="agentenv.node.v1.NodeService",
+                input=SnapshotRef,
+                output=DeletedResponse,
                 idempotency_level=IdempotencyLevel.UNKNOWN,
             ),
             headers=headers,

@@ -1,0 +1,103 @@
+"""The cluster's template catalog: what each node can create from, published by the nodes.
+
+`<prefix>catalog/<name>/<node_id>` holds one catalog template (`base`, `docker`, an imported
+image) as that node has it: its size, layers and command defaults. Each node writes its own
+entries under its membership lease, so a dead node's vanish with it, and control-plane replicas
+read them: a replica needs no template of its own to resolve `base`, list the catalog, or key
+a build's step cache on the base's layers.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from agentenv.cluster.etcd import Etcd, KeyValue
+from agentenv.cluster.membership import NodeRegistration
+from agentenv.contract.runtime import TemplateInfo
+
+CATALOG = "catalog"
+
+
+def encode(info: TemplateInfo) -> bytes:
+    body: dict[str, Any] = {
+        "name": info.name,
+        "size_mb": info.size_mb,
+        "created_at": info.created_at,
+        "updated_at": info.updated_at,
+        "cpu": info.cpu,
+        "memory_mb": info.memory_mb,
+        "layers": list(info.layers),
+        "env": dict(info.env),
+        "user": info.user,
+        "workdir": info.workdir,
+    }
+    return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+
+
+def decode(raw: bytes) -> TemplateInfo:
+    body = json.loads(raw)
+    return TemplateInfo(
+        name=str(body["name"]),
+        size_mb=int(body["size_mb"]),
+        created_at=float(body["created_at"]),
+        updated_at=float(body["updated_at"]),
+        cpu=int(body["cpu"]),
+        memory_mb=int(body["memory_mb"]),
+        layers=tuple(str(d) for d in body.get("layers", [])),
+        env=tuple(sorted((str(k), str(v)) for k, v in dict(body.get("env", {})).items())),
+        user=body.get("user"),
+        workdir=body.get("workdir"),
+    )
+
+
+class SharedCatalog:
+    """Reads for a control plane; `publish` for a node agent (with its registration)."""
+
+    def __init__(self, etcd: Etcd) -> None:
+        self._etcd = etcd
+
+    def _newest(self, kvs: list[KeyValue]) -> dict[str, TemplateInfo]:
+        """One entry per name: the newest copy (nodes that imported it at different times)."""
+        best: dict[str, TemplateInfo] = {}
+        for kv in kvs:
+            try:
+                info = decode(kv.value)
+            except (ValueError, KeyError, TypeError):
+                continue  # a record from a newer or broken agent: not ours to read
+            seen = best.get(info.name)
+            if seen is None or info.updated_at > seen.updated_at:
+                best[info.name] = info
+        return best
+
+    async def get(self, name: str) -> TemplateInfo | None:
+        kvs, _ = await self._etcd.get_prefix(self._etcd.dir(CATALOG, name))
+        return self._newest(kvs).get(name)
+
+    async def holders(self, name: str) -> list[str]:
+        prefix = self._etcd.dir(CATALOG, name)
+        kvs, _ = await self._etcd.get_prefix(prefix)
+        return sorted(kv.key[len(prefix) :].decode() for kv in kvs)
+
+    async def list(self) -> list[TemplateInfo]:
+        kvs, _ = await self._etcd.get_prefix(self._etcd.dir(CATALOG))
+        return sorted(self._newest(kvs).values(), key=lambda t: t.name)
+
+    async def publish(
+        self,
+        registration: NodeRegistration,
+        entries: dict[str, bytes],
+        published: dict[str, bytes],
+    ) -> dict[str, bytes]:
+        """Makes this node's entries `entries` (name → `encode`d), given what it published
+        before; returns what is published now."""
+        node_id = registration.info.node_id
+        now = dict(published)
+        for name, value in sorted(entries.items()):
+            if published.get(name) != value:
+                await registration.hold(self._etcd.key(CATALOG, name, node_id), value)
+                now[name] = value
+        for name in sorted(set(published) - set(entries)):
+            await registration.release(self._etcd.key(CATALOG, name, node_id))
+            now.pop(name, None)
+        return now
