@@ -26,6 +26,9 @@ from cluster.etcd_cluster import EtcdCluster
 from cluster_procs import NodeProcess, cluster_env, replica
 from e2b import Sandbox, Template, wait_for_port
 from objstore.seaweed import SeaweedFS
+from oci.images import Pusher
+from oci.registry import REGISTRY_BIN, Registry
+from template.imagebuild import push_busybox
 
 from agentenv.api.devserver import prepare_home
 
@@ -383,6 +386,68 @@ def _final_snapshots(nodes: list[NodeProcess]) -> dict[str, list[str]]:
         if ids:
             out[node.node_id] = ids
     return out
+
+
+def test_an_image_built_through_one_replica_is_imported_on_one_node_and_created_from(
+    cluster: dict[str, Any], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """`fromImage` on a cluster: the image is pulled on one node (the replica has no layers),
+    the build sandbox runs there, and replica 0 creates from the result on another node."""
+    if not Path(REGISTRY_BIN).exists():
+        pytest.fail("docker-registry is needed: scripts/test installs it")
+    reg = Registry.start(tmp_path / "registry", tmp_path / "storage")
+    try:
+        pusher = Pusher(reg.url)
+        try:
+            push_busybox(pusher)
+        finally:
+            pusher.close()
+        r0, r1 = cluster["servers"]
+        for k, v in r1.sdk_env().items():
+            monkeypatch.setenv(k, v)
+        name = f"img-{uuid.uuid4().hex[:6]}"
+        logs: list[str] = []
+        template = (
+            Template()
+            .from_image(f"{reg.host}/busybox:1")
+            .run_cmd("echo from-the-image > /tmp/marker; cp /tmp/marker /marker", user="root")
+        )
+        Template.build(template, name, cpu_count=1, memory_mb=512,
+                       on_build_logs=lambda e: logs.append(e.message))  # fmt: skip
+        assert any("pulled" in line for line in logs), logs[-20:]
+        # The image template is in exactly one node's catalog.
+        imported = [
+            n.node_id
+            for n in cluster["nodes"]
+            if any(t.startswith("image-") for t in _catalog_names(n))
+        ]
+        assert len(imported) == 1, imported
+        other = next(n for n in NODES if n != imported[0])
+        for k, v in r0.sdk_env().items():
+            monkeypatch.setenv(k, v)
+        _only_on(r0, other)
+        try:
+            sbx = Sandbox.create(name, timeout=600, request_timeout=RT)
+        finally:
+            _uncordon_all(r0)
+        try:
+            assert _bound_node(r0, sbx.sandbox_id, cluster["nodes"]) == other
+            assert sbx.files.read("/marker").strip() == "from-the-image"
+        finally:
+            sbx.kill(request_timeout=RT)
+        with _api(r0) as api:
+            assert api.delete(f"/templates/{name}").status_code == 204
+    finally:
+        reg.stop()
+
+
+def _catalog_names(node: NodeProcess) -> list[str]:
+    path = node.home / "templates.json"
+    if not path.exists():
+        return []
+    raw = json.loads(path.read_text())
+    rows = raw.get("templates", raw) if isinstance(raw, dict) else raw
+    return [r["name"] for r in rows] if isinstance(rows, list) else list(rows)
 
 
 def test_an_upload_link_one_replica_signs_the_other_accepts(cluster: dict[str, Any]) -> None:

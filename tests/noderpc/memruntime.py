@@ -11,9 +11,11 @@ from typing import Any
 from agentenv.contract.runtime import (
     Found,
     HostMemory,
+    ImportEvent,
     Placement,
     SandboxSpec,
     SnapshotInfo,
+    TemplateInfo,
 )
 from agentenv.network.egress import Egress
 
@@ -189,6 +191,28 @@ class MemoryRuntime:
     async def snapshots(self) -> list[SnapshotInfo]:
         self._enter("snapshots")
         return list(self.snaps)
+
+    async def delete_snapshot(self, snapshot_id: str) -> bool:
+        self._enter("delete_snapshot", snapshot_id)
+        before = len(self.snaps)
+        self.snaps = [s for s in self.snaps if s.snapshot_id != snapshot_id]
+        return len(self.snaps) < before
+
+    async def import_image(
+        self,
+        ref: str,
+        name: str,
+        credentials: tuple[str, str] | None,
+        on_event: Callable[[ImportEvent], None],
+    ) -> TemplateInfo:
+        """Reports a line from the loop and a layer from a worker thread (as a pull does)."""
+        self._enter("import_image", ref, name, credentials)
+        on_event(ImportEvent(message=f"pulling {ref}"))
+        layer = {"phase": "download", "index": 0, "count": 1, "digest": "sha256:" + "d" * 64,
+                 "done": 10, "total": 10, "cached": False}  # fmt: skip
+        await asyncio.to_thread(on_event, ImportEvent(layer=layer))
+        return TemplateInfo(name, 64, 1.0, 1.0, 1, 512, layers=("e" * 64,),
+                            env=(("A", "b"),), user="app", workdir="/app")  # fmt: skip
 
     def note_activity(self, runtime_id: str) -> None:
         self.activity.append(runtime_id)

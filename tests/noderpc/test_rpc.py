@@ -22,7 +22,16 @@ import pytest
 from agentenv.config import NodeRpcConfig
 from agentenv.contract import errors as api_errors
 from agentenv.contract import runtime as rt
-from agentenv.contract.runtime import Found, HostMemory, Runtime, SandboxSpec, SnapshotInfo
+from agentenv.contract.errors import BadRequest
+from agentenv.contract.runtime import (
+    Found,
+    HostMemory,
+    ImportEvent,
+    Runtime,
+    SandboxSpec,
+    SnapshotInfo,
+    TemplateInfo,
+)
 from agentenv.network.egress import OPEN, Egress
 from agentenv.noderpc import client as client_mod
 from agentenv.noderpc.client import RemoteRuntime
@@ -220,6 +229,34 @@ async def test_every_method_round_trips_its_values(
     await client.delete("sb-1")
     assert last(runtime) == ("delete", ("sb-1",))
     assert "sb-1" not in runtime.held
+
+
+async def test_an_image_import_streams_its_reports_then_the_template(
+    node: tuple[MemoryRuntime, NodeServer], client: RemoteRuntime
+) -> None:
+    runtime, _ = node
+    events: list[ImportEvent] = []
+    info = await client.import_image("reg.test/app:1", "image-x", ("u", "p"), events.append)
+    assert runtime.calls[-1] == ("import_image", ("reg.test/app:1", "image-x", ("u", "p")))
+    assert info == TemplateInfo("image-x", 64, 1.0, 1.0, 1, 512, layers=("e" * 64,),
+                                env=(("A", "b"),), user="app", workdir="/app")  # fmt: skip
+    assert events[0] == ImportEvent(message="pulling reg.test/app:1")
+    assert events[1].layer is not None and events[1].layer["done"] == 10
+    # Without credentials none travel; a failure arrives as the contract's class.
+    await client.import_image("reg.test/app:1", "image-x", None, events.append)
+    assert runtime.calls[-1][1][2] is None
+    runtime.fail = BadRequest("bad reference")
+    with pytest.raises(BadRequest, match="bad reference"):
+        await client.import_image("::", "image-y", None, events.append)
+
+
+async def test_delete_snapshot_says_whether_there_was_one(
+    node: tuple[MemoryRuntime, NodeServer], client: RemoteRuntime
+) -> None:
+    runtime, _ = node
+    runtime.snaps = [SnapshotInfo("a" * 32, ["s"], "sb-1", 1.0, 1, 512)]
+    assert await client.delete_snapshot("a" * 32) is True
+    assert await client.delete_snapshot("a" * 32) is False
 
 
 async def test_calls_before_start_are_refused() -> None:

@@ -218,7 +218,7 @@ class TemplateBuilds:
         ours = {b.snapshot_id for b in mine if b.snapshot_id}
         if self.built.shared:
             # A cluster's snapshots are on its nodes and in the bucket: each node deletes its
-            # copy (`fromImage` builds, whose images would be here, are refused there).
+            # copy. An image a `fromImage` build imported stays in its node's catalog.
             for sid in sorted(snapshots):
                 try:
                     await self.ctx.manager.runtime.delete_snapshot(sid)
@@ -424,12 +424,6 @@ def mount_templates(app: FastAPI, ctx: Any) -> TemplateBuilds:
             spec = parse(await body_of(request))
         except SpecError as exc:
             return _err(400, str(exc))
-        if spec.from_image and builds.built.shared:
-            return _err(
-                400,
-                "fromImage: builds from a container image are not supported when the control "
-                "plane runs a cluster (AGENTENV_ETCD) yet; build from a template",
-            )
         for i, step in enumerate(spec.steps):
             if step.files_hash and not await state.has_files(step.files_hash):
                 return _err(

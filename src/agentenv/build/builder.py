@@ -30,10 +30,11 @@ from agentenv.build.state import BuildRecord, BuildStore, TemplateRecord
 from agentenv.build.templates import image_template_name
 from agentenv.config import Settings
 from agentenv.contract.errors import SandboxNotFound
-from agentenv.contract.runtime import SNAPSHOT_ID, SnapshotInfo, TemplateUnavailable
+from agentenv.contract.runtime import SNAPSHOT_ID, ImportEvent, SnapshotInfo, TemplateUnavailable
 from agentenv.control.sandboxes import CreateSpec, SandboxManager
 from agentenv.control.store import BUILD_METADATA, DEFAULT_TEAM, SandboxRecord
 from agentenv.guest.envd.client import EnvdClient, EnvdError
+from agentenv.oci.progress import LayerProgress
 from agentenv.snapshot.errors import SnapshotError
 from agentenv.snapshot.repository import SnapshotRepository
 from agentenv.storage.layers import LayerStore
@@ -369,8 +370,8 @@ class Builder:
         return name, f"layers:{','.join(tpl.layers)}", ctx
 
     async def _import_image(self, rec: BuildRecord, spec: BuildSpec) -> str:
-        from agentenv.template.image import import_image  # written alongside; lazy on purpose
-
+        """The image becomes a catalog template where sandboxes run (this host, or one node
+        of a cluster, which the build sandbox is then placed on)."""
         assert spec.from_image is not None
         name = image_template_name(spec.from_image)
         loop = asyncio.get_running_loop()
@@ -384,18 +385,19 @@ class Builder:
             creds = (spec.credentials.username, spec.credentials.password)
         tracker = BuildProgress(spec.from_image)
         self.pulls[rec.build_id] = tracker
+        on_layer = receiver(tracker, loop, note)
+
+        def on_event(event: ImportEvent) -> None:
+            if event.layer is not None:
+                on_layer(LayerProgress(**event.layer))
+            else:
+                note(event.message)
+
         try:
-            tpl = await import_image(
-                self.settings,
-                spec.from_image,
-                name=name,
-                credentials=creds,
-                log=note,
-                layer_progress=receiver(tracker, loop, note),
-            )
+            tpl = await self.manager.runtime.import_image(spec.from_image, name, creds, on_event)
         except Exception as exc:
             raise StepFailed("base", f"image {spec.from_image}: {exc}") from exc
-        return str(getattr(tpl, "name", name))
+        return tpl.name or name
 
     async def _build(self, rec: BuildRecord, spec: BuildSpec, api_key_id: str | None) -> str:
         bid = rec.build_id

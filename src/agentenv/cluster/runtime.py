@@ -46,10 +46,12 @@ from agentenv.contract.nodes import NodeDirectory, NodeStatus, UnknownNode
 from agentenv.contract.runtime import (
     Found,
     HostMemory,
+    ImportEvent,
     Placement,
     Runtime,
     SandboxSpec,
     SnapshotInfo,
+    TemplateInfo,
 )
 from agentenv.network.egress import Egress
 from agentenv.noderpc.client import RemoteRuntime
@@ -621,6 +623,29 @@ class ClusterRuntime:
             for snap in got:
                 seen.setdefault(snap.snapshot_id, snap)
         return list(seen.values())
+
+    async def import_image(
+        self,
+        ref: str,
+        name: str,
+        credentials: tuple[str, str] | None,
+        on_event: Callable[[ImportEvent], None],
+    ) -> TemplateInfo:
+        """On one node: one that has the template already (a re-import is quick), else the
+        ready node with the most free memory (the build sandbox runs there next). The node
+        publishes the template in its catalog before it answers, so creates from it are
+        placed there."""
+        holders = set(await self.catalog.holders(name))
+        nodes = [n for n in await self.membership.list_nodes() if n.ready]
+        if not nodes:
+            raise Unavailable("no node can import an image: no ready node", NO_NODE_RETRY_S)
+        best = max(
+            nodes,
+            key=lambda n: (n.node_id in holders, n.load.free_memory_mb - self._pending_mb(n)),
+        )
+        client = await self._client_for(best)
+        log.info("cluster: importing %s as %s on node %s", ref, name, best.node_id)
+        return await client.import_image(ref, name, credentials, on_event)
 
     async def delete_snapshot(self, snapshot_id: str) -> bool:
         """Every live node deletes its copy (the first also the bucket's). A node that is down

@@ -108,6 +108,15 @@ class SnapshotInfo:
     memory_mb: int
 
 
+@dataclass(frozen=True)
+class ImportEvent:
+    """One report of an image import: a log line, or (`layer`) one layer's progress as the
+    OCI pull reports it (`oci.progress.LayerProgress`'s fields)."""
+
+    message: str = ""
+    layer: dict[str, Any] | None = None
+
+
 class Runtime(Protocol):
     async def start(self) -> None: ...
 
@@ -211,6 +220,18 @@ class Runtime(Protocol):
     async def delete_snapshot(self, snapshot_id: str) -> bool:
         """Deletes a persistent snapshot by id, wherever the runtime keeps it (its files,
         object storage). False: no such snapshot. Sandboxes created from it keep running."""
+        ...
+
+    async def import_image(
+        self,
+        ref: str,
+        name: str,
+        credentials: tuple[str, str] | None,
+        on_event: Callable[[ImportEvent], None],
+    ) -> TemplateInfo:
+        """Pulls the container image `ref` and registers it as catalog template `name` where
+        sandboxes run (a cluster: on one node, which creates from it from then on).
+        `on_event` gets the pull's log lines and layer reports, maybe from another thread."""
         ...
 
     def note_activity(self, runtime_id: str) -> None:

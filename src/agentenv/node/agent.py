@@ -57,6 +57,8 @@ class NodeAgent:
         self.registration: NodeRegistration | None = None
         self._published: set[tuple[str, str]] = set()
         self._catalog = CatalogTemplates(settings)
+        # An imported image is a new catalog template: published before the import answers.
+        self.runtime.after_import = self._publish_once
         self._published_catalog: dict[str, bytes] = {}
         self._locations: asyncio.Task[None] | None = None
 

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import errno
 import logging
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ from agentenv.contract.runtime import (
     SNAPSHOT_ID,
     Found,
     HostMemory,
+    ImportEvent,
     Lost,
     Placement,
     SandboxSpec,
@@ -39,6 +41,7 @@ from agentenv.node.errors import (
 )
 from agentenv.node.host import GuestInit, Node, SandboxHandle
 from agentenv.objstore import ObjectStore, ObjectStoreError
+from agentenv.oci.progress import LayerProgress
 from agentenv.snapshot.fork import MAX_CHILDREN
 from agentenv.snapshot.pause import DISK
 from agentenv.snapshot.remote import CACHE_HOLDER, RemoteSnapshots
@@ -129,6 +132,10 @@ class NodeRuntime:
         # pause uploads, a resume of one this node lacks downloads, so any node resumes it.
         self.objects: ObjectStore | None = None
         self.remote: RemoteSnapshots | None = None
+        # Called after an image import registered a template (a node agent republishes its
+        # catalog at once, so the cluster places the build sandbox here).
+        self.after_import: Callable[[], Awaitable[None]] | None = None
+        self.templates = CatalogTemplates(settings)
 
     def status(self, node_id: str = LOCAL_NODE, rpc_url: str = "", version: str = "") -> NodeStatus:
         """This node as `GET /nodes` shows it, and as an agent publishes its load."""
@@ -415,6 +422,33 @@ class NodeRuntime:
             snapshot_info(s) for s in listed if s.names and not s.source.startswith(TEMPLATE_SOURCE)
         ]
 
+    async def import_image(
+        self,
+        ref: str,
+        name: str,
+        credentials: tuple[str, str] | None,
+        on_event: Callable[[ImportEvent], None],
+    ) -> TemplateInfo:
+        from agentenv.template.image import import_image  # the OCI stack, only when used
+
+        def on_layer(p: LayerProgress) -> None:
+            on_event(ImportEvent(layer=dataclasses.asdict(p)))
+
+        tpl = await import_image(
+            self.node.settings,
+            ref,
+            name=name,
+            credentials=credentials,
+            log=lambda line: on_event(ImportEvent(message=line)),
+            layer_progress=on_layer,
+        )
+        if self.after_import is not None:
+            try:
+                await self.after_import()
+            except Exception as exc:
+                log.warning("template %s: catalog not republished after import: %s", name, exc)
+        return self.templates.info_of(tpl)
+
     async def delete_snapshot(self, snapshot_id: str) -> bool:
         """This node's copy and the bucket's (any node deleting it deletes it for all)."""
         if not SNAPSHOT_ID.fullmatch(snapshot_id):
@@ -453,6 +487,9 @@ class CatalogTemplates:
         except (snaps.SnapshotError, Exception) as exc:
             raise TemplateUnavailable(ref) from exc
         return TemplateInfo(ref, size, s.created_at, s.created_at, s.vcpus, s.memory_mb)
+
+    def info_of(self, tpl: Template) -> TemplateInfo:
+        return self._info(tpl)
 
     def _info(self, tpl: Template) -> TemplateInfo:
         return TemplateInfo(

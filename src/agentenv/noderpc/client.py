@@ -26,10 +26,12 @@ from agentenv.config import NodeRpcConfig, Settings
 from agentenv.contract.runtime import (
     Found,
     HostMemory,
+    ImportEvent,
     Placement,
     Runtime,
     SandboxSpec,
     SnapshotInfo,
+    TemplateInfo,
 )
 from agentenv.network.egress import Egress
 
@@ -53,6 +55,8 @@ ACTIVITY_RETRY_S = 1.0
 WATCH_BACKOFF_MIN_S = 0.2
 WATCH_BACKOFF_MAX_S = 5.0
 WATCH_SILENCE_S = 15.0
+# An image import pulls every layer it lacks: minutes for a large image on a slow link.
+IMPORT_DEADLINE_S = 1800.0
 
 
 class RemoteRuntime:
@@ -344,6 +348,35 @@ class RemoteRuntime:
             lambda ms: self._client().snapshots(pb.Empty(), headers=self._headers, timeout_ms=ms),
         )
         return [convert.snapshot_from_pb(s) for s in res.snapshots]
+
+    async def import_image(
+        self,
+        ref: str,
+        name: str,
+        credentials: tuple[str, str] | None,
+        on_event: Callable[[ImportEvent], None],
+    ) -> TemplateInfo:
+        if credentials is None:
+            req = pb.ImportImageRequest(ref=ref, name=name)
+        else:
+            user, password = credentials
+            req = pb.ImportImageRequest(ref=ref, name=name, username=user, password=password)
+
+        async def run(ms: int) -> TemplateInfo:
+            done: TemplateInfo | None = None
+            stream = self._client().import_image(req, headers=self._headers, timeout_ms=ms)
+            async for event in stream:
+                if event.has_field("template_json"):
+                    done = convert.template_from_json(event.template_json)
+                elif event.has_field("layer_json"):
+                    on_event(ImportEvent(layer=json.loads(event.layer_json)))
+                else:
+                    on_event(ImportEvent(message=event.message))
+            if done is None:
+                raise NodeError(f"node {self.url}: the import of {ref} ended without a template")
+            return done
+
+        return await self._call("ImportImage", IMPORT_DEADLINE_S, run)
 
     async def delete_snapshot(self, snapshot_id: str) -> bool:
         req = pb.SnapshotRef(snapshot_id=snapshot_id)

@@ -23,7 +23,7 @@ from connectrpc.code import Code
 from connectrpc.errors import ConnectError
 from connectrpc.request import RequestContext
 
-from agentenv.contract.runtime import Runtime, SandboxSpec
+from agentenv.contract.runtime import ImportEvent, Runtime, SandboxSpec
 
 from . import convert
 from .convert import opt_str
@@ -223,6 +223,33 @@ class NodeService(NodeServiceProtocol):
     ) -> pb.SnapshotsResponse:
         infos = await _call(ctx, "snapshots", self.runtime.snapshots())
         return pb.SnapshotsResponse(snapshots=[convert.snapshot_to_pb(i) for i in infos])
+
+    async def import_image(
+        self, request: pb.ImportImageRequest, ctx: RequestContext[Any, Any]
+    ) -> AsyncIterator[pb.ImportEvent]:
+        """The import runs as a task; its reports stream as they come (from any thread), the
+        registered template last. A client that goes away cancels the import."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[pb.ImportEvent | None] = asyncio.Queue()
+
+        def on_event(event: ImportEvent) -> None:
+            layer = json.dumps(event.layer) if event.layer is not None else None
+            msg = pb.ImportEvent(message=event.message, layer_json=layer)
+            loop.call_soon_threadsafe(queue.put_nowait, msg)
+
+        creds = None
+        if request.has_field("username"):
+            creds = (request.username, opt_str(request, "password") or "")
+        work = self.runtime.import_image(request.ref, request.name, creds, on_event)
+        task = asyncio.create_task(_call(ctx, "import_image", work))
+        task.add_done_callback(lambda _: loop.call_soon_threadsafe(queue.put_nowait, None))
+        try:
+            while (event := await queue.get()) is not None:
+                yield event
+            info = task.result()
+            yield pb.ImportEvent(template_json=convert.template_to_json(info))
+        finally:
+            task.cancel()
 
     async def delete_snapshot(
         self, request: pb.SnapshotRef, ctx: RequestContext[Any, Any]

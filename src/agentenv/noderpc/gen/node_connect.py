@@ -16,7 +16,7 @@ from connectrpc.server import ConnectASGIApplication, ConnectWSGIApplication, DE
 from protobuf import DescService
 
 from . import node_pb
-from .node_pb import AliveResponse, CreateRequest, DeletedResponse, Empty, FindResponse, ForkRequest, ForkResponse, GuestMetricsRequest, HostMemoryResponse, InitGuestRequest, LostEvent, NoteActivityRequest, OptionalJson, OptionalText, PauseRequest, PlacementResponse, ResumeRequest, SandboxIdsResponse, SandboxRef, SnapshotInfo, SnapshotRef, SnapshotRequest, SnapshotsResponse, UpdateEgressRequest, WatchLostRequest
+from .node_pb import AliveResponse, CreateRequest, DeletedResponse, Empty, FindResponse, ForkRequest, ForkResponse, GuestMetricsRequest, HostMemoryResponse, ImportEvent, ImportImageRequest, InitGuestRequest, LostEvent, NoteActivityRequest, OptionalJson, OptionalText, PauseRequest, PlacementResponse, ResumeRequest, SandboxIdsResponse, SandboxRef, SnapshotInfo, SnapshotRef, SnapshotRequest, SnapshotsResponse, UpdateEgressRequest, WatchLostRequest
 
 if TYPE_CHECKING:
     from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Iterator, Mapping
@@ -80,6 +80,9 @@ class NodeService(Protocol):
         raise ConnectError(Code.UNIMPLEMENTED, 'Not implemented')
 
     async def delete_snapshot(self, request: SnapshotRef, ctx: RequestContext[SnapshotRef, DeletedResponse], /) -> DeletedResponse:
+        raise ConnectError(Code.UNIMPLEMENTED, 'Not implemented')
+
+    def import_image(self, request: ImportImageRequest, ctx: RequestContext[ImportImageRequest, ImportEvent], /) -> AsyncIterator[ImportEvent]:
         raise ConnectError(Code.UNIMPLEMENTED, 'Not implemented')
 
     async def note_activity(self, request: NoteActivityRequest, ctx: RequestContext[NoteActivityRequest, Empty], /) -> Empty:
@@ -285,6 +288,16 @@ class NodeServiceASGIApplication(ConnectASGIApplication[NodeService]):
                         idempotency_level=IdempotencyLevel.UNKNOWN,
                     ),
                     function=svc.delete_snapshot,
+                ),
+                "/agentenv.node.v1.NodeService/ImportImage": Endpoint.server_stream(
+                    method=MethodInfo(
+                        name="ImportImage",
+                        service_name="agentenv.node.v1.NodeService",
+                        input=ImportImageRequest,
+                        output=ImportEvent,
+                        idempotency_level=IdempotencyLevel.UNKNOWN,
+                    ),
+                    function=svc.import_image,
                 ),
                 "/agentenv.node.v1.NodeService/NoteActivity": Endpoint.unary(
                     method=MethodInfo(
@@ -680,6 +693,26 @@ class NodeServiceClient(ConnectClient):
             timeout_ms=timeout_ms,
         )
 
+    def import_image(
+        self,
+        request: ImportImageRequest,
+        *,
+        headers: Headers | Mapping[str, str] | None = None, 
+        timeout_ms: int | None = None,
+    ) -> AsyncIterator[ImportEvent]:
+        return self.execute_server_stream(
+            request=request,
+            method=MethodInfo(
+                name="ImportImage",
+                service_name="agentenv.node.v1.NodeService",
+                input=ImportImageRequest,
+                output=ImportEvent,
+                idempotency_level=IdempotencyLevel.UNKNOWN,
+            ),
+            headers=headers,
+            timeout_ms=timeout_ms,
+        )
+
     async def note_activity(
         self,
         request: NoteActivityRequest,
@@ -773,6 +806,9 @@ class NodeServiceSync(Protocol):
         raise ConnectError(Code.UNIMPLEMENTED, 'Not implemented')
 
     def delete_snapshot(self, request: SnapshotRef, ctx: RequestContext[SnapshotRef, DeletedResponse], /) -> DeletedResponse:
+        raise ConnectError(Code.UNIMPLEMENTED, 'Not implemented')
+
+    def import_image(self, request: ImportImageRequest, ctx: RequestContext[ImportImageRequest, ImportEvent], /) -> Iterator[ImportEvent]:
         raise ConnectError(Code.UNIMPLEMENTED, 'Not implemented')
 
     def note_activity(self, request: NoteActivityRequest, ctx: RequestContext[NoteActivityRequest, Empty], /) -> Empty:
@@ -976,6 +1012,16 @@ class NodeServiceWSGIApplication(ConnectWSGIApplication):
                         idempotency_level=IdempotencyLevel.UNKNOWN,
                     ),
                     function=service.delete_snapshot,
+                ),
+                "/agentenv.node.v1.NodeService/ImportImage": EndpointSync.server_stream(
+                    method=MethodInfo(
+                        name="ImportImage",
+                        service_name="agentenv.node.v1.NodeService",
+                        input=ImportImageRequest,
+                        output=ImportEvent,
+                        idempotency_level=IdempotencyLevel.UNKNOWN,
+                    ),
+                    function=service.import_image,
                 ),
                 "/agentenv.node.v1.NodeService/NoteActivity": EndpointSync.unary(
                     method=MethodInfo(
@@ -1348,6 +1394,25 @@ class NodeServiceClientSync(ConnectClientSync):
                 service_name="agentenv.node.v1.NodeService",
                 input=SnapshotRef,
                 output=DeletedResponse,
+                idempotency_level=IdempotencyLevel.UNKNOWN,
+            ),
+            headers=headers,
+            timeout_ms=timeout_ms,
+        )
+    def import_image(
+        self,
+        request: ImportImageRequest,
+        *,
+        headers: Headers | Mapping[str, str] | None = None, 
+        timeout_ms: int | None = None,
+    ) -> Iterator[ImportEvent]:
+        return self.execute_server_stream(
+            request=request,
+            method=MethodInfo(
+                name="ImportImage",
+                service_name="agentenv.node.v1.NodeService",
+                input=ImportImageRequest,
+                output=ImportEvent,
                 idempotency_level=IdempotencyLevel.UNKNOWN,
             ),
             headers=headers,
