@@ -164,6 +164,10 @@ class NodeRpcConfig:
     updates; `long_s`: create, resume, pause, snapshot and fork, which under TCG take 30-90 s
     and may wait in the node's start queue first. `retry_after_s` is the Retry-After the API
     gives when a node does not answer.
+
+    TLS: a node agent given `tls_cert` and `tls_key` (PEM files) serves HTTPS and publishes
+    an `https://` URL; a replica verifies a node's certificate against `tls_ca` (a PEM bundle)
+    when set, else against the system store. Verification is never turned off.
     """
 
     query_s: float = 10.0
@@ -171,6 +175,13 @@ class NodeRpcConfig:
     long_s: float = 300.0
     connect_s: float = 5.0
     retry_after_s: int = 5
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    tls_ca: Path | None = None
+
+    @property
+    def serves_tls(self) -> bool:
+        return self.tls_cert is not None
 
     @classmethod
     def from_env(cls) -> NodeRpcConfig:
@@ -191,7 +202,22 @@ class NodeRpcConfig:
             if not 0 < value <= 24 * 3600:
                 raise ConfigError(f"{name}={raw!r}: expected more than 0 and at most a day")
             values[attr] = value
-        return cls(**values)  # type: ignore[arg-type]
+        cert = _env_opt_path("AGENTENV_NODE_TLS_CERT")
+        key = _env_opt_path("AGENTENV_NODE_TLS_KEY")
+        if (cert is None) != (key is None):
+            raise ConfigError(
+                "AGENTENV_NODE_TLS_CERT and AGENTENV_NODE_TLS_KEY go together: set both or neither"
+            )
+        ca = _env_opt_path("AGENTENV_NODE_TLS_CA")
+        for name, path in (
+            ("AGENTENV_NODE_TLS_CERT", cert),
+            ("AGENTENV_NODE_TLS_KEY", key),
+            ("AGENTENV_NODE_TLS_CA", ca),
+        ):
+            # Checked here so a typo stops the process at start, not at the first call.
+            if path is not None and not path.is_file():
+                raise ConfigError(f"{name}={str(path)!r} is not a file")
+        return cls(**values, tls_cert=cert, tls_key=key, tls_ca=ca)  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True)
@@ -361,6 +387,14 @@ class Settings:
             )
         if reconcile < 1:
             raise ConfigError(f"AGENTENV_NODE_RECONCILE_S={reconcile}: expected 1 or more")
+        node_rpc = NodeRpcConfig.from_env()
+        node_url = os.environ.get("AGENTENV_NODE_URL", "")
+        if node_rpc.serves_tls and node_url and not node_url.startswith("https://"):
+            # Replicas would speak plain HTTP to a port that only answers TLS.
+            raise ConfigError(
+                f"AGENTENV_NODE_URL={node_url!r}: the agent serves TLS "
+                "(AGENTENV_NODE_TLS_CERT), so its URL must be https://"
+            )
         return cls(
             home=_env_path("AGENTENV_HOME", Path("/var/lib/agentenv")),
             cache=_env_path("AGENTENV_CACHE", Path.home() / ".cache" / "agentenv"),
@@ -372,10 +406,10 @@ class Settings:
             sweep_period_s=sweep_period,
             sweep_grace_s=sweep_grace,
             node_token=os.environ.get("AGENTENV_NODE_TOKEN") or None,
-            node_rpc=NodeRpcConfig.from_env(),
+            node_rpc=node_rpc,
             node_id=_node_id(os.environ.get("AGENTENV_NODE_ID") or socket.gethostname()),
             node_bind=os.environ.get("AGENTENV_NODE_BIND") or cls.node_bind,
-            node_url=os.environ.get("AGENTENV_NODE_URL", ""),
+            node_url=node_url,
             kernel=_env_opt_path("AGENTENV_KERNEL"),
             initramfs=_env_opt_path("AGENTENV_INITRAMFS"),
             accel=accel,

@@ -10,16 +10,18 @@ import signal
 import sys
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from agentenv.cluster.etcd import Etcd
+from agentenv.cluster.leases import DuplicateMember
 from agentenv.cluster.locations import Locations
 from agentenv.cluster.membership import Load, Membership, NodeEvent, NodeInfo, NodeRegistration
 
 from .etcd_cluster import EtcdCluster
-from .helpers import registered, wait_until
+from .helpers import node_info, registered, wait_until
 
 # grpc.aio delivers completions to the loop a call started on; one loop for every test here
 # (see conftest.py).
@@ -293,3 +295,26 @@ async def test_watch_reports_a_registration_under_a_new_lease_as_a_join(etcd: Et
 
 async def _joins(events: list[NodeEvent], count: int) -> bool:
     return sum(1 for e in events if e.kind == "joined") == count
+
+
+async def test_a_second_agent_with_the_same_node_id_is_refused(etcd: Etcd) -> None:
+    """Two data dirs (instance tokens) under one node id: the second agent waits out one
+    TTL (the first could be a dead run) and is refused while the first beats; a restart
+    of the first (same token) takes its record over at once; once the first is gone, the
+    other may register."""
+    first = NodeRegistration(etcd, replace(node_info("dup"), instance="aaa"), ttl_s=2)
+    await first.start()
+    try:
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        other = NodeRegistration(etcd, replace(node_info("dup"), instance="bbb"), ttl_s=2)
+        with pytest.raises(DuplicateMember, match="AGENTENV_NODE_ID"):
+            await other.start()
+        assert 2.0 <= loop.time() - started < 6.0
+        again = NodeRegistration(etcd, replace(node_info("dup"), instance="aaa"), ttl_s=2)
+        await asyncio.wait_for(again.start(), 1.0)
+        await again.stop()
+    finally:
+        await first.stop()
+    await asyncio.wait_for(other.start(), 1.0)
+    await other.stop()

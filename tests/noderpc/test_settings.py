@@ -1,4 +1,4 @@
-"""The node RPC's settings: token and deadlines from the environment."""
+"""The node RPC's settings: token, deadlines and TLS from the environment."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from agentenv.config import ConfigError, NodeRpcConfig, Settings
+from agentenv.node.agent import NodeAgent
 from agentenv.noderpc.client import RemoteRuntime
 from agentenv.noderpc.server import serve
 
@@ -73,3 +74,91 @@ async def test_serve_runs_until_cancelled() -> None:
     with pytest.raises(ConnectionRefusedError):
         async with asyncio.timeout(5):
             await asyncio.open_connection("127.0.0.1", port)
+
+
+def _pem_files(tmp_path: Path) -> tuple[Path, Path, Path]:
+    # Settings only check the files exist; the TLS tests (test_tls.py) use real ones.
+    cert, key, ca = tmp_path / "node.pem", tmp_path / "node.key", tmp_path / "ca.pem"
+    for path in (cert, key, ca):
+        path.write_text("-----BEGIN PLACEHOLDER-----\n")
+    return cert, key, ca
+
+
+def test_tls_from_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    cert, key, ca = _pem_files(tmp_path)
+    monkeypatch.setenv("AGENTENV_NODE_TOKEN", "s3cret")
+    monkeypatch.setenv("AGENTENV_NODE_TLS_CERT", str(cert))
+    monkeypatch.setenv("AGENTENV_NODE_TLS_KEY", str(key))
+    monkeypatch.setenv("AGENTENV_NODE_TLS_CA", str(ca))
+    settings = Settings.from_env()
+    rpc = settings.node_rpc
+    assert (rpc.tls_cert, rpc.tls_key, rpc.tls_ca) == (cert, key, ca)
+    assert rpc.serves_tls
+    remote = RemoteRuntime.from_settings("https://127.0.0.1:7001", settings)
+    assert remote.config.tls_ca == ca
+
+
+def test_no_tls_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("AGENTENV_NODE_TLS_CERT", "AGENTENV_NODE_TLS_KEY", "AGENTENV_NODE_TLS_CA"):
+        monkeypatch.delenv(name, raising=False)
+    rpc = NodeRpcConfig.from_env()
+    assert (rpc.tls_cert, rpc.tls_key, rpc.tls_ca) == (None, None, None)
+    assert not rpc.serves_tls
+
+
+@pytest.mark.parametrize("only", ["AGENTENV_NODE_TLS_CERT", "AGENTENV_NODE_TLS_KEY"])
+def test_tls_cert_and_key_go_together(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, only: str
+) -> None:
+    for name in ("AGENTENV_NODE_TLS_CERT", "AGENTENV_NODE_TLS_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv(only, str(_pem_files(tmp_path)[0]))
+    with pytest.raises(ConfigError) as caught:
+        NodeRpcConfig.from_env()
+    assert "AGENTENV_NODE_TLS_CERT" in str(caught.value)
+    assert "AGENTENV_NODE_TLS_KEY" in str(caught.value)
+
+
+@pytest.mark.parametrize("name", ["AGENTENV_NODE_TLS_CA", "AGENTENV_NODE_TLS_KEY"])
+def test_tls_files_must_exist(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, name: str) -> None:
+    cert, key, ca = _pem_files(tmp_path)
+    monkeypatch.setenv("AGENTENV_NODE_TLS_CERT", str(cert))
+    monkeypatch.setenv("AGENTENV_NODE_TLS_KEY", str(key))
+    monkeypatch.setenv("AGENTENV_NODE_TLS_CA", str(ca))
+    monkeypatch.setenv(name, str(tmp_path / "nowhere.pem"))
+    with pytest.raises(ConfigError, match=f"{name}=.*not a file"):
+        NodeRpcConfig.from_env()
+
+
+def test_tls_node_url_must_be_https(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    cert, key, _ = _pem_files(tmp_path)
+    monkeypatch.setenv("AGENTENV_NODE_TLS_CERT", str(cert))
+    monkeypatch.setenv("AGENTENV_NODE_TLS_KEY", str(key))
+    monkeypatch.setenv("AGENTENV_NODE_URL", "http://node-a:7100")
+    with pytest.raises(ConfigError, match="AGENTENV_NODE_URL"):
+        Settings.from_env()
+    monkeypatch.setenv("AGENTENV_NODE_URL", "https://node-a:7100")
+    assert Settings.from_env().node_url == "https://node-a:7100"
+
+
+async def test_tls_agent_publishes_https(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    cert, key, _ = _pem_files(tmp_path)
+    monkeypatch.setenv("AGENTENV_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("AGENTENV_ETCD", "127.0.0.1:1")  # never dialled: the agent is not started
+    monkeypatch.setenv("AGENTENV_NODE_TOKEN", "s3cret")
+    monkeypatch.setenv("AGENTENV_NODE_BIND", "127.0.0.1:0")
+    monkeypatch.delenv("AGENTENV_NODE_URL", raising=False)
+    monkeypatch.setenv("AGENTENV_NODE_TLS_CERT", str(cert))
+    monkeypatch.setenv("AGENTENV_NODE_TLS_KEY", str(key))
+    agent = NodeAgent(Settings.from_env())
+    try:
+        assert agent.url == f"https://127.0.0.1:{agent.server.port}"
+    finally:
+        await agent.server.stop()
+    monkeypatch.delenv("AGENTENV_NODE_TLS_CERT")
+    monkeypatch.delenv("AGENTENV_NODE_TLS_KEY")
+    agent = NodeAgent(Settings.from_env())
+    try:
+        assert agent.url.startswith("http://127.0.0.1:")
+    finally:
+        await agent.server.stop()

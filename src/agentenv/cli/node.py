@@ -40,11 +40,17 @@ def agent(ctx: typer.Context) -> None:
         return
     from agentenv import __version__
     from agentenv.api.logs import configure as configure_logs
-    from agentenv.config import Settings
+    from agentenv.cluster.etcd import ClusterUnavailable
+    from agentenv.cluster.leases import DuplicateMember
+    from agentenv.config import ConfigError, Settings
     from agentenv.node.agent import run
 
     configure_logs("info", os.environ.get("AGENTENV_LOG_FORMAT", "text"))
-    asyncio.run(run(Settings.from_env(), version=__version__))
+    try:
+        asyncio.run(run(Settings.from_env(), version=__version__))
+    except (ConfigError, DuplicateMember, ClusterUnavailable) as exc:
+        typer.echo(f"aenv node: {exc}", err=True)
+        raise typer.Exit(1) from None
 
 
 @node_app.command("ls")

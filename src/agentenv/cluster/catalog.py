@@ -9,9 +9,6 @@ a build's step cache on the base's layers.
 
 from __future__ import annotations
 
-import json
-from typing import Any
-
 from agentenv.cluster.etcd import Etcd, KeyValue
 from agentenv.cluster.membership import NodeRegistration
 from agentenv.contract.runtime import TemplateInfo
@@ -20,35 +17,11 @@ CATALOG = "catalog"
 
 
 def encode(info: TemplateInfo) -> bytes:
-    body: dict[str, Any] = {
-        "name": info.name,
-        "size_mb": info.size_mb,
-        "created_at": info.created_at,
-        "updated_at": info.updated_at,
-        "cpu": info.cpu,
-        "memory_mb": info.memory_mb,
-        "layers": list(info.layers),
-        "env": dict(info.env),
-        "user": info.user,
-        "workdir": info.workdir,
-    }
-    return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+    return info.to_json().encode()
 
 
 def decode(raw: bytes) -> TemplateInfo:
-    body = json.loads(raw)
-    return TemplateInfo(
-        name=str(body["name"]),
-        size_mb=int(body["size_mb"]),
-        created_at=float(body["created_at"]),
-        updated_at=float(body["updated_at"]),
-        cpu=int(body["cpu"]),
-        memory_mb=int(body["memory_mb"]),
-        layers=tuple(str(d) for d in body.get("layers", [])),
-        env=tuple(sorted((str(k), str(v)) for k, v in dict(body.get("env", {})).items())),
-        user=body.get("user"),
-        workdir=body.get("workdir"),
-    )
+    return TemplateInfo.from_json(raw)
 
 
 class SharedCatalog:

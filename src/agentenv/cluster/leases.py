@@ -24,6 +24,10 @@ log = logging.getLogger(__name__)
 DEFAULT_TTL_S = 10
 
 
+class DuplicateMember(Exception):
+    """Another live member holds this member's key (two agents started with one node id)."""
+
+
 class LeasedRecord:
     """`start()` registers and starts the heartbeat; `stop()` ends it and revokes the lease,
     so the member's keys vanish at once instead of after a TTL. Subclasses say what the
@@ -48,12 +52,29 @@ class LeasedRecord:
     def _record(self) -> bytes:
         raise NotImplementedError
 
+    def _conflict(self, current: bytes) -> str | None:
+        """Why the record now at the key is another live member's (None: it is ours, or a
+        previous run's of this member). The default: any record is ours."""
+        return None
+
     @property
     def interval_s(self) -> float:
         return self.ttl_s / 3
 
     async def start(self) -> None:
-        """Registers (raises `ClusterUnavailable` if etcd cannot be reached) and beats."""
+        """Registers (raises `ClusterUnavailable` if etcd cannot be reached) and beats. A key
+        another live member holds is waited for one TTL (it may be a dead run's, lapsing),
+        then `DuplicateMember`."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.ttl_s + 1.0
+        while True:
+            found = await self.etcd.get(self.key)
+            why = self._conflict(found.value) if found is not None else None
+            if why is None:
+                break
+            if loop.time() >= deadline:
+                raise DuplicateMember(f"{self.label}: {why}")
+            await asyncio.sleep(0.5)
         async with self._lock:
             await self._register()
         self._stopping = False

@@ -62,6 +62,9 @@ class NodeInfo:
     version: str
     # Not stored in the record: read from the cordon key whenever nodes are listed.
     cordoned: bool = False
+    # Which agent this is: a token kept in its data dir, so a restart of the same agent
+    # takes its record over and a second agent started with the same id is refused.
+    instance: str = ""
 
     @property
     def ready(self) -> bool:
@@ -85,6 +88,7 @@ class NodeInfo:
                 load=Load(**record["load"]),
                 version=str(record["version"]),
                 cordoned=cordoned,
+                instance=str(record.get("instance", "")),
             )
         except (ValueError, KeyError, TypeError) as error:
             raise BadRecord(f"node record {data[:200]!r}: {error}") from error
@@ -292,6 +296,18 @@ class NodeRegistration(LeasedRecord):
 
     def set_load(self, load: Load) -> None:
         self.info = replace(self.info, load=load)
+
+    def _conflict(self, current: bytes) -> str | None:
+        try:
+            theirs = NodeInfo.from_json(current)
+        except BadRecord:
+            return None
+        if not theirs.instance or not self.info.instance or theirs.instance == self.info.instance:
+            return None
+        return (
+            f"another agent ({theirs.rpc_url}, another data dir) is registered as node "
+            f"{theirs.node_id} and alive; give each node its own AGENTENV_NODE_ID"
+        )
 
     def _record(self) -> bytes:
         load = self.load_source() if self.load_source is not None else self.info.load

@@ -9,6 +9,8 @@ one id, chosen by the control plane: the node runs it under that id.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -263,6 +265,32 @@ class TemplateInfo:
     env: tuple[tuple[str, str], ...] = ()
     user: str | None = None
     workdir: str | None = None
+
+    def to_json(self) -> str:
+        """One encoding wherever a template travels (the node RPC, the cluster's catalog)."""
+        body: dict[str, Any] = dataclasses.asdict(self)
+        body["layers"] = list(self.layers)
+        body["env"] = dict(self.env)
+        return json.dumps(body, sort_keys=True, separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, raw: str | bytes) -> TemplateInfo:
+        """Raises ValueError, KeyError or TypeError for what is not `to_json`'s."""
+        body = json.loads(raw)
+        return cls(
+            name=str(body["name"]),
+            size_mb=int(body["size_mb"]),
+            created_at=float(body["created_at"]),
+            updated_at=float(body["updated_at"]),
+            cpu=int(body["cpu"]),
+            memory_mb=int(body["memory_mb"]),
+            ref=str(body.get("ref", "")),
+            template_id=str(body.get("template_id", "")),
+            layers=tuple(str(d) for d in body.get("layers", [])),
+            env=tuple(sorted((str(k), str(v)) for k, v in dict(body.get("env", {})).items())),
+            user=body.get("user"),
+            workdir=body.get("workdir"),
+        )
 
 
 class TemplateSource(Protocol):

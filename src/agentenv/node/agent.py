@@ -14,7 +14,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import secrets
 import signal
+from pathlib import Path
 from urllib.parse import urlsplit
 
 from agentenv.cluster.catalog import SharedCatalog, encode
@@ -38,6 +41,24 @@ def parse_bind(raw: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+def instance_token(home: Path) -> str:
+    """This data dir's agent identity (made once): a restart of the agent keeps it, another
+    agent (another data dir) started with the same node id has another."""
+    path = home / "node-instance"
+    try:
+        token = path.read_text().strip()
+    except FileNotFoundError:
+        token = ""
+    if not token:
+        token = secrets.token_hex(16)
+        home.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        tmp.write_text(token + "\n")
+        tmp.chmod(0o600)
+        os.replace(tmp, path)
+    return token
+
+
 class NodeAgent:
     """Start with `start()`, end with `stop()` (paused sandboxes stay on disk)."""
 
@@ -53,7 +74,16 @@ class NodeAgent:
         self.runtime = NodeRuntime(settings)
         self.etcd = Etcd.from_settings(settings)
         host, port = parse_bind(settings.node_bind)
-        self.server = NodeServer(self.runtime, host, port, settings.node_token, log_level="info")
+        rpc = settings.node_rpc
+        self.server = NodeServer(
+            self.runtime,
+            host,
+            port,
+            settings.node_token,
+            log_level="info",
+            tls_cert=rpc.tls_cert,
+            tls_key=rpc.tls_key,
+        )
         self.registration: NodeRegistration | None = None
         self._published: set[tuple[str, str]] = set()
         self._catalog = CatalogTemplates(settings)
@@ -87,6 +117,7 @@ class NodeAgent:
                 capacity=Capacity(cpus=st.cpus, memory_mb=st.memory_mb, slots=st.slots),
                 load=self.load(),
                 version=self.version,
+                instance=await asyncio.to_thread(instance_token, self.settings.home),
             )
             self.registration = NodeRegistration(
                 self.etcd, info, ttl_s=self.settings.node_ttl_s, load_source=self.load

@@ -60,7 +60,8 @@ IMPORT_DEADLINE_S = 1800.0
 
 
 class RemoteRuntime:
-    """A node's `Runtime`, reached at `url` (`http://host:port`) with the node token."""
+    """A node's `Runtime`, reached at `url` (`http(s)://host:port`) with the node token; an
+    https node's certificate is checked against `config.tls_ca` (else the system store)."""
 
     def __init__(
         self,
@@ -101,10 +102,28 @@ class RemoteRuntime:
 
     # lifecycle ---------------------------------------------------------------------------
 
+    async def _tls_options(self) -> dict[str, Any]:
+        """How the transport verifies a node's certificate: against the configured CA bundle,
+        else (an https URL) against the system store. Never unverified."""
+        ca = self.config.tls_ca
+        if ca is not None:
+            try:
+                pem = await asyncio.to_thread(ca.read_bytes)
+            except OSError as exc:
+                raise NodeError(f"node {self.url}: cannot read the node CA {ca}: {exc}") from exc
+            return {"tls_ca_cert": pem}
+        if self.url.startswith("https://"):
+            return {"tls_include_system_certs": True}
+        return {}
+
     async def start(self) -> None:
         if self._rpc is not None:
             return
+        tls = await self._tls_options()
+        if self._rpc is not None:
+            return
         self._transport = HTTPTransport(
+            **tls,
             connect_timeout=self.config.connect_s,
             # Shorter than the server's keep-alive (75 s), so an idle connection is closed
             # by us, never reused just as the server closes it.
@@ -367,7 +386,7 @@ class RemoteRuntime:
             stream = self._client().import_image(req, headers=self._headers, timeout_ms=ms)
             async for event in stream:
                 if event.has_field("template_json"):
-                    done = convert.template_from_json(event.template_json)
+                    done = TemplateInfo.from_json(event.template_json)
                 elif event.has_field("layer_json"):
                     on_event(ImportEvent(layer=json.loads(event.layer_json)))
                 else:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-import json
 from typing import Any, Literal
 
 from protobuf import Message
@@ -14,7 +12,6 @@ from agentenv.contract.runtime import (
     Placement,
     SandboxSpec,
     SnapshotInfo,
-    TemplateInfo,
 )
 from agentenv.network.egress import Egress
 
@@ -158,29 +155,4 @@ def memory_from_pb(msg: pb.HostMemory) -> HostMemory:
         pss_anon=msg.pss_anon,
         pss_file=msg.pss_file,
         pss_shmem=msg.pss_shmem,
-    )
-
-
-def template_to_json(info: TemplateInfo) -> str:
-    body = dataclasses.asdict(info)
-    body["layers"] = list(info.layers)
-    body["env"] = dict(info.env)
-    return json.dumps(body, sort_keys=True)
-
-
-def template_from_json(raw: str) -> TemplateInfo:
-    body = json.loads(raw)
-    return TemplateInfo(
-        name=str(body["name"]),
-        size_mb=int(body["size_mb"]),
-        created_at=float(body["created_at"]),
-        updated_at=float(body["updated_at"]),
-        cpu=int(body["cpu"]),
-        memory_mb=int(body["memory_mb"]),
-        ref=str(body.get("ref", "")),
-        template_id=str(body.get("template_id", "")),
-        layers=tuple(str(d) for d in body.get("layers", [])),
-        env=tuple(sorted((str(k), str(v)) for k, v in dict(body.get("env", {})).items())),
-        user=body.get("user"),
-        workdir=body.get("workdir"),
     )

@@ -1,7 +1,8 @@
 """Serves any `Runtime` as `agentenv.node.v1.NodeService` to callers holding the node token.
 
 `node_app(runtime, token)` is the ASGI app; `NodeServer` runs it under uvicorn on a TCP port
-(plain HTTP) and `serve(...)` runs that until cancelled. The caller owns the runtime's
+(HTTPS when given a certificate and key, else plain HTTP) and `serve(...)` runs that until
+cancelled. The caller owns the runtime's
 lifecycle (`start`/`close`): many control-plane clients may come and go, the node stays.
 """
 
@@ -16,6 +17,7 @@ import secrets
 import socket
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 import uvicorn
@@ -83,7 +85,15 @@ class NodeService(NodeServiceProtocol):
         self._seq = 0
         self._events: deque[pb.LostEvent] = deque(maxlen=backlog)
         self._changed = asyncio.Event()
+        self._closing = False
         runtime.watch_lost(self._on_lost)
+
+    def close_streams(self) -> None:
+        """Ends every WatchLost stream (the server is stopping): each returns as a normal end
+        of stream, so shutdown neither waits for them nor cancels them mid-wait."""
+        self._closing = True
+        changed, self._changed = self._changed, asyncio.Event()
+        changed.set()
 
     def _on_lost(self, runtime_id: str, why: str) -> None:
         # Called by the runtime on the event loop; streams wake and send what they lack.
@@ -186,7 +196,7 @@ class NodeService(NodeServiceProtocol):
     ) -> AsyncIterator[pb.LostEvent]:
         # Same epoch: resume after what the client saw; another (a restarted node): all.
         cursor = request.after_seq if request.epoch == self.epoch else 0
-        while True:
+        while not self._closing:
             changed = self._changed
             pending = [e for e in self._events if e.seq > cursor]
             for event in pending:
@@ -247,7 +257,7 @@ class NodeService(NodeServiceProtocol):
             while (event := await queue.get()) is not None:
                 yield event
             info = task.result()
-            yield pb.ImportEvent(template_json=convert.template_to_json(info))
+            yield pb.ImportEvent(template_json=info.to_json())
         finally:
             task.cancel()
 
@@ -289,10 +299,11 @@ class _Authenticated:
     """Lets a request through to the Connect app only with `Authorization: Bearer <token>`;
     anything else gets Connect's `unauthenticated` (401) and the runtime never sees it."""
 
-    def __init__(self, app: NodeServiceASGIApplication, token: str) -> None:
+    def __init__(self, app: NodeServiceASGIApplication, token: str, service: NodeService) -> None:
         if not token:
             raise ValueError("the node RPC needs a non-empty token")
         self._app = app
+        self.service = service
         self._expected = f"Bearer {token}".encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -373,10 +384,11 @@ async def _connect_error(send: Send, status: int, code: str, message: str) -> No
 
 
 def node_app(runtime: Runtime, token: str, *, heartbeat_s: float = HEARTBEAT_S) -> Any:
-    """The ASGI app serving `runtime` to callers that send `token`."""
+    """The ASGI app serving `runtime` to callers that send `token` (its `.service` is the
+    `NodeService`)."""
     service = NodeService(runtime, heartbeat_s=heartbeat_s)
     app = NodeServiceASGIApplication(service, read_max_bytes=READ_MAX_BYTES)
-    return _Authenticated(app, token)
+    return _Authenticated(app, token, service)
 
 
 def _listen(host: str, port: int) -> socket.socket:
@@ -407,12 +419,18 @@ class NodeServer:
         *,
         heartbeat_s: float = HEARTBEAT_S,
         log_level: str = "warning",
+        tls_cert: Path | None = None,
+        tls_key: Path | None = None,
     ) -> None:
+        if (tls_cert is None) != (tls_key is None):
+            raise ValueError("a TLS node server needs both its certificate and its key")
         self.host = host
+        self.tls = tls_cert is not None
         self._sock = _listen(host, port)
         self.port: int = self._sock.getsockname()[1]
+        self._app = node_app(runtime, token, heartbeat_s=heartbeat_s)
         config = uvicorn.Config(
-            node_app(runtime, token, heartbeat_s=heartbeat_s),
+            self._app,
             log_level=log_level,
             lifespan="off",
             access_log=False,
@@ -421,13 +439,17 @@ class NodeServer:
             timeout_keep_alive=75,
             # A stream (WatchLost) never ends on its own; shutdown must not wait for it.
             timeout_graceful_shutdown=2,
+            ssl_certfile=None if tls_cert is None else str(tls_cert),
+            ssl_keyfile=None if tls_key is None else str(tls_key),
         )
         self._server = uvicorn.Server(config)
         self._task: asyncio.Task[None] | None = None
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        scheme = "https" if self.tls else "http"
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{scheme}://{host}:{self.port}"
 
     async def start(self) -> None:
         self._task = asyncio.create_task(self._server.serve(sockets=[self._sock]))
@@ -452,6 +474,9 @@ class NodeServer:
         if self._task is None:
             self._sock.close()
             return
+        # Open WatchLost streams end first: uvicorn's graceful shutdown then has nothing to
+        # wait out (and nothing to cancel, which logged a traceback per stream).
+        self._app.service.close_streams()
         self._server.should_exit = True
         try:
             async with asyncio.timeout(10):
@@ -465,9 +490,19 @@ class NodeServer:
             self._task = None
 
 
-async def serve(runtime: Runtime, host: str, port: int, token: str) -> None:
+async def serve(
+    runtime: Runtime,
+    host: str,
+    port: int,
+    token: str,
+    *,
+    tls_cert: Path | None = None,
+    tls_key: Path | None = None,
+) -> None:
     """Serves `runtime` on `host:port` until cancelled (or uvicorn's SIGINT/SIGTERM)."""
-    server = NodeServer(runtime, host, port, token, log_level="info")
+    server = NodeServer(
+        runtime, host, port, token, log_level="info", tls_cert=tls_cert, tls_key=tls_key
+    )
     try:
         await server.start()
         log.info("node RPC listening on %s", server.url)
