@@ -294,6 +294,9 @@ class Settings:
     # to it (`cluster.runtime`): the longest a sandbox that died while its agent was down
     # stays `running` once the agent is back with no lost reason of its own to tell.
     node_reconcile_s: int = 30
+    # How often a node agent collects the bucket's garbage (blobs no manifest names and
+    # nobody touched for an hour: `snapshot.remote.RemoteSnapshots.gc_blobs`); 0 = never.
+    bucket_gc_s: int = 3600
     # Control-plane replicas on a shared store (`cluster.replicas`, `control.ownership`): how
     # long a replica's lease outlives its last heartbeat, how often each replica sweeps for
     # rows a gone replica left in a transitional state, and how long such a row must have
@@ -387,6 +390,9 @@ class Settings:
             )
         if reconcile < 1:
             raise ConfigError(f"AGENTENV_NODE_RECONCILE_S={reconcile}: expected 1 or more")
+        bucket_gc = _env_int("AGENTENV_BUCKET_GC_S", cls.bucket_gc_s)
+        if bucket_gc < 0:
+            raise ConfigError(f"AGENTENV_BUCKET_GC_S={bucket_gc}: expected 0 (off) or more")
         node_rpc = NodeRpcConfig.from_env()
         node_url = os.environ.get("AGENTENV_NODE_URL", "")
         if node_rpc.serves_tls and node_url and not node_url.startswith("https://"):
@@ -402,6 +408,7 @@ class Settings:
             etcd_prefix=etcd_prefix,
             node_ttl_s=node_ttl,
             node_reconcile_s=reconcile,
+            bucket_gc_s=bucket_gc,
             replica_ttl_s=replica_ttl,
             sweep_period_s=sweep_period,
             sweep_grace_s=sweep_grace,

@@ -12,15 +12,18 @@ def test_settings(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("AGENTENV_ETCD", raising=False)
     monkeypatch.delenv("AGENTENV_NODE_TTL_S", raising=False)
     monkeypatch.delenv("AGENTENV_NODE_RECONCILE_S", raising=False)
+    monkeypatch.delenv("AGENTENV_BUCKET_GC_S", raising=False)
     settings = Settings.from_env()
     assert settings.etcd_endpoints == () and settings.node_ttl_s == 10
-    assert settings.node_reconcile_s == 30
+    assert settings.node_reconcile_s == 30 and settings.bucket_gc_s == 3600
     assert settings.etcd_prefix == "/agentenv/"
     monkeypatch.setenv("AGENTENV_ETCD", " 127.0.0.1:2379, http://etcd-2:2380/ ,")
     monkeypatch.setenv("AGENTENV_ETCD_PREFIX", "/other/")
     monkeypatch.setenv("AGENTENV_NODE_TTL_S", "4")
     monkeypatch.setenv("AGENTENV_NODE_RECONCILE_S", "5")
+    monkeypatch.setenv("AGENTENV_BUCKET_GC_S", "0")
     settings = Settings.from_env()
+    assert settings.bucket_gc_s == 0
     assert settings.etcd_endpoints == ("127.0.0.1:2379", "etcd-2:2380")
     assert settings.node_ttl_s == 4 and settings.node_reconcile_s == 5
     etcd = Etcd.from_settings(settings)
@@ -30,6 +33,7 @@ def test_settings(monkeypatch: pytest.MonkeyPatch) -> None:
         ("AGENTENV_ETCD", "host:notaport"),
         ("AGENTENV_NODE_TTL_S", "1"),
         ("AGENTENV_NODE_RECONCILE_S", "0"),
+        ("AGENTENV_BUCKET_GC_S", "-1"),
         ("AGENTENV_ETCD_PREFIX", "agentenv"),
     ):
         with monkeypatch.context() as scoped:

@@ -19,13 +19,20 @@ import pytest
 from objstore.seaweed import SeaweedFS
 
 from agentenv.objstore import BlobDigestMismatch, ObjectStore
-from agentenv.objstore.client import MIN_PART_SIZE, blob_key
+from agentenv.objstore.client import (
+    BLOB_PREFIX,
+    MARK_PREFIX,
+    MIN_PART_SIZE,
+    REFS_PREFIX,
+    blob_key,
+)
 from agentenv.snapshot import Snapshot, SnapshotNotFound, SnapshotRepository
 from agentenv.snapshot.digest import sparse_digest
 from agentenv.snapshot.remote import (
     CACHE_HOLDER,
     RemoteSnapshotError,
     RemoteSnapshots,
+    _paused_blobs,
     manifest_key,
 )
 from agentenv.storage import LayerStore, info
@@ -467,3 +474,65 @@ async def test_pull_trims_the_cache_but_keeps_what_it_pulled(
     assert {s.id for s in b.repo.list()} == {first.id, second.id}
     await b.pull(third.id)  # the unused, older second goes; the new one stays
     assert {s.id for s in b.repo.list()} == {first.id, third.id}
+
+
+async def _blobs(store: ObjectStore) -> set[str]:
+    return {k[len(BLOB_PREFIX) :] for k in await store.list_keys(BLOB_PREFIX)}
+
+
+async def test_gc_deletes_only_blobs_nothing_names_and_nobody_touched_lately(
+    store: ObjectStore, tmp_path: Path, tools: Path
+) -> None:
+    a = node(tmp_path / "a", store)
+    snap = capture_fake(a, tmp_path, tools)
+    manifest = await a.push(snap.id)
+    src = tmp_path / "a" / "sandboxes" / "isbx1"
+    await asyncio.to_thread(pause_fake, a, snap, src)
+    paused = await a.push_paused(src, "isbx1")
+    kept_file, orphan_file = tmp_path / "kept.tar", tmp_path / "orphan.bin"
+    kept_file.write_bytes(os.urandom(4096))
+    orphan_file.write_bytes(os.urandom(4096))
+    kept = await store.put_file(kept_file)
+    orphan = await store.put_file(orphan_file)
+    await store.put_json(f"{REFS_PREFIX}build-files/h1.json", {"blobs": [kept]})
+    everything = await _blobs(store)
+    assert {orphan, kept} | manifest.blobs() <= everything
+    # Everything was uploaded or marked just now: a grace of an hour spares it all.
+    assert await a.gc_blobs(grace_s=3600) == []
+    assert await a.gc_blobs(grace_s=0) == [orphan]
+    # The snapshot goes: what only it named goes, what the paused sandbox shares stays.
+    assert await a.delete(snap.id)
+    only_snapshot = manifest.blobs() - _paused_blobs(paused)
+    assert only_snapshot and sorted(await a.gc_blobs(grace_s=0)) == sorted(only_snapshot)
+    b = node(tmp_path / "b", store)
+    await b.pull_paused("isbx1", tmp_path / "b" / "sandboxes" / "isbx1")
+    await a.delete_paused("isbx1")
+    await a.gc_blobs(grace_s=0)
+    assert await _blobs(store) == {kept}
+    assert [k for k in await store.list_keys(MARK_PREFIX)] == [MARK_PREFIX + kept]
+
+
+async def test_a_push_whose_blob_a_collection_took_is_done_again(
+    store: ObjectStore, tmp_path: Path, tools: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    a = node(tmp_path / "a", store)
+    snap = capture_fake(a, tmp_path, tools)
+    first = await a.push(snap.id)
+    victim = sorted(first.blobs())[0]
+    real_put_json = store.put_json
+    taken: list[str] = []
+
+    async def collected_meanwhile(key: str, doc: object) -> None:
+        # A collection that listed before this manifest existed deletes a blob it reused.
+        if key == manifest_key(snap.id) and not taken:
+            await store.delete(blob_key(victim))
+            taken.append(victim)
+        await real_put_json(key, doc)
+
+    monkeypatch.setattr(store, "put_json", collected_meanwhile)
+    await a.delete(snap.id)
+    again = await a.push(snap.id)
+    assert taken == [victim] and victim in again.blobs()
+    assert await store.has_blob(victim) is not None
+    b = node(tmp_path / "b", store)
+    assert (await b.pull(snap.id)).id == snap.id

@@ -12,7 +12,8 @@ Keys (under the cluster prefix, values JSON):
   per millisecond is a few writes per second; the builder flushes before it records the end of
   a build, so whoever sees `ready` or `error` sees every line before it.
 - `build-files/<hash>`: the digest of the uploaded archive; the archive itself is a
-  content-addressed blob in the bucket (`objstore`), fetched by the replica that runs the build.
+  content-addressed blob in the bucket (`objstore`), fetched by the replica that runs the build,
+  and named by `refs/build-files/<hash>.json` so the bucket's collection keeps it.
   Without an object store (`AGENTENV_S3_*` unset) archives stay on the replica that received
   them, and only that replica's builds find them.
 - `build-snapshots/<name>`: the builder's own snapshot names (step cache, captured templates)
@@ -43,6 +44,7 @@ from agentenv.build.state import (
 )
 from agentenv.cluster.etcd import Etcd, KeyValue, created_at, get_op, modified_at, put_op
 from agentenv.objstore import ObjectStore
+from agentenv.objstore.client import REFS_PREFIX
 
 log = logging.getLogger(__name__)
 
@@ -264,6 +266,13 @@ class EtcdBuildState:
         objects = await self._bucket()
         if objects is not None:
             digest = await objects.put_file(path)
+            # The bucket's collection keeps what a ref names; a blob it took between the
+            # upload and the ref is uploaded again.
+            await objects.put_json(
+                f"{REFS_PREFIX}build-files/{files_hash}.json", {"blobs": [digest]}
+            )
+            if await objects.has_blob(digest) is None:
+                digest = await objects.put_file(path)
             await self.etcd.put(
                 self.etcd.key(FILES, files_hash), json.dumps({"digest": digest}).encode()
             )

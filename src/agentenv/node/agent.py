@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import random
 import secrets
 import signal
 from pathlib import Path
@@ -91,6 +92,7 @@ class NodeAgent:
         self.runtime.after_import = self._publish_once
         self._published_catalog: dict[str, bytes] = {}
         self._locations: asyncio.Task[None] | None = None
+        self._bucket_gc: asyncio.Task[None] | None = None
 
     @property
     def node_id(self) -> str:
@@ -126,16 +128,19 @@ class NodeAgent:
             # Before the agent says it serves: a replica may create from `base` at once.
             await self._publish_once()
             self._locations = asyncio.create_task(self._publish_locations(), name="locations")
+            if self.settings.bucket_gc_s > 0 and self.runtime.remote is not None:
+                self._bucket_gc = asyncio.create_task(self._collect_bucket(), name="bucket-gc")
         except BaseException:
             await self.stop()
             raise
         log.info("node %s serving at %s", self.node_id, self.url)
 
     async def stop(self) -> None:
-        if self._locations is not None:
-            self._locations.cancel()
-            await asyncio.gather(self._locations, return_exceptions=True)
-            self._locations = None
+        for task in (self._locations, self._bucket_gc):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        self._locations = self._bucket_gc = None
         if self.registration is not None:
             # Leaving now: the cluster sees the node gone at once, not after its TTL.
             with contextlib.suppress(Exception):
@@ -163,6 +168,23 @@ class NodeAgent:
                 await self._publish_once()
             except Exception as exc:
                 log.warning("node %s: publishing template locations failed: %s", self.node_id, exc)
+
+    async def _collect_bucket(self) -> None:
+        """Every `bucket_gc_s` (at a random point of the first period, so agents started
+        together do not all list the bucket at once): the bucket's unreferenced blobs go.
+        Any node may do it; two at once delete the same blobs, which is harmless."""
+        await asyncio.sleep(random.uniform(0.5, 1.0) * self.settings.bucket_gc_s)
+        while True:
+            remote = self.runtime.remote
+            if remote is not None:
+                try:
+                    gone = await remote.gc_blobs()
+                    if gone:
+                        log.info("node %s: deleted %d unreferenced blobs from the bucket",
+                                 self.node_id, len(gone))  # fmt: skip
+                except Exception as exc:
+                    log.warning("node %s: bucket garbage collection failed: %s", self.node_id, exc)
+            await asyncio.sleep(self.settings.bucket_gc_s)
 
     async def _publish_once(self) -> None:
         """This node's template and snapshot locations and its catalog, as they are now."""

@@ -60,6 +60,14 @@ MIN_PART_SIZE = 5 * MIB
 MAX_PARTS = 10000
 DEFAULT_PART_SIZE = 64 * MIB
 BLOB_PREFIX = "blobs/sha256/"
+# `blob-marks/<digest>`: an empty object rewritten whenever a blob is uploaded or found and
+# reused, so its LastModified says when some writer last counted on the blob; the bucket's
+# garbage collection (`snapshot.remote.RemoteSnapshots.gc_blobs`) spares recently marked ones.
+MARK_PREFIX = "blob-marks/"
+# `refs/<kind>/<name>.json` = {"blobs": [...]}: blobs something other than a snapshot or
+# paused-sandbox manifest counts on (a cluster's uploaded build archives); kept by the
+# collection too.
+REFS_PREFIX = "refs/"
 _HASH_CHUNK = 4 * MIB
 _READ_CHUNK = 1 * MIB
 # Below this rate a transfer counts as stuck: a call's deadline grows with its size.
@@ -71,6 +79,10 @@ def blob_key(digest: str) -> str:
     if not _DIGEST.match(digest):
         raise ValueError(f"{digest!r} is not a sha256 hex digest")
     return BLOB_PREFIX + digest
+
+
+def mark_key(digest: str) -> str:
+    return MARK_PREFIX + blob_key(digest)[len(BLOB_PREFIX) :]
 
 
 def _b64(raw: bytes) -> str:
@@ -261,6 +273,46 @@ class ObjectStore:
     async def has_blob(self, digest: str) -> int | None:
         return await self.size_of(blob_key(digest))
 
+    async def modified_at(self, key: str) -> float | None:
+        """The object's LastModified (epoch seconds), or None if there is none."""
+
+        def run() -> float | None:
+            try:
+                head = self._client.head_object(Bucket=self.bucket, Key=key)
+            except botocore.exceptions.ClientError as exc:
+                status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+                if status == 404 or exc.response.get("Error", {}).get("Code") in (
+                    "404",
+                    "NoSuchKey",
+                    "NotFound",
+                ):
+                    return None
+                raise
+            return float(head["LastModified"].timestamp())
+
+        return await self._call("head", key, run)
+
+    async def listing(self, prefix: str, *, limit: int = 1_000_000) -> dict[str, float]:
+        """Key -> LastModified (epoch seconds) of every object under `prefix`."""
+
+        def run() -> dict[str, float]:
+            out: dict[str, float] = {}
+            kwargs: dict[str, Any] = {"Bucket": self.bucket, "Prefix": prefix}
+            while len(out) < limit:
+                page = self._client.list_objects_v2(**kwargs)
+                for obj in page.get("Contents", []):
+                    out[str(obj["Key"])] = float(obj["LastModified"].timestamp())
+                if not page.get("IsTruncated"):
+                    break
+                kwargs["ContinuationToken"] = page["NextContinuationToken"]
+            return out
+
+        return await self._call("list", prefix, run)
+
+    async def mark(self, digest: str) -> None:
+        """Note that a writer counts on this blob now (see `MARK_PREFIX`)."""
+        await self.put_bytes(mark_key(digest), b"")
+
     async def put_bytes(self, key: str, data: bytes) -> None:
         checksum = _b64(hashlib.sha256(data).digest())
         await self._call(
@@ -395,6 +447,7 @@ class ObjectStore:
             if known is not None and await self.size_of(blob_key(known["digest"])) == known["size"]:
                 # Uploaded before from this very file: no need to read it again.
                 self._count(puts_skipped=1, hashes_skipped=1)
+                await self.mark(str(known["digest"]))
                 return str(known["digest"])
             rec = await asyncio.to_thread(self._read_record, record_path, identity)
             if rec is not None:
@@ -414,6 +467,7 @@ class ObjectStore:
                 await self._multipart(source, key, plan, rec, record_path, identity)
             done = {"identity": identity, "digest": plan.digest, "size": plan.size}
             await asyncio.to_thread(self._write_record, known_path, done)
+            await self.mark(plan.digest)
             return plan.digest
 
     async def _single_put(self, source: BlobSource, key: str, plan: _Plan) -> None:

@@ -52,6 +52,7 @@ from typing import Any
 from agentenv.config import Settings
 from agentenv.filelock import file_lock
 from agentenv.objstore import ObjectStore, SparseSink, SparseSource
+from agentenv.objstore.client import BLOB_PREFIX, MARK_PREFIX, REFS_PREFIX, blob_key, mark_key
 from agentenv.objstore.errors import BlobNotFound, ObjectStoreError
 from agentenv.snapshot.errors import SnapshotError, SnapshotNotFound
 from agentenv.snapshot.model import Snapshot
@@ -64,6 +65,12 @@ log = logging.getLogger(__name__)
 
 MANIFEST_PREFIX = "snapshots/"
 PAUSED_PREFIX = "paused/"
+# A blob nobody references is deleted only when neither it nor its mark changed for this
+# long: longer than any push takes between uploading (or reusing) a blob and writing the
+# manifest that names it.
+GC_GRACE_S = 3600.0
+# A push whose blob a collection deleted meanwhile is done again (it uploads what is missing).
+PUSH_ATTEMPTS = 3
 MANIFEST_VERSION = 1
 # The repository holder of every snapshot a pull brought in: keeps it from `repo.gc`,
 # and marks it as a cache entry `evict` may remove when nothing else holds it.
@@ -75,12 +82,25 @@ class RemoteSnapshotError(SnapshotError):
     """A snapshot could not be pushed to or pulled from object storage."""
 
 
+class IncompletePush(RemoteSnapshotError):
+    """A blob the push wrote its manifest for is not in the bucket (a collection took it)."""
+
+
 def manifest_key(snapshot_id: str) -> str:
     return f"{MANIFEST_PREFIX}{snapshot_id}.json"
 
 
 def paused_key(sandbox_id: str) -> str:
     return f"{PAUSED_PREFIX}{sandbox_id}.json"
+
+
+def _paused_blobs(manifest: Any) -> set[str]:
+    """The blobs a paused sandbox's manifest (`push_paused`'s) names."""
+    if not isinstance(manifest, dict):
+        return set()
+    out = {str(layer["blob"]) for layer in manifest.get("layers", []) if "blob" in layer}
+    out |= {str(f["blob"]) for f in dict(manifest.get("files", {})).values() if "blob" in f}
+    return out
 
 
 @dataclass(frozen=True)
@@ -193,6 +213,15 @@ class RemoteSnapshots:
         """Upload snapshot `ref` (id or name) and everything it needs; returns its manifest.
         Blobs already in the bucket are not sent again; the manifest goes last, so a
         snapshot whose manifest exists is complete in the bucket."""
+        for attempt in range(PUSH_ATTEMPTS):
+            try:
+                return await self._push_once(ref, include_tools)
+            except IncompletePush:
+                if attempt == PUSH_ATTEMPTS - 1:
+                    raise
+        raise AssertionError("unreachable")
+
+    async def _push_once(self, ref: str, include_tools: bool) -> Manifest:
         snap = await asyncio.to_thread(self.repo.get, ref)
         remote_layers = await self._push_chain(snap.top_layer)
         if [layer.digest for layer in remote_layers] != snap.layers:
@@ -219,8 +248,20 @@ class RemoteSnapshots:
             tools = await self._push_tools(Path(snap.tools_image))
         manifest = Manifest(snap, remote_layers, memory, state, tools)
         await self.store.put_json(manifest_key(snap.id), manifest.to_dict())
+        await self._check_complete(manifest.blobs(), f"snapshot {snap.id}")
         await asyncio.to_thread(self._keep_manifest, manifest)
         return manifest
+
+    async def _check_complete(self, blobs: set[str], what: str) -> None:
+        """After the manifest is written: every blob it names is there. A collection that
+        decided before the manifest existed may have deleted a blob this push reused; that
+        push is then not done (the caller pushes again, which uploads what is missing)."""
+        missing = [b for b in sorted(blobs) if await self.store.has_blob(b) is None]
+        if missing:
+            raise IncompletePush(
+                f"{what}: blob {missing[0][:12]} went from {self.store.bucket} while it was "
+                "pushed (a concurrent garbage collection); push it again"
+            )
 
     def _keep_manifest(self, manifest: Manifest) -> None:
         path = self._manifest_copy(manifest.snapshot.id)
@@ -428,6 +469,15 @@ class RemoteSnapshots:
         node's `sandbox.json`, the disk upper, and the RAM the pause saved) with the layers
         under its upper, as ``paused/<sandbox_id>.json`` + blobs. The caller keeps it paused
         (and its stream conversion settled) while this runs. Returns the manifest."""
+        for attempt in range(PUSH_ATTEMPTS):
+            try:
+                return await self._push_paused_once(workdir, sandbox_id)
+            except IncompletePush:
+                if attempt == PUSH_ATTEMPTS - 1:
+                    raise
+        raise AssertionError("unreachable")
+
+    async def _push_paused_once(self, workdir: Path, sandbox_id: str) -> dict[str, Any]:
         from agentenv.snapshot.pause import STREAM, paused_state
 
         rec = await asyncio.to_thread(paused_state, workdir)
@@ -476,6 +526,7 @@ class RemoteSnapshots:
             "files": files,
         }
         await self.store.put_json(paused_key(sandbox_id), manifest)
+        await self._check_complete(_paused_blobs(manifest), f"paused sandbox {sandbox_id}")
         return manifest
 
     async def pull_paused(self, sandbox_id: str, workdir: Path) -> Path:
@@ -553,6 +604,53 @@ class RemoteSnapshots:
         """Drop a paused sandbox's manifest (it resumed somewhere, or was killed); its blobs
         stay for any other manifest that names them."""
         await self.store.delete(paused_key(sandbox_id))
+
+    # -- garbage collection of the bucket --------------------------------------------------------
+
+    async def referenced_blobs(self) -> set[str]:
+        """Every blob a snapshot manifest, a paused sandbox's manifest or a ref names."""
+        out: set[str] = set()
+        for key in await self.store.list_keys(MANIFEST_PREFIX):
+            with contextlib.suppress(BlobNotFound):
+                out |= Manifest.from_dict(await self.store.get_json(key)).blobs()
+        for key in await self.store.list_keys(PAUSED_PREFIX):
+            with contextlib.suppress(BlobNotFound):
+                out |= _paused_blobs(await self.store.get_json(key))
+        for key in await self.store.list_keys(REFS_PREFIX):
+            with contextlib.suppress(BlobNotFound):
+                raw = await self.store.get_json(key)
+                out |= {str(b) for b in raw.get("blobs", [])} if isinstance(raw, dict) else set()
+        return out
+
+    async def gc_blobs(self, grace_s: float = GC_GRACE_S) -> list[str]:
+        """Deletes the blobs no manifest or ref names and that nobody uploaded, reused or
+        marked for `grace_s`; returns their digests. Blobs and marks are listed before the
+        manifests (a blob whose manifest is written meanwhile was marked after the listing:
+        its mark is read again, fresh, just before the delete); a push whose blob still went
+        in the gap finds it missing once its manifest is written, and pushes again."""
+        now = time.time()
+        blobs = {
+            k[len(BLOB_PREFIX) :]: t for k, t in (await self.store.listing(BLOB_PREFIX)).items()
+        }
+        marks = {
+            k[len(MARK_PREFIX) :]: t for k, t in (await self.store.listing(MARK_PREFIX)).items()
+        }
+        live = await self.referenced_blobs()
+        gone: list[str] = []
+        for digest, modified in sorted(blobs.items()):
+            if digest in live or now - max(modified, marks.get(digest, 0.0)) < grace_s:
+                continue
+            marked = await self.store.modified_at(mark_key(digest))
+            if marked is not None and time.time() - marked < grace_s:
+                continue
+            await self.store.delete(blob_key(digest))
+            await self.store.delete(mark_key(digest))
+            gone.append(digest)
+        # Marks of blobs that are gone (a delete cut short) go too, once old.
+        for digest, modified in marks.items():
+            if digest not in blobs and now - modified >= grace_s:
+                await self.store.delete(mark_key(digest))
+        return gone
 
     # -- the local cache of pulled snapshots -----------------------------------------------------
 
