@@ -33,6 +33,7 @@ from __future__ import annotations
 import base64
 import dataclasses
 import json
+import math
 import secrets
 import time
 from collections.abc import Iterable
@@ -478,6 +479,32 @@ class EtcdStore:
 
     async def set_snapshot_owner(self, snapshot_id: str, team_id: str) -> None:
         await self.etcd.put(self.etcd.key("snapshot-owners", _b64(snapshot_id)), team_id.encode())
+
+    async def take_tokens(self, team_id: str, count: int, rate: int, now: float) -> int | None:
+        """The team's create-rate bucket, one for every replica (`control.tenants`): refilled
+        at `rate` per minute by wall time since the last take (replicas' clocks roughly
+        agree), a compare-and-set per take."""
+        key = self.etcd.key("rate-buckets", _b64(team_id))
+        for _ in range(MAX_CAS_ATTEMPTS):
+            kv = await self.etcd.get(key)
+            if kv is None:
+                tokens = float(rate)
+            else:
+                saved = json.loads(kv.value)
+                since = max(0.0, now - float(saved["at"]))
+                tokens = min(float(rate), float(saved["tokens"]) + since * rate / 60.0)
+            if tokens + 1e-9 < count:
+                return max(1, math.ceil((count - tokens) * 60.0 / rate))
+            mark = secrets.token_hex(8)
+            value = json.dumps({"tokens": tokens - count, "at": now, "_w": mark}).encode()
+            guard = created_at(key, 0) if kv is None else modified_at(key, kv.mod_revision)
+            result = await self.etcd.txn([guard], [put_op(key, value)], [get_op(key)])
+            if result.succeeded:
+                return None
+            (found,) = result.ranges
+            if found and json.loads(found[0].value).get("_w") == mark:
+                return None  # an earlier attempt of this very take won; its answer was lost
+        raise StoreConflict(f"team {team_id}: {MAX_CAS_ATTEMPTS} rate-bucket writes lost")
 
     async def snapshot_owner(self, snapshot_id: str) -> str:
         kv = await self.etcd.get(self.etcd.key("snapshot-owners", _b64(snapshot_id)))

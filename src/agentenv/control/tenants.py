@@ -13,7 +13,9 @@ the team's own; the node's admission limits (`node.admission`) apply either way.
   may each admit one of the last places at the same instant: a limit is exact per replica).
 - Create rate: a token bucket per team holding up to `creates_per_minute` tokens, refilled
   continuously at that rate (a full minute's allowance may come as one burst); a create
-  takes one, a fork one per child. Buckets are in memory: a restart refills them.
+  takes one, a fork one per child. On one server buckets are in memory (a restart refills
+  them); replicas sharing a store (`SharedBuckets`: etcd) take from one bucket per team in
+  the store, so N replicas do not allow N times the rate.
 
 Both refusals are `TooManyRequests` (429) with a Retry-After: for the rate, when enough
 tokens are back; for concurrency, when the team's soonest sandbox timeout passes (bounded
@@ -28,11 +30,22 @@ import math
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 from agentenv.contract.errors import TooManyRequests
 from agentenv.control.store import Store, Team
 
 MAX_CONCURRENCY_RETRY_S = 30
+
+
+@runtime_checkable
+class SharedBuckets(Protocol):
+    """A store whose replicas share each team's create-rate bucket."""
+
+    async def take_tokens(self, team_id: str, count: int, rate: int, now: float) -> int | None:
+        """Takes `count` tokens of a bucket of `rate` per minute (full when new) at wall time
+        `now`; None when taken, else the seconds until there are enough (nothing taken)."""
+        ...
 
 
 @dataclass
@@ -42,9 +55,11 @@ class _Bucket:
 
 
 class TeamLimits:
-    def __init__(self, store: Store, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, store: Store, clock: Callable[[], float] | None = None) -> None:
         self.store = store
-        self._clock = clock
+        self._clock = clock or time.monotonic
+        # A shared bucket is refilled by wall time: every replica reads the same clock.
+        self._wall = clock or time.time
         self._buckets: dict[str, _Bucket] = {}
         # Places taken by admitted requests whose rows are not in the store yet (a fork's
         # children exist only after the runtime made them).
@@ -87,7 +102,7 @@ class TeamLimits:
             return
         await self._check_concurrency(team, count)
         if create:
-            self._take(team, count)
+            await self._take(team, count)
 
     async def _check_concurrency(self, team: Team, count: int) -> None:
         limit = team.max_sandboxes
@@ -105,10 +120,25 @@ class TeamLimits:
             retry_after=wait,
         )
 
-    def _take(self, team: Team, count: int) -> None:
+    async def _take(self, team: Team, count: int) -> None:
         rate = team.creates_per_minute
         if rate <= 0:
             self._buckets.pop(team.id, None)
+            return
+        if count > rate:
+            raise TooManyRequests(
+                f"{count} creates at once are more than team '{team.name}' may make in a "
+                f"minute ({rate})",
+                retry_after=60,
+            )
+        if isinstance(self.store, SharedBuckets):
+            wait = await self.store.take_tokens(team.id, count, rate, self._wall())
+            if wait is not None:
+                raise TooManyRequests(
+                    f"team '{team.name}' creates sandboxes faster than its limit of {rate} per "
+                    f"minute; retry in {wait} s",
+                    retry_after=wait,
+                )
             return
         now = self._clock()
         bucket = self._buckets.get(team.id)
@@ -117,12 +147,6 @@ class TeamLimits:
         # Refill since the last look; a lowered limit caps what was saved up.
         bucket.tokens = min(float(rate), bucket.tokens + (now - bucket.at) * rate / 60.0)
         bucket.at = now
-        if count > rate:
-            raise TooManyRequests(
-                f"{count} creates at once are more than team '{team.name}' may make in a "
-                f"minute ({rate})",
-                retry_after=60,
-            )
         if bucket.tokens + 1e-9 < count:
             wait = max(1, math.ceil((count - bucket.tokens) * 60.0 / rate))
             raise TooManyRequests(
