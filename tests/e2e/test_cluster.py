@@ -16,6 +16,7 @@ import signal
 import time
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -164,6 +165,40 @@ def _wait_counts(server: Any, where: dict[str, str]) -> dict[str, dict[str, Any]
             return listed
         assert time.monotonic() < deadline, f"node counts {listed} never matched {want}"
         time.sleep(0.5)
+
+
+def test_concurrent_callers_through_both_replicas(cluster: dict[str, Any]) -> None:
+    """Six threads, each its own SDK client on one of the two replicas: create, run, pause,
+    resume through the other replica, kill. Every one ends as it should; nothing is left."""
+    servers = cluster["servers"]
+
+    def one(i: int) -> str:
+        here, there = servers[i % 2], servers[(i + 1) % 2]
+        opts: dict[str, Any] = {"api_key": here.api_key, "api_url": here.url,
+                                "sandbox_url": here.url}  # fmt: skip
+        sbx = Sandbox.create("base", timeout=600, request_timeout=RT, **opts)
+        try:
+            out = sbx.commands.run(f"echo {i} > /home/user/i; cat /home/user/i",
+                                   request_timeout=RT)  # fmt: skip
+            assert out.stdout.strip() == str(i)
+            sbx.pause(request_timeout=RT)
+            other: dict[str, Any] = {"api_key": there.api_key, "api_url": there.url,
+                                     "sandbox_url": there.url}  # fmt: skip
+            back = Sandbox.connect(sbx.sandbox_id, request_timeout=RT, **other)
+            assert back.files.read("/home/user/i").strip() == str(i)
+        finally:
+            sbx.kill(request_timeout=RT)
+        return sbx.sandbox_id
+
+    with ThreadPoolExecutor(max_workers=6) as pool:
+        ids = list(pool.map(one, range(6)))
+    assert len(set(ids)) == 6
+    with _api(servers[0]) as api:
+        listed = {s["sandboxID"] for s in api.get("/v2/sandboxes").json()}
+    assert not set(ids) & listed
+    for node in cluster["nodes"]:
+        left = [i for i in ids if (node.home / "sandboxes" / i).exists()]
+        assert not left, (node.node_id, left)
 
 
 def test_a_cordoned_node_takes_no_new_sandboxes(
