@@ -135,7 +135,6 @@ class NodeRuntime:
         # Called after an image import registered a template (a node agent republishes its
         # catalog at once, so the cluster places the build sandbox here).
         self.after_import: Callable[[], Awaitable[None]] | None = None
-        self.templates = CatalogTemplates(settings)
 
     def status(self, node_id: str = LOCAL_NODE, rpc_url: str = "", version: str = "") -> NodeStatus:
         """This node as `GET /nodes` shows it, and as an agent publishes its load."""
@@ -447,7 +446,7 @@ class NodeRuntime:
                 await self.after_import()
             except Exception as exc:
                 log.warning("template %s: catalog not republished after import: %s", name, exc)
-        return self.templates.info_of(tpl)
+        return CatalogTemplates(self.node.settings).info_of(tpl)
 
     async def delete_snapshot(self, snapshot_id: str) -> bool:
         """This node's copy and the bucket's (any node deleting it deletes it for all)."""
