@@ -251,12 +251,12 @@ class ObjectStore:
 
         await self._call("create bucket", None, run)
 
-    async def size_of(self, key: str) -> int | None:
-        """The object's size, or None if there is none."""
+    async def _head(self, key: str) -> dict[str, Any] | None:
+        """The object's HEAD answer, or None if there is none."""
 
-        def run() -> int | None:
+        def run() -> dict[str, Any] | None:
             try:
-                head = self._client.head_object(Bucket=self.bucket, Key=key)
+                head: dict[str, Any] = self._client.head_object(Bucket=self.bucket, Key=key)
             except botocore.exceptions.ClientError as exc:
                 status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
                 if status == 404 or exc.response.get("Error", {}).get("Code") in (
@@ -266,31 +266,22 @@ class ObjectStore:
                 ):
                     return None
                 raise
-            return int(head["ContentLength"])
+            return head
 
         return await self._call("head", key, run)
+
+    async def size_of(self, key: str) -> int | None:
+        """The object's size, or None if there is none."""
+        head = await self._head(key)
+        return None if head is None else int(head["ContentLength"])
 
     async def has_blob(self, digest: str) -> int | None:
         return await self.size_of(blob_key(digest))
 
     async def modified_at(self, key: str) -> float | None:
         """The object's LastModified (epoch seconds), or None if there is none."""
-
-        def run() -> float | None:
-            try:
-                head = self._client.head_object(Bucket=self.bucket, Key=key)
-            except botocore.exceptions.ClientError as exc:
-                status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-                if status == 404 or exc.response.get("Error", {}).get("Code") in (
-                    "404",
-                    "NoSuchKey",
-                    "NotFound",
-                ):
-                    return None
-                raise
-            return float(head["LastModified"].timestamp())
-
-        return await self._call("head", key, run)
+        head = await self._head(key)
+        return None if head is None else float(head["LastModified"].timestamp())
 
     async def listing(self, prefix: str, *, limit: int = 1_000_000) -> dict[str, float]:
         """Key -> LastModified (epoch seconds) of every object under `prefix`."""
