@@ -28,6 +28,19 @@ from pathlib import Path
 from agentenv.config import ObjectStoreConfig
 
 READY_TIMEOUT_S = 60.0
+# Volumes are sparse and never preallocated, so a fixed ceiling costs no disk. Left to `weed`
+# (`-volume.max=0`) the ceiling is free disk / volume size, and every bucket (a collection of
+# its own) grows 7 volumes at once by default: on a machine with ~4 GB free the ninth bucket of a
+# module got no writable volume and every upload to it was an S3 InternalError.
+MAX_VOLUMES = 1000
+# One volume per growth step (read from `master.toml` in the working directory): a test bucket
+# holds a few MiB, and a new volume is grown when one fills.
+_MASTER_TOML = """[master.volume_growth]
+copy_1 = 1
+copy_2 = 1
+copy_3 = 1
+copy_other = 1
+"""
 # `weed server` sub-services, each an HTTP port and a gRPC port.
 _SERVICES = ("master", "volume", "filer", "s3")
 _SOCKET_KINDS = ("master-grpc", "volume-grpc", "filer", "filer-grpc", "s3", "s3-grpc")
@@ -63,7 +76,8 @@ def _free_ports(n: int) -> list[int]:
 class SeaweedFS:
     """`with SeaweedFS() as sw:` → `sw.config(bucket)` is an `ObjectStoreConfig` for it."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_volumes: int = MAX_VOLUMES) -> None:
+        self.max_volumes = max_volumes
         self.workdir = Path(tempfile.mkdtemp(prefix="agentenv-seaweed-"))
         self.access_key = "AK" + secrets.token_hex(8).upper()
         self.secret_key = secrets.token_hex(20)
@@ -111,6 +125,7 @@ class SeaweedFS:
         s3_config = self.workdir / "s3.json"
         s3_config.write_text(json.dumps(identities))
         s3_config.chmod(0o600)
+        (self.workdir / "master.toml").write_text(_MASTER_TOML)
         p, g = self.ports, self.grpc_ports
         argv = [
             str(weed_binary()),
@@ -124,7 +139,7 @@ class SeaweedFS:
             "-master.volumeSizeLimitMB=64",
             f"-volume.port={p['volume']}",
             f"-volume.port.grpc={g['volume']}",
-            "-volume.max=0",
+            f"-volume.max={self.max_volumes}",
             "-filer",
             f"-filer.port={p['filer']}",
             f"-filer.port.grpc={g['filer']}",

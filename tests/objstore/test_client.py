@@ -352,3 +352,20 @@ async def test_store_down_fails_within_deadline(tmp_path: Path) -> None:
             assert not [p for p in os.listdir(tmp_path) if p.endswith(".partial")]
         finally:
             await store.close()
+
+
+async def test_the_test_store_gives_many_buckets_few_volumes(tmp_path: Path) -> None:
+    """The SeaweedFS of the tests must not run out of volumes when a module makes a bucket per
+    test: with a ceiling of 8 volumes, 6 buckets each take an upload (one volume each; at 7 per
+    bucket, the `weed` default, the second bucket's upload was an InternalError)."""
+    with SeaweedFS(max_volumes=8) as sw:
+        src = tmp_path / "x"
+        _write(src, 3 * PART)
+        for i in range(6):
+            async with ObjectStore(
+                sw.config(f"many-{i}"), state_dir=tmp_path / f"s{i}", part_size=PART
+            ) as store:
+                await store.ensure_bucket()
+                digest = await store.put_file(src)
+                await store.get_file(digest, tmp_path / f"back-{i}")
+                assert (tmp_path / f"back-{i}").read_bytes() == src.read_bytes()
