@@ -313,6 +313,12 @@ class Settings:
     node_id: str = ""
     node_bind: str = "127.0.0.1:7100"
     node_url: str = ""
+    # The agent's data gateway (`agentenv.gateway`): where it listens (HOST:PORT; port 0 =
+    # any free one; "off" = none, replicas then reach guests at their slot addresses, which
+    # only works when they share the node's host), and the HOST:PORT replicas dial (default:
+    # the bound address). TLS and token are the node RPC's.
+    node_gateway_bind: str = "127.0.0.1:0"
+    node_gateway_addr: str = ""
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -417,6 +423,8 @@ class Settings:
             node_id=_node_id(os.environ.get("AGENTENV_NODE_ID") or socket.gethostname()),
             node_bind=os.environ.get("AGENTENV_NODE_BIND") or cls.node_bind,
             node_url=node_url,
+            node_gateway_bind=_gateway_bind(os.environ.get("AGENTENV_NODE_BIND") or cls.node_bind),
+            node_gateway_addr=os.environ.get("AGENTENV_NODE_GATEWAY_ADDR", ""),
             kernel=_env_opt_path("AGENTENV_KERNEL"),
             initramfs=_env_opt_path("AGENTENV_INITRAMFS"),
             accel=accel,
@@ -496,6 +504,19 @@ def _node_id(raw: str) -> str:
     ):
         raise ConfigError(f"AGENTENV_NODE_ID={raw!r}: expected letters, digits and '-'")
     return value
+
+
+def _gateway_bind(node_bind: str) -> str:
+    """`AGENTENV_NODE_GATEWAY_BIND`, by default the node RPC's host on a free port."""
+    raw = os.environ.get("AGENTENV_NODE_GATEWAY_BIND", "").strip()
+    if raw == "off":
+        return raw
+    if not raw:
+        return f"{node_bind.rpartition(':')[0] or '127.0.0.1'}:0"
+    host, sep, port = raw.rpartition(":")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise ConfigError(f"AGENTENV_NODE_GATEWAY_BIND={raw!r}: expected HOST:PORT or off")
+    return raw
 
 
 def _etcd_endpoints() -> tuple[str, ...]:

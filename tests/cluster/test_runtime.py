@@ -51,7 +51,13 @@ async def _node(etcd: Etcd, node_id: str, free_mb: int = 65536) -> FakeNode:
     server = NodeServer(runtime, "127.0.0.1", 0, TOKEN, heartbeat_s=0.2)
     await server.start()
     info = NodeInfo(
-        node_id, server.url, "127.0.0.1", Capacity(2, 131072, 100), Load(free_mb, 0, 100), "t"
+        node_id,
+        server.url,
+        "127.0.0.1",
+        Capacity(2, 131072, 100),
+        Load(free_mb, 0, 100),
+        "t",
+        gateway=f"gw-{node_id}:7101",
     )
     node = FakeNode(node_id, runtime, server, NodeRegistration(etcd, info, ttl_s=3), free_mb)
     node.registration.load_source = node.load
@@ -178,6 +184,30 @@ async def test_calls_go_to_the_bound_node_and_delete_unbinds(
     await cluster.delete("sb-1")
     assert "sb-1" not in node.runtime.held and await cluster.bindings.get("sb-1") is None
     assert await cluster.find("sb-1") is None
+
+
+async def test_placements_name_their_node_and_its_gateway_is_known(
+    cluster: ClusterRuntime, nodes: list[FakeNode]
+) -> None:
+    """The proxy reaches a sandbox through the data gateway of the node its placement
+    names: create, find, resume and fork placements all name it."""
+    placed = await cluster.create(spec("g"))
+    home = where(nodes)["sb-g"]
+    assert placed.node_id == home
+    found = await cluster.find("sb-g")
+    assert found is not None and found.placement is not None
+    assert found.placement.node_id == home
+    await cluster.pause("sb-g")
+    assert (await cluster.resume(spec("g"))).node_id == home
+    children = await cluster.fork("sb-g", [spec("g1"), spec("g2")], "tok-g")
+    assert [c.node_id for c in children] == [home, home]
+    assert await cluster.gateway(home) == f"gw-{home}:7101"
+    # A node this replica has never seen is read from etcd once; an unknown one has none.
+    cluster._gateways.clear()
+    assert await cluster.gateway(home) == f"gw-{home}:7101"
+    assert await cluster.gateway("no-such-node") is None
+    for rid in ("sb-g", "sb-g1", "sb-g2"):
+        await cluster.delete(rid)
 
 
 async def test_a_node_that_leaves_reports_its_running_sandboxes_lost(

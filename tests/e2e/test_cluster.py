@@ -29,7 +29,9 @@ from e2b import Sandbox, Template, wait_for_port
 from objstore.seaweed import SeaweedFS
 from oci.images import Pusher
 from oci.registry import REGISTRY_BIN, Registry
+from proxy.conftest import APP, GUEST_LIB, HTTP_PORT, WS_PORT, wait_port, websockets_tarball
 from template.imagebuild import push_busybox
+from websockets.sync.client import connect as ws_sync_connect
 
 from agentenv.api.devserver import prepare_home
 
@@ -199,6 +201,64 @@ def test_concurrent_callers_through_both_replicas(cluster: dict[str, Any]) -> No
     for node in cluster["nodes"]:
         left = [i for i in ids if (node.home / "sandboxes" / i).exists()]
         assert not left, (node.node_id, left)
+
+
+def _tunnels(server: Any) -> dict[str, float]:
+    """The replica's `agentenv_proxy_tunnels_total` per gateway."""
+    with _api(server) as api:
+        metrics = api.get("/metrics").text
+    found = re.findall(r'^agentenv_proxy_tunnels_total\{gateway="([^"]+)"\} (\S+)$', metrics, re.M)
+    return {gateway: float(value) for gateway, value in found}
+
+
+def test_guest_ports_are_reached_through_the_node_gateway_from_either_replica(
+    cluster: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A user's HTTP server and WebSocket echo in the guest, reached through both replicas:
+    each replica's proxy opens its connections as tunnels through the data gateway of the
+    sandbox's node (as it must when the node is another host), never at the slot address."""
+    servers, nodes = cluster["servers"], cluster["nodes"]
+    before = [_tunnels(s) for s in servers]
+    sbx = _create(monkeypatch, servers[0])
+    try:
+        node_id = _bound_node(servers[0], sbx.sandbox_id, nodes)
+        sbx.files.write(f"{GUEST_LIB}.tgz", websockets_tarball(), request_timeout=RT)
+        sbx.files.write(f"{GUEST_LIB}/app.py", APP, request_timeout=RT)
+        sbx.commands.run(f"tar -xzf {GUEST_LIB}.tgz -C {GUEST_LIB}", request_timeout=RT)
+        sbx.commands.run(
+            f"python3 {GUEST_LIB}/app.py 0.0.0.0 {HTTP_PORT} {WS_PORT}",
+            background=True,
+            timeout=0,
+            envs={"PYTHONPATH": GUEST_LIB},
+            request_timeout=RT,
+        )
+        payload = os.urandom(2 * 1024 * 1024)
+        for server in servers:
+            headers = {"e2b-sandbox-id": sbx.sandbox_id, "e2b-sandbox-port": str(HTTP_PORT)}
+            with httpx.Client(base_url=server.url, timeout=60, trust_env=False) as client:
+                wait_port(client, headers, "/ready")
+                wait_port(client, {**headers, "e2b-sandbox-port": str(WS_PORT)})
+                up = client.post("/upload", content=payload, headers=headers)
+                assert up.status_code == 200, up.text
+                assert up.json()["bytes"] == len(payload)
+            url = server.url.replace("http://", "ws://") + "/"
+            ws_headers = {"e2b-sandbox-id": sbx.sandbox_id, "e2b-sandbox-port": str(WS_PORT)}
+            with ws_sync_connect(url, additional_headers=ws_headers, open_timeout=30) as ws:
+                for i in range(3):
+                    ws.send(f"hello {i}")
+                    assert ws.recv(timeout=30) == f"hello {i}"
+                big = os.urandom(300_000)
+                ws.send(big)
+                assert ws.recv(timeout=30) == big
+        # Both replicas went through exactly one gateway for it: its node's.
+        for server, was in zip(servers, before, strict=True):
+            grew = {g: v - was.get(g, 0.0) for g, v in _tunnels(server).items()}
+            used = [g for g, d in grew.items() if d > 0]
+            assert len(used) == 1, grew
+        # The one the node publishes (`GET /nodes`), not the sandbox's slot address.
+        assert _nodes(servers[1])[node_id]["gateway"] == used[0]
+    finally:
+        sbx.kill(request_timeout=RT)
 
 
 def test_a_cordoned_node_takes_no_new_sandboxes(

@@ -214,6 +214,9 @@ class MemoryRuntime:
         return TemplateInfo(name, 64, 1.0, 1.0, 1, 512, layers=("e" * 64,),
                             env=(("A", "b"),), user="app", workdir="/app")  # fmt: skip
 
+    async def gateway(self, node_id: str) -> str | None:
+        return None
+
     def note_activity(self, runtime_id: str) -> None:
         self.activity.append(runtime_id)
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from agentenv.config import ConfigError, NodeRpcConfig, Settings
+from agentenv.gateway.server import DataGateway
 from agentenv.node.agent import NodeAgent
 from agentenv.noderpc.client import RemoteRuntime
 from agentenv.noderpc.server import serve
@@ -162,3 +163,50 @@ async def test_tls_agent_publishes_https(monkeypatch: pytest.MonkeyPatch, tmp_pa
         assert agent.url.startswith("http://127.0.0.1:")
     finally:
         await agent.server.stop()
+
+
+def test_the_data_gateway_binds_beside_the_rpc_unless_told(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("AGENTENV_NODE_GATEWAY_BIND", raising=False)
+    monkeypatch.delenv("AGENTENV_NODE_GATEWAY_ADDR", raising=False)
+    monkeypatch.setenv("AGENTENV_NODE_BIND", "10.1.2.3:7100")
+    assert Settings.from_env().node_gateway_bind == "10.1.2.3:0"
+    monkeypatch.setenv("AGENTENV_NODE_GATEWAY_BIND", "0.0.0.0:7101")
+    monkeypatch.setenv("AGENTENV_NODE_GATEWAY_ADDR", "node-a.example:7101")
+    settings = Settings.from_env()
+    assert (settings.node_gateway_bind, settings.node_gateway_addr) == (
+        "0.0.0.0:7101",
+        "node-a.example:7101",
+    )
+    monkeypatch.setenv("AGENTENV_NODE_GATEWAY_BIND", "off")
+    assert Settings.from_env().node_gateway_bind == "off"
+    for bad in ("7101", "host:", "host:99999", "host:port"):
+        monkeypatch.setenv("AGENTENV_NODE_GATEWAY_BIND", bad)
+        with pytest.raises(ConfigError, match="AGENTENV_NODE_GATEWAY_BIND"):
+            Settings.from_env()
+
+
+async def test_an_agent_publishes_its_gateway_with_tls_when_its_rpc_has_it(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("AGENTENV_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("AGENTENV_ETCD", "127.0.0.1:1")  # never dialled: not started
+    monkeypatch.setenv("AGENTENV_NODE_TOKEN", "s3cret")
+    monkeypatch.setenv("AGENTENV_NODE_BIND", "0.0.0.0:0")
+    monkeypatch.setenv("AGENTENV_NODE_URL", "http://node-a.example:7100")
+    monkeypatch.delenv("AGENTENV_NODE_GATEWAY_BIND", raising=False)
+    monkeypatch.delenv("AGENTENV_NODE_GATEWAY_ADDR", raising=False)
+    agent = NodeAgent(Settings.from_env())
+    assert agent.gateway_addr == ""  # not started: no gateway yet
+    agent.gateway = DataGateway("0.0.0.0", 7101, "s3cret", lambda _: None)
+    # Bound to every interface: published at the host replicas call the RPC at.
+    assert agent.gateway_addr == "node-a.example:7101"
+    monkeypatch.setenv("AGENTENV_NODE_GATEWAY_ADDR", "gw.example:9")
+    cert, key, _ = _pem_files(tmp_path)
+    monkeypatch.setenv("AGENTENV_NODE_TLS_CERT", str(cert))
+    monkeypatch.setenv("AGENTENV_NODE_TLS_KEY", str(key))
+    monkeypatch.setenv("AGENTENV_NODE_URL", "https://node-a.example:7100")
+    agent = NodeAgent(Settings.from_env())
+    agent.gateway = DataGateway("0.0.0.0", 7101, "s3cret", lambda _: None)
+    assert agent.gateway_addr == "tls://gw.example:9"

@@ -11,6 +11,7 @@ from agentenv.api.keys import KeyRing
 from agentenv.contract.runtime import TemplateSource
 from agentenv.control.sandboxes import SandboxManager
 from agentenv.control.store import LIVE_STATES, SandboxRecord, SandboxState
+from agentenv.gateway.client import GatewayDialer
 from agentenv.proxy.forward import SandboxProxy
 from agentenv.proxy.routing import (
     ENVD_PORT,
@@ -38,12 +39,20 @@ class AgentenvApp:
         templates: TemplateSource,
         *,
         domain: str | None = None,
+        dialer: GatewayDialer | None = None,
     ) -> None:
+        """`dialer`: a cluster replica's, for sandboxes on nodes with a data gateway."""
         self.manager = manager
         self.keys = keys
         self.domain = domain
         self.control = build_control_app(ControlContext(manager, keys, templates, domain))
-        self.proxy = SandboxProxy(self._resolve, manager.metrics, manager.note_activity)
+        self.proxy = SandboxProxy(
+            self._resolve,
+            manager.metrics,
+            manager.note_activity,
+            gateway_of=manager.runtime.gateway,
+            dialer=dialer,
+        )
         # Counts the `/metrics` route refreshed from the store just before the scrape.
         manager.metrics.watch_states(lambda: manager.state_counts_seen, lambda: manager.builds_seen)
         # Pooled connections to a killed or paused sandbox's VM are dead: never reuse them.

@@ -46,6 +46,7 @@ def view(st: NodeStatus) -> dict[str, Any]:
         "paused": body["paused"],
         "updatedAt": body["updated_at"],
         "cordonReason": body["cordon_reason"],
+        "gateway": body["gateway"],
     }
 
 

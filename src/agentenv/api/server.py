@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import ssl
 import sys
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from agentenv.control.metrics import Metrics
 from agentenv.control.ownership import Replicas
 from agentenv.control.sandboxes import SandboxManager
 from agentenv.control.store import SandboxState, Store, open_store
+from agentenv.gateway.client import GatewayDialer
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
@@ -80,6 +82,19 @@ def build_replicas(settings: Settings) -> Replicas | None:
     return ReplicaLease(Etcd.from_settings(settings), ttl_s=settings.replica_ttl_s, owns_etcd=True)
 
 
+def build_dialer(settings: Settings, manager: SandboxManager) -> GatewayDialer | None:
+    """A replica's way to nodes' data gateways (token and CA of the node RPC); None on one
+    server, whose guests are on its own host."""
+    if not settings.etcd_endpoints or not settings.node_token:
+        return None
+    ca = settings.node_rpc.tls_ca
+    tls = ssl.create_default_context(cafile=str(ca)) if ca else ssl.create_default_context()
+    tunnels = manager.metrics.proxy_tunnels
+    return GatewayDialer(
+        settings.node_token, tls, on_tunnel=lambda gateway: tunnels.labels(gateway).inc()
+    )
+
+
 def node_directory(runtime: Runtime) -> NodeDirectory:
     """What `/nodes` lists: the cluster's members, or the one in-process node."""
     from agentenv.cluster.runtime import ClusterRuntime
@@ -119,7 +134,9 @@ def build_app(
         sweep_period_s=settings.sweep_period_s,
         sweep_grace_s=settings.sweep_grace_s,
     )
-    app = AgentenvApp(manager, KeyRing(store), templates, domain=domain)
+    app = AgentenvApp(
+        manager, KeyRing(store), templates, domain=domain, dialer=build_dialer(settings, manager)
+    )
 
     async def pause_running(sandbox_id: str) -> str | None:
         """A drain's step: pause the sandbox with its memory if it runs (through the state

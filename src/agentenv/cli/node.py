@@ -29,13 +29,15 @@ COLUMNS = [
     ("RUNNING", "running"),
     ("PAUSED", "paused"),
     ("RPC", "rpcURL"),
+    ("GATEWAY", "gateway"),
 ]
 
 
 @node_app.callback()
 def agent(ctx: typer.Context) -> None:
     """Without a subcommand: serve this host's sandboxes to the cluster (needs AGENTENV_ETCD,
-    AGENTENV_NODE_TOKEN; AGENTENV_NODE_ID, AGENTENV_NODE_BIND, AGENTENV_NODE_URL optional)."""
+    AGENTENV_NODE_TOKEN; AGENTENV_NODE_ID, AGENTENV_NODE_BIND, AGENTENV_NODE_URL,
+    AGENTENV_NODE_GATEWAY_BIND, AGENTENV_NODE_GATEWAY_ADDR optional)."""
     if ctx.invoked_subcommand is not None:
         return
     from agentenv import __version__

@@ -55,7 +55,7 @@ class NodeInfo:
     node_id: str
     # Where the control plane calls the node agent.
     rpc_url: str
-    # Where a replica's proxy reaches this node's guests (host or host:port).
+    # The host of this node (its RPC URL's); kept for older readers.
     address: str
     capacity: Capacity
     load: Load
@@ -65,6 +65,9 @@ class NodeInfo:
     # Which agent this is: a token kept in its data dir, so a restart of the same agent
     # takes its record over and a second agent started with the same id is refused.
     instance: str = ""
+    # Where a replica's proxy reaches this node's guests: its data gateway (HOST:PORT,
+    # `agentenv.gateway`); "" = at their slot addresses directly (same host only).
+    gateway: str = ""
 
     @property
     def ready(self) -> bool:
@@ -89,6 +92,7 @@ class NodeInfo:
                 version=str(record["version"]),
                 cordoned=cordoned,
                 instance=str(record.get("instance", "")),
+                gateway=str(record.get("gateway", "")),
             )
         except (ValueError, KeyError, TypeError) as error:
             raise BadRecord(f"node record {data[:200]!r}: {error}") from error

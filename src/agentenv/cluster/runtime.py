@@ -32,7 +32,7 @@ import logging
 import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from agentenv.cluster.bindings import Bindings
@@ -110,6 +110,8 @@ class ClusterRuntime:
         self._rng = rng or random.Random()
         self._clients: dict[str, RemoteRuntime] = {}
         self._urls: dict[str, str] = {}
+        # node -> its data gateway ("" = none), from the latest record seen.
+        self._gateways: dict[str, str] = {}
         self._live: set[str] = set()
         # A hint only (sandbox -> node): `note_activity` cannot wait for etcd.
         self._bound: dict[str, str] = {}
@@ -163,10 +165,13 @@ class ClusterRuntime:
     async def _client_for(self, info: NodeInfo) -> RemoteRuntime:
         client = self._clients.get(info.node_id)
         if client is not None and self._urls.get(info.node_id) == info.rpc_url:
+            # A restarted agent keeps its RPC URL but its gateway may bind another port.
+            self._gateways[info.node_id] = info.gateway
             return client
         if client is not None:
             with contextlib.suppress(Exception):
                 await client.close()
+        self._gateways[info.node_id] = info.gateway
         client = RemoteRuntime(info.rpc_url, self.token, config=self.settings.node_rpc)
         await client.start()
         client.watch_lost(self._deliver)
@@ -429,7 +434,7 @@ class ClusterRuntime:
                 self._inflight_mb[info.node_id] -= need
             self._bound[spec.sandbox_id] = info.node_id
             self._placed.setdefault(info.node_id, []).append((time.time(), need))
-            return placement
+            return replace(placement, node_id=info.node_id)
         raise Unavailable(
             "no node could take the sandbox: " + "; ".join(refusals),
             min(retry) if retry else NO_NODE_RETRY_S,
@@ -477,8 +482,8 @@ class ClusterRuntime:
         home = await self.membership.get_node(node_id)
         if home is not None and (home.ready or self.settings.object_store is None):
             # Without object storage its files can only resume where they are.
-            _, client = await self._route(rid)
-            return await client.resume(spec, memory=memory)
+            home_id, client = await self._route(rid)
+            return replace(await client.resume(spec, memory=memory), node_id=home_id)
         if self.settings.object_store is None:
             raise NodeDown(
                 f"sandbox {rid} is paused on node {node_id}, which is not a member of the "
@@ -508,7 +513,7 @@ class ClusterRuntime:
                 # The old copy goes before the caller hears of the new one (a node that is
                 # away drops it when it joins again).
                 await self._forget_on(node_id, rid)
-            return placement
+            return replace(placement, node_id=info.node_id)
         raise Unavailable(
             f"sandbox {rid} could not be resumed on another node: " + "; ".join(refusals),
             NO_NODE_RETRY_S,
@@ -557,10 +562,13 @@ class ClusterRuntime:
 
     async def find(self, runtime_id: str) -> Found | None:
         try:
-            _, client = await self._route(runtime_id)
+            node_id, client = await self._route(runtime_id)
         except Unavailable:
             return None
-        return await client.find(runtime_id)
+        found = await client.find(runtime_id)
+        if found is None or found.placement is None:
+            return found
+        return replace(found, placement=replace(found.placement, node_id=node_id))
 
     async def sandbox_ids(self) -> list[str]:
         clients = [self._clients[n] for n in sorted(self._live) if n in self._clients]
@@ -610,7 +618,17 @@ class ClusterRuntime:
             raise
         for rid in bound:
             self._bound[rid] = node_id
-        return placements
+        return [replace(p, node_id=node_id) for p in placements]
+
+    async def gateway(self, node_id: str) -> str | None:
+        """From the node's record as this replica last saw it (no etcd read per request);
+        a node it has not seen yet is read once."""
+        if node_id not in self._gateways:
+            info = await self.membership.get_node(node_id)
+            if info is None:
+                return None
+            self._gateways[node_id] = info.gateway
+        return self._gateways[node_id] or None
 
     async def snapshots(self) -> list[SnapshotInfo]:
         clients = [self._clients[n] for n in sorted(self._live) if n in self._clients]
@@ -733,6 +751,7 @@ def _status(info: NodeInfo, reason: str, bound: int) -> NodeStatus:
         paused=max(0, bound - info.load.running),
         updated_at=info.load.updated_at,
         cordon_reason=reason if info.cordoned else "",
+        gateway=info.gateway,
     )
 
 

@@ -30,6 +30,8 @@ class NodeStatus:
     # When it last said how loaded it is (unix seconds).
     updated_at: float
     cordon_reason: str = ""
+    # Where replicas reach its guests (its data gateway, [tls://]HOST:PORT); "" = directly.
+    gateway: str = ""
 
 
 class UnknownNode(Exception):

@@ -66,6 +66,9 @@ class Placement:
     # The guest started fresh from its disk (a filesystem-only resume): its envd knows
     # nothing of the sandbox yet and needs the full `/init` (token, env vars).
     booted: bool = False
+    # The cluster node it runs on (None: the in-process node); the proxy reaches `address`
+    # through that node's data gateway (`Runtime.gateway`).
+    node_id: str | None = None
 
 
 class RuntimeFailure(Exception):
@@ -234,6 +237,11 @@ class Runtime(Protocol):
         """Pulls the container image `ref` and registers it as catalog template `name` where
         sandboxes run (a cluster: on one node, which creates from it from then on).
         `on_event` gets the pull's log lines and layer reports, maybe from another thread."""
+        ...
+
+    async def gateway(self, node_id: str) -> str | None:
+        """Where the proxy reaches the guests of cluster node `node_id`: its data gateway
+        (HOST:PORT, `agentenv.gateway`), or None to reach their slot addresses directly."""
         ...
 
     def note_activity(self, runtime_id: str) -> None:

@@ -162,6 +162,12 @@ class Metrics:
             ["outcome"],
             registry=self.registry,
         )
+        self.proxy_tunnels = Counter(
+            "agentenv_proxy_tunnels",
+            "Connections the proxy opened through a node's data gateway",
+            ["gateway"],
+            registry=self.registry,
+        )
 
     def watch_states(
         self, counts: Callable[[], dict[str, int]], builds: Callable[[], int] | None = None

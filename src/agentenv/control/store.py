@@ -94,6 +94,9 @@ class SandboxRecord:
     # transitional by a replica that is no longer alive is settled by another one
     # (`SandboxManager.sweep_orphans`). None on one server, and from older replicas.
     replica_id: str | None = None
+    # The cluster node it runs (or last ran) on, as its placement said; None on one server.
+    # The proxy reaches `address` through that node's data gateway.
+    node_id: str | None = None
     seq: int = 0
 
     @property
@@ -198,7 +201,7 @@ _COLUMNS = (
     "id", "template", "alias", "state", "started_at", "end_at", "cpu", "memory_mb", "disk_mb",
     "envd_version", "metadata", "env_vars", "envd_token", "traffic_token", "auto_pause",
     "auto_resume", "allow_internet", "network", "address", "envd_url", "runtime_id", "api_key_id",
-    "auto_pause_memory", "pause_mode", "team_id", "replica_id",
+    "auto_pause_memory", "pause_mode", "team_id", "replica_id", "node_id",
 )  # fmt: skip
 # Columns added after the first schema: (table, name, declaration), added to older databases.
 _ADDED_COLUMNS = (
@@ -206,6 +209,7 @@ _ADDED_COLUMNS = (
     ("sandboxes", "pause_mode", "TEXT"),
     ("sandboxes", "team_id", "TEXT"),
     ("sandboxes", "replica_id", "TEXT"),
+    ("sandboxes", "node_id", "TEXT"),
     ("api_keys", "team_id", "TEXT"),
 )
 _KEY_COLUMNS = "id, name, prefix, created_at, revoked_at, team_id"
@@ -681,5 +685,6 @@ def _from_row(row: sqlite3.Row) -> SandboxRecord:
         auto_pause_memory=bool(row["auto_pause_memory"]),
         pause_mode=row["pause_mode"],
         replica_id=row["replica_id"],
+        node_id=row["node_id"],
         seq=row["seq"],
     )

@@ -18,6 +18,7 @@ import os
 import random
 import secrets
 import signal
+import ssl
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -26,6 +27,8 @@ from agentenv.cluster.etcd import Etcd
 from agentenv.cluster.locations import Locations
 from agentenv.cluster.membership import Capacity, Load, NodeInfo, NodeRegistration
 from agentenv.config import ConfigError, Settings
+from agentenv.gateway.client import TLS_SCHEME
+from agentenv.gateway.server import DataGateway
 from agentenv.node.runtime import TEMPLATE_SOURCE, CatalogTemplates, NodeRuntime
 from agentenv.noderpc.server import NodeServer
 
@@ -35,11 +38,18 @@ log = logging.getLogger(__name__)
 LOCATIONS_EVERY_S = 10.0
 
 
-def parse_bind(raw: str) -> tuple[str, int]:
+def parse_bind(raw: str, name: str = "AGENTENV_NODE_BIND") -> tuple[str, int]:
     host, sep, port = raw.rpartition(":")
     if not sep or not host or not port.isdigit():
-        raise ConfigError(f"AGENTENV_NODE_BIND={raw!r}: expected HOST:PORT")
+        raise ConfigError(f"{name}={raw!r}: expected HOST:PORT")
     return host.strip("[]"), int(port)
+
+
+def server_tls(cert: Path, key: Path | None) -> ssl.SSLContext:
+    """The gateway serves TLS with the node RPC's certificate."""
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ctx.load_cert_chain(cert, key)
+    return ctx
 
 
 def instance_token(home: Path) -> str:
@@ -85,6 +95,13 @@ class NodeAgent:
             tls_cert=rpc.tls_cert,
             tls_key=rpc.tls_key,
         )
+        # Made in `start` (its TLS files are read then, as the RPC server's are).
+        self.gateway: DataGateway | None = None
+        self._gateway_bind = (
+            None
+            if settings.node_gateway_bind == "off"
+            else parse_bind(settings.node_gateway_bind, "AGENTENV_NODE_GATEWAY_BIND")
+        )
         self.registration: NodeRegistration | None = None
         self._published: set[tuple[str, str]] = set()
         self._catalog = CatalogTemplates(settings)
@@ -102,6 +119,25 @@ class NodeAgent:
     def url(self) -> str:
         return self.settings.node_url or self.server.url
 
+    @property
+    def gateway_addr(self) -> str:
+        """What replicas dial for this node's guests ("" without a gateway)."""
+        if self.gateway is None:
+            return ""
+        scheme = TLS_SCHEME if self.settings.node_rpc.serves_tls else ""
+        if self.settings.node_gateway_addr:
+            return scheme + self.settings.node_gateway_addr
+        host = self.gateway.host
+        if host in ("0.0.0.0", "::", ""):
+            # Bound to every interface: dialled at the host the RPC is published at.
+            host = urlsplit(self.url).hostname or "127.0.0.1"
+        host = f"[{host}]" if ":" in host else host
+        return f"{scheme}{host}:{self.gateway.port}"
+
+    def _guest_address(self, sandbox_id: str) -> str | None:
+        handle = self.runtime.node.running(sandbox_id)
+        return None if handle is None else handle.address
+
     def load(self) -> Load:
         st = self.runtime.status(self.node_id)
         return Load(free_memory_mb=st.free_memory_mb, running=st.running, free_slots=st.free_slots)
@@ -110,16 +146,26 @@ class NodeAgent:
         await self.runtime.start()
         try:
             await self.server.start()
+            if self._gateway_bind is not None:
+                rpc = self.settings.node_rpc
+                assert self.settings.node_token is not None
+                self.gateway = DataGateway(
+                    *self._gateway_bind,
+                    self.settings.node_token,
+                    self._guest_address,
+                    tls=server_tls(rpc.tls_cert, rpc.tls_key) if rpc.tls_cert else None,
+                )
+                await self.gateway.start()
             st = self.runtime.status(self.node_id)
             info = NodeInfo(
                 node_id=self.node_id,
                 rpc_url=self.url,
-                # Guests are reached at their slot addresses, routed to this host.
                 address=urlsplit(self.url).hostname or "127.0.0.1",
                 capacity=Capacity(cpus=st.cpus, memory_mb=st.memory_mb, slots=st.slots),
                 load=self.load(),
                 version=self.version,
                 instance=await asyncio.to_thread(instance_token, self.settings.home),
+                gateway=self.gateway_addr,
             )
             self.registration = NodeRegistration(
                 self.etcd, info, ttl_s=self.settings.node_ttl_s, load_source=self.load
@@ -133,7 +179,8 @@ class NodeAgent:
         except BaseException:
             await self.stop()
             raise
-        log.info("node %s serving at %s", self.node_id, self.url)
+        log.info("node %s serving at %s, guests through %s", self.node_id, self.url,
+                 self.gateway_addr or "their slot addresses")  # fmt: skip
 
     async def stop(self) -> None:
         for task in (self._locations, self._bucket_gc):
@@ -147,6 +194,8 @@ class NodeAgent:
                 await self.registration.stop(deregister=True)
             self.registration = None
         await self.server.stop()
+        if self.gateway is not None:
+            await self.gateway.stop()
         await self.runtime.close()
         await self.etcd.close()
 

@@ -409,6 +409,10 @@ class NodeRuntime:
             raise BadRequest(str(exc)) from exc
         return [_placement(h) for h in made]
 
+    async def gateway(self, node_id: str) -> str | None:
+        """Guests of this node are reached at their slot addresses."""
+        return None
+
     def note_activity(self, runtime_id: str) -> None:
         self.node.memory.note_activity(runtime_id)
 

@@ -417,6 +417,10 @@ class RemoteRuntime:
 
     # activity ----------------------------------------------------------------------------
 
+    async def gateway(self, node_id: str) -> str | None:
+        """Guests of this node are reached at their slot addresses."""
+        return None
+
     def note_activity(self, runtime_id: str) -> None:
         pending = self._activity
         if runtime_id in pending:

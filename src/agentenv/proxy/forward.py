@@ -26,6 +26,7 @@ from websockets.typing import Subprotocol
 
 from agentenv.control.metrics import Metrics
 from agentenv.control.store import SandboxRecord, SandboxState
+from agentenv.gateway.client import GatewayDialer, TunnelError
 from agentenv.proxy.routing import ENVD_PORT, ROUTING_HEADERS, TRAFFIC_TOKEN_HEADER, Sandbox
 from agentenv.proxy.wire import Receive, Scope, Send, send_json
 
@@ -36,6 +37,8 @@ log = logging.getLogger("agentenv.proxy")
 Resolver = Callable[[str], Awaitable[SandboxRecord | None]]
 # Told about every request that reaches a sandbox (memory reclaim keys idleness off it).
 ActivityHook = Callable[[SandboxRecord], None]
+# node id -> its data gateway (HOST:PORT), None to reach its guests' addresses directly.
+GatewayOf = Callable[[str], Awaitable[str | None]]
 
 _HOP_BY_HOP = frozenset(
     (
@@ -153,12 +156,23 @@ def _refusal(sandbox_id: str, rec: SandboxRecord | None) -> dict[str, Any]:
 
 class SandboxProxy:
     def __init__(
-        self, resolve: Resolver, metrics: Metrics, on_activity: ActivityHook | None = None
+        self,
+        resolve: Resolver,
+        metrics: Metrics,
+        on_activity: ActivityHook | None = None,
+        *,
+        gateway_of: GatewayOf | None = None,
+        dialer: GatewayDialer | None = None,
     ) -> None:
+        """With `gateway_of` and `dialer` (a cluster replica), a sandbox on a node that has a
+        data gateway is reached through tunnels that node's gateway opens."""
         self._resolve = resolve
         self._metrics = metrics
         self._on_activity = on_activity
-        self._pools: dict[str, tuple[str, httpx.AsyncClient]] = {}
+        self._gateway_of = gateway_of
+        self._dialer = dialer
+        # Per sandbox: (slot address, gateway or None) the pool goes to, and the pool.
+        self._pools: dict[str, tuple[tuple[str, str | None], httpx.AsyncClient]] = {}
         # Per sandbox, one event per open request; `drop` sets them.
         self._open: dict[str, set[asyncio.Event]] = {}
 
@@ -189,22 +203,37 @@ class SandboxProxy:
                 if not open_here:
                     del self._open[sandbox_id]
 
-    def _pool(self, rec: SandboxRecord) -> httpx.AsyncClient:
+    async def _via(self, rec: SandboxRecord) -> str | None:
+        """The data gateway the sandbox is reached through, None for its address itself."""
+        if rec.node_id is None or self._gateway_of is None or self._dialer is None:
+            return None
+        return await self._gateway_of(rec.node_id)
+
+    async def _pool(self, rec: SandboxRecord) -> httpx.AsyncClient:
         assert rec.address is not None
+        key = (rec.address, await self._via(rec))
         entry = self._pools.get(rec.id)
-        if entry is not None and entry[0] == rec.address:
+        if entry is not None and entry[0] == key:
             return entry[1]
+        via = key[1]
+        transport = None
+        if via is not None:
+            assert self._dialer is not None
+            transport = self._dialer.transport(
+                via, rec.id, limits=_UPSTREAM_LIMITS, verify=_UPSTREAM_TLS
+            )
         client = httpx.AsyncClient(
             timeout=_UPSTREAM_TIMEOUT,
             limits=_UPSTREAM_LIMITS,
             trust_env=False,
             # Only used for `httpsPorts` (plain http elsewhere); see `_unverified_tls`.
             verify=_UPSTREAM_TLS,
+            transport=transport,
         )
         if entry is not None:
-            # A resumed sandbox may sit on another slot; the old pool points nowhere.
+            # A resumed sandbox may sit on another slot or node; the old pool points nowhere.
             asyncio.get_running_loop().create_task(entry[1].aclose())
-        self._pools[rec.id] = (rec.address, client)
+        self._pools[rec.id] = (key, client)
         return client
 
     async def _admit(
@@ -279,7 +308,7 @@ class SandboxProxy:
         request = httpx.Request(
             scope["method"], url, headers=fwd, content=body() if has_body else None
         )
-        client = self._pool(rec)
+        client = await self._pool(rec)
         with self._opened(rec.id) as cut:
             await self._exchange(rec, target, client, request, receive, send, cut, lambda: sent_up)
 
@@ -421,11 +450,20 @@ class SandboxProxy:
         if forwarded_host:
             extra.append(("x-forwarded-host", forwarded_host))
         subprotocols = [s.strip() for s in headers.get("sec-websocket-protocol", "").split(",")]
+        # Through a node's gateway the socket is a tunnel's end; else the slot address.
+        where: dict[str, Any] = {"host": rec.address, "port": target.port}
+        relay: asyncio.Task[None] | None = None
+        via = await self._via(rec)
         try:
+            if via is not None:
+                assert self._dialer is not None
+                sock, relay = await self._dialer.socket(via, rec.id, target.port)
+                where = {"sock": sock}
+                if https:
+                    where["server_hostname"] = rec.address
             upstream = await ws_connect(
                 url,
-                host=rec.address,
-                port=target.port,
+                **where,
                 ssl=_UPSTREAM_TLS if https else None,
                 additional_headers=extra,
                 subprotocols=[Subprotocol(s) for s in subprotocols if s] or None,
@@ -436,13 +474,15 @@ class SandboxProxy:
                 user_agent_header=None,
             )
         except InvalidStatus as exc:
+            await _cancel(relay)
             await _ws_reject(
                 send,
                 exc.response.status_code,
                 {"code": exc.response.status_code, "message": "upstream refused the WebSocket"},
             )
             return
-        except (OSError, InvalidHandshake, TimeoutError) as exc:
+        except (OSError, InvalidHandshake, TimeoutError, TunnelError) as exc:
+            await _cancel(relay)
             await _ws_reject(
                 send,
                 502,
@@ -452,14 +492,20 @@ class SandboxProxy:
                 },
             )
             return
-        async with upstream:
-            await send({"type": "websocket.accept", "subprotocol": upstream.subprotocol})
-            with self._opened(rec.id) as cut:
-                try:
-                    await _unless_cut(self._ws_pump(upstream, receive, send), cut)
-                except _SandboxGone:
-                    with contextlib.suppress(Exception):
-                        await send({"type": "websocket.close", "code": 1011})
+        except BaseException:
+            await _cancel(relay)
+            raise
+        try:
+            async with upstream:
+                await send({"type": "websocket.accept", "subprotocol": upstream.subprotocol})
+                with self._opened(rec.id) as cut:
+                    try:
+                        await _unless_cut(self._ws_pump(upstream, receive, send), cut)
+                    except _SandboxGone:
+                        with contextlib.suppress(Exception):
+                            await send({"type": "websocket.close", "code": 1011})
+        finally:
+            await _cancel(relay)
 
     async def _ws_pump(self, upstream: ClientConnection, receive: Receive, send: Send) -> None:
         async def down() -> None:
@@ -499,6 +545,12 @@ class SandboxProxy:
             for task in tasks:
                 with contextlib.suppress(asyncio.CancelledError, ConnectionClosed):
                     await task
+
+
+async def _cancel(task: asyncio.Task[None] | None) -> None:
+    if task is not None:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
 
 
 async def _ws_reject(send: Send, status: int, body: dict[str, Any]) -> None:

@@ -1,0 +1,260 @@
+"""The node side: an HTTP CONNECT server that joins a replica's tunnel to a guest port.
+
+One request per connection: ``CONNECT <sandbox id>:<port> HTTP/1.1`` with
+``Proxy-Authorization: Bearer <node token>`` (or Basic with the token as password, as
+generic CONNECT clients send it). The answer is ``200`` and then the bytes of the guest's
+port both ways, or an error with a ``{"code","message"}`` body and the connection closed:
+400 a malformed request, 405 another method, 407 no or a wrong token, 404 no such sandbox
+running here, 502 the guest does not accept on that port, 504 it did not answer in time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import contextlib
+import json
+import logging
+import secrets
+import ssl
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+# A request head is a line and a few headers; anything longer is not our client.
+MAX_HEAD_BYTES = 16 * 1024
+HEAD_TIMEOUT_S = 10.0
+CONNECT_TIMEOUT_S = 5.0
+CHUNK = 256 * 1024
+
+# sandbox id -> the slot address it is reached at, None unless it runs on this node now.
+Resolve = Callable[[str], str | None]
+
+
+class BadRequest(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+@dataclass(frozen=True)
+class Target:
+    sandbox_id: str
+    port: int
+
+
+_REASONS = {
+    400: "Bad Request",
+    404: "Not Found",
+    405: "Method Not Allowed",
+    407: "Proxy Authentication Required",
+    502: "Bad Gateway",
+    504: "Gateway Timeout",
+}
+
+
+def parse_head(head: bytes, token: str) -> Target:
+    """The tunnel a request head asks for, once its token is checked; `BadRequest` if not."""
+    try:
+        text = head.decode("latin-1")
+    except UnicodeDecodeError as exc:  # pragma: no cover - latin-1 decodes every byte
+        raise BadRequest(400, "the request head is not text") from exc
+    lines = text.split("\r\n")
+    parts = lines[0].split(" ")
+    if len(parts) != 3 or not parts[2].startswith("HTTP/1."):
+        raise BadRequest(400, f"not an HTTP/1 request line: {lines[0][:200]!r}")
+    method, authority, _ = parts
+    if method != "CONNECT":
+        raise BadRequest(405, f"only CONNECT is served here, not {method[:20]}")
+    headers: dict[str, str] = {}
+    for line in lines[1:]:
+        if not line:
+            continue
+        name, sep, value = line.partition(":")
+        if not sep:
+            raise BadRequest(400, f"malformed header line {line[:200]!r}")
+        headers[name.strip().lower()] = value.strip()
+    if not _authorized(headers.get("proxy-authorization", ""), token):
+        raise BadRequest(407, "a valid node token is required (Proxy-Authorization)")
+    host, sep, port_text = authority.rpartition(":")
+    if not sep or not host or not port_text.isdigit() or not 0 < int(port_text) < 65536:
+        raise BadRequest(400, f"expected <sandbox id>:<port>, got {authority[:200]!r}")
+    return Target(host, int(port_text))
+
+
+def _authorized(value: str, token: str) -> bool:
+    scheme, _, credentials = value.partition(" ")
+    given = ""
+    if scheme.lower() == "bearer":
+        given = credentials.strip()
+    elif scheme.lower() == "basic":
+        try:
+            decoded = base64.b64decode(credentials.strip(), validate=True).decode()
+        except (binascii.Error, UnicodeDecodeError):
+            return False
+        given = decoded.partition(":")[2]
+    return bool(given) and secrets.compare_digest(given.encode(), token.encode())
+
+
+def _answer(status: int, message: str) -> bytes:
+    body = json.dumps({"code": status, "message": message}).encode()
+    return (
+        f"HTTP/1.1 {status} {_REASONS.get(status, 'Error')}\r\n"
+        "Content-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n"
+        + ("Proxy-Authenticate: Bearer\r\n" if status == 407 else "")
+        + "Connection: close\r\n\r\n"
+    ).encode() + body
+
+
+async def _copy(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> bool:
+    """Until `src` ends; then `dst` is half-closed, so a request body's end reaches the
+    guest while its answer still flows back. False: `dst` cannot be half-closed (TLS)."""
+    while chunk := await src.read(CHUNK):
+        dst.write(chunk)
+        await dst.drain()
+    if not dst.can_write_eof() or dst.is_closing():
+        return False
+    with contextlib.suppress(OSError, RuntimeError):
+        dst.write_eof()
+    return True
+
+
+async def _both_ways(
+    reader: asyncio.StreamReader,
+    writer: asyncio.StreamWriter,
+    up_reader: asyncio.StreamReader,
+    upstream: asyncio.StreamWriter,
+) -> None:
+    """Until both directions end, or either fails (then the other is cut too)."""
+    tasks = [
+        asyncio.create_task(_copy(reader, upstream)),
+        asyncio.create_task(_copy(up_reader, writer)),
+    ]
+    try:
+        done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        # One side ended. If its end could be passed on as a half-close, the other
+        # direction goes on; else (over TLS) the peer would wait for an end that never
+        # comes, so the whole tunnel ends now.
+        if pending and all(
+            not t.cancelled() and t.exception() is None and t.result() for t in done
+        ):
+            await asyncio.wait(pending, return_when=asyncio.FIRST_EXCEPTION)
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class DataGateway:
+    """`await start()`, then `port` is bound; `await stop()` ends every open tunnel."""
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        token: str,
+        resolve: Resolve,
+        *,
+        tls: ssl.SSLContext | None = None,
+        connect_timeout_s: float = CONNECT_TIMEOUT_S,
+        head_timeout_s: float = HEAD_TIMEOUT_S,
+    ) -> None:
+        if not token:
+            raise ValueError("a data gateway needs the node token")
+        self.host = host
+        self.port = port
+        self._token = token
+        self._resolve = resolve
+        self._tls = tls
+        self._connect_timeout_s = connect_timeout_s
+        self._head_timeout_s = head_timeout_s
+        self._server: asyncio.Server | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
+        # Tunnels opened since start, and open now (tests and logs read them).
+        self.opened = 0
+        self.refused = 0
+
+    @property
+    def open_tunnels(self) -> int:
+        return len(self._tasks)
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(
+            self._serve, self.host, self.port, ssl=self._tls, limit=MAX_HEAD_BYTES
+        )
+        self.port = self._server.sockets[0].getsockname()[1]
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._tasks.add(task)
+        upstream: asyncio.StreamWriter | None = None
+        try:
+            try:
+                _, up_reader, upstream = await self._open(reader)
+            except BadRequest as refusal:
+                self.refused += 1
+                writer.write(_answer(refusal.status, refusal.message))
+                with contextlib.suppress(OSError, ConnectionError):
+                    await asyncio.wait_for(writer.drain(), self._head_timeout_s)
+                return
+            self.opened += 1
+            writer.write(b"HTTP/1.1 200 Connection Established\r\n\r\n")
+            await writer.drain()
+            await _both_ways(reader, writer, up_reader, upstream)
+        except (OSError, ConnectionError, asyncio.IncompleteReadError, TimeoutError) as exc:
+            log.debug("gateway: tunnel ended: %r", exc)
+        finally:
+            self._tasks.discard(task)
+            for w in (upstream, writer):
+                if w is not None:
+                    w.close()
+            for w in (upstream, writer):
+                if w is not None:
+                    with contextlib.suppress(Exception):
+                        await asyncio.wait_for(w.wait_closed(), 2.0)
+
+    async def _open(
+        self, reader: asyncio.StreamReader
+    ) -> tuple[Target, asyncio.StreamReader, asyncio.StreamWriter]:
+        try:
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), self._head_timeout_s)
+        except TimeoutError:
+            raise BadRequest(400, f"no request head in {self._head_timeout_s:g}s") from None
+        except asyncio.LimitOverrunError:
+            raise BadRequest(400, f"request head over {MAX_HEAD_BYTES} bytes") from None
+        except asyncio.IncompleteReadError:
+            raise BadRequest(400, "the connection ended inside the request head") from None
+        target = parse_head(head[:-4], self._token)
+        address = self._resolve(target.sandbox_id)
+        if address is None:
+            raise BadRequest(404, f"sandbox {target.sandbox_id} does not run on this node")
+        try:
+            up_reader, upstream = await asyncio.wait_for(
+                asyncio.open_connection(address, target.port, limit=CHUNK),
+                self._connect_timeout_s,
+            )
+        except TimeoutError:
+            raise BadRequest(
+                504,
+                f"port {target.port} of sandbox {target.sandbox_id} did not accept in "
+                f"{self._connect_timeout_s:g}s",
+            ) from None
+        except OSError as exc:
+            raise BadRequest(
+                502, f"port {target.port} of sandbox {target.sandbox_id} is not open: {exc}"
+            ) from None
+        return target, up_reader, upstream
