@@ -377,3 +377,18 @@ async def test_a_catalog_template_is_placed_only_where_a_node_has_it(
     with pytest.raises(Unavailable, match="n2"):
         await cluster.create(spec("img-x", template="py-image"))
     assert await cluster.bindings.get("sb-img-x") is None
+
+
+async def test_a_snapshot_delete_leaves_a_tombstone_for_nodes_that_were_away(
+    cluster: ClusterRuntime, nodes: list[FakeNode]
+) -> None:
+    snap_id = "ab" * 16
+    assert not await cluster.tombstones.has(snap_id)
+    assert await cluster.delete_snapshot(snap_id) is False  # no live node held it
+    # Written before any node is asked: a node that missed the delete drops its copy later.
+    assert await cluster.tombstones.has(snap_id)
+    assert snap_id in await cluster.tombstones.all()
+    assert all(("delete_snapshot", (snap_id,)) in n.runtime.calls for n in nodes)
+    # A name that is not a snapshot id leaves none (the nodes refuse it themselves).
+    await cluster.delete_snapshot("build-final-x")
+    assert "build-final-x" not in await cluster.tombstones.all()

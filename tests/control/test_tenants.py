@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import sqlite3
 import time
 from pathlib import Path
@@ -11,8 +12,11 @@ import pytest
 
 from agentenv.api.keys import KeyRing, TeamExists, UnknownTeam, hash_key
 from agentenv.contract.errors import TooManyRequests
+from agentenv.control.etcd_store import EtcdStore
 from agentenv.control.store import DEFAULT_TEAM, SandboxRecord, SandboxState, SqliteStore, Store
-from agentenv.control.tenants import TeamLimits
+from agentenv.control.tenants import SharedPlaces, TeamLimits
+
+from .conftest import OpenStore
 
 # The schema as the last release before teams left it (no team_id anywhere, no teams table).
 _OLD_SCHEMA = """
@@ -110,6 +114,24 @@ async def test_teams_and_their_keys(store: Store, tmp_path: Path) -> None:
         await store.close()
 
 
+async def test_of_servers_starting_together_on_an_empty_store_one_makes_the_first_key(
+    open_store: OpenStore, tmp_path: Path
+) -> None:
+    """Replicas started at once on one fresh store (each its own store client): exactly one
+    writes a key file, and the store holds exactly that one key."""
+    rings = [KeyRing(open_store()) for _ in range(6)]
+    homes = [tmp_path / f"home-{i}" for i in range(len(rings))]
+    made = await asyncio.gather(*(r.ensure_initial(h) for r, h in zip(rings, homes, strict=True)))
+    files = [m for m in made if m is not None]
+    assert len(files) == 1, made
+    keys = await rings[0].list()
+    assert len(keys) == 1 and keys[0].team_id == DEFAULT_TEAM
+    assert await rings[1].verify(files[0].read_text().strip()) is not None
+    # A later start finds it and makes none.
+    assert await KeyRing(open_store()).ensure_initial(tmp_path / "later") is None
+    assert len(await rings[0].list()) == 1
+
+
 async def _running(store: Store, team: str, end_in: float = 300.0) -> None:
     now = time.time()
     await store.insert(
@@ -140,6 +162,65 @@ async def test_concurrency_counts_the_teams_active_sandboxes_and_held_places(
             await limits.admit(team.id, 2)
     finally:
         await store.close()
+
+
+async def test_replicas_sharing_a_store_never_admit_more_than_the_limit_together(
+    open_store: OpenStore, request: pytest.FixtureRequest
+) -> None:
+    """Two replicas (each its own store client and TeamLimits) on one etcd, 10 concurrent
+    reserves of a team limited to 3: exactly 3 are admitted, in flight or with rows; a
+    replica that dies mid-create (its lease revoked) leaves no place taken."""
+    if "sqlite" in request.node.callspec.id:
+        pytest.skip("one SQLite file is one server's: nothing is shared across processes")
+    a, b = open_store(), open_store()
+    assert isinstance(a, SharedPlaces) and isinstance(a, EtcdStore)
+    team = await KeyRing(a).create_team("shared")
+    await a.set_team_limits(team.id, max_sandboxes=3, creates_per_minute=None)
+    lease_a = await a.etcd.grant_lease(300)
+    lease_b = await b.etcd.grant_lease(300)  # type: ignore[attr-defined]
+    limits = [TeamLimits(a, lease=lambda: lease_a), TeamLimits(b, lease=lambda: lease_b)]
+    release = asyncio.Event()
+    admitted: list[int] = []
+
+    async def one(i: int) -> None:
+        async with limits[i % 2].reserve(team.id):
+            admitted.append(i)
+            await release.wait()
+
+    async def settled(tasks: list[asyncio.Task[None]], want: int) -> set[asyncio.Task[None]]:
+        """Once `want` of them are done (the refused), the rest waiting inside."""
+        async with asyncio.timeout(20):
+            while sum(t.done() for t in tasks) < want:  # noqa: ASYNC110
+                await asyncio.sleep(0.05)
+        return {t for t in tasks if t.done()}
+
+    tasks = [asyncio.create_task(one(i)) for i in range(10)]
+    done = await settled(tasks, 7)
+    refused = [t for t in done if isinstance(t.exception(), TooManyRequests)]
+    assert len(admitted) == 3 and len(refused) == 7, (admitted, len(done))
+    # The check-only admit sees the other replica's places too.
+    with pytest.raises(TooManyRequests):
+        await limits[1].admit(team.id)
+    release.set()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    holds, _ = await a.etcd.get_prefix(a.etcd.dir("team-holds"))
+    assert holds == []
+    # Two rows run now: of six more reserves at once, one fits.
+    await _running(a, team.id)
+    await _running(b, team.id)
+    admitted.clear()
+    release.clear()
+    tasks = [asyncio.create_task(one(i)) for i in range(6)]
+    done = await settled(tasks, 5)
+    assert len(admitted) == 1 and len(done) == 5
+    # The replica holding that place dies: its lease goes, so does the place.
+    holder = lease_a if admitted[0] % 2 == 0 else lease_b
+    await a.etcd.revoke_lease(holder)
+    survivor = limits[1] if holder == lease_a else limits[0]
+    async with survivor.reserve(team.id):
+        pass
+    release.set()
+    await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def test_the_create_rate_is_a_token_bucket(store: Store) -> None:

@@ -146,6 +146,16 @@ def test_creates_spread_and_answer_through_the_control_plane(
             b.kill(request_timeout=RT)
 
 
+def _wait_ready(server: Any, node_ids: tuple[str, ...], within_s: float = 60.0) -> None:
+    deadline = time.monotonic() + within_s
+    while True:
+        listed = _nodes(server)
+        if all(listed.get(n, {}).get("state") == "ready" for n in node_ids):
+            return
+        assert time.monotonic() < deadline, listed
+        time.sleep(0.5)
+
+
 def _node_series(metrics: str, node_id: str) -> dict[str, float]:
     """`agentenv_node_<name>{node_id="<node_id>"[,<labels>]} <value>` as {name[{labels}]: value}."""
     out: dict[str, float] = {}
@@ -390,11 +400,21 @@ def test_a_snapshot_taken_on_one_node_is_created_from_on_another(
         if child is not None:
             child.kill(request_timeout=RT)
         src.kill(request_timeout=RT)
-    # Deleted through the other replica: gone from both nodes' disks and the bucket.
+    # Deleted through the other replica while node C (which pulled a copy) is down: gone
+    # from node A's disk and the bucket at once, and from node C's when it comes back,
+    # before it serves again (the delete's tombstone).
+    node_c = nodes[2]
+    assert (node_c.home / "snapshots" / snap.snapshot_id).exists()
+    node_c.stop()
     r1 = cluster["servers"][1]
     for k, v in r1.sdk_env().items():
         monkeypatch.setenv(k, v)
-    assert Sandbox.delete_snapshot(snap.snapshot_id, request_timeout=RT) is True
+    try:
+        assert Sandbox.delete_snapshot(snap.snapshot_id, request_timeout=RT) is True
+        assert (node_c.home / "snapshots" / snap.snapshot_id).exists(), "down: not asked"
+    finally:
+        node_c.start()
+    _wait_ready(server, NODES)
     for node in nodes:
         assert not (node.home / "snapshots" / snap.snapshot_id).exists(), node.node_id
     assert Sandbox.delete_snapshot(snap.snapshot_id, request_timeout=RT) is False

@@ -292,3 +292,29 @@ async def test_a_tls_gateway_is_verified_and_carries_the_same_traffic(
         assert gw.opened == 2
     finally:
         await gw.stop()
+
+
+async def test_tunnels_beyond_the_cap_are_refused_at_once(guests: Guests) -> None:
+    gw = DataGateway("127.0.0.1", 0, TOKEN, _resolve, max_tunnels=3)
+    await gw.start()
+    dialer = GatewayDialer(TOKEN)
+    held = []
+    try:
+        for _ in range(3):
+            held.append(await dialer.socket(_address(gw), "sbx1", guests.ws_port))
+        with pytest.raises(TunnelRefused) as refused:
+            await dialer.open(_address(gw), "sbx1", guests.ws_port)
+        assert refused.value.status == 503 and "3 tunnels" in refused.value.message
+        # One closed, one more fits.
+        sock, relay = held.pop()
+        sock.close()
+        await asyncio.wait_for(relay, 5)
+        deadline = time.monotonic() + 5
+        while gw.open_tunnels >= 3 and time.monotonic() < deadline:  # noqa: ASYNC110
+            await asyncio.sleep(0.05)
+        held.append(await dialer.socket(_address(gw), "sbx1", guests.ws_port))
+    finally:
+        for sock, relay in held:
+            sock.close()
+            relay.cancel()
+        await gw.stop()

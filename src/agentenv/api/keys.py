@@ -110,10 +110,21 @@ class KeyRing:
         return await self.team(found.id)
 
     async def ensure_initial(self, home: Path) -> Path | None:
-        """On first start, create a key and write it to a 0600 file; returns the file if new."""
+        """On first start, create a key and write it to a 0600 file; returns the file if new.
+        Of servers starting together on one empty store (replicas), one makes it."""
         if await self.store.keys():
             return None
-        _, secret = await self.create("default")
+        found = await self.team(DEFAULT_TEAM)
+        secret = KEY_PREFIX + secrets.token_hex(20)
+        made = await self.store.add_first_key(
+            "k" + secrets.token_hex(6),
+            "default",
+            secret[: len(KEY_PREFIX) + 4],
+            hash_key(secret),
+            found.id,
+        )
+        if made is None:
+            return None
         path = key_file(home)
         path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)

@@ -40,10 +40,12 @@ from agentenv.cluster.catalog import SharedCatalog
 from agentenv.cluster.etcd import Etcd
 from agentenv.cluster.locations import Locations
 from agentenv.cluster.membership import Membership, NodeInfo
+from agentenv.cluster.tombstones import SnapshotTombstones
 from agentenv.config import Settings
 from agentenv.contract.errors import BadRequest, Unavailable
 from agentenv.contract.nodes import NodeDirectory, NodeStatus, UnknownNode
 from agentenv.contract.runtime import (
+    SNAPSHOT_ID,
     Found,
     HostMemory,
     ImportEvent,
@@ -106,6 +108,7 @@ class ClusterRuntime:
         self.bindings = Bindings(self.etcd)
         self.locations = Locations(self.etcd)
         self.catalog = SharedCatalog(self.etcd)
+        self.tombstones = SnapshotTombstones(self.etcd)
         self.sample_k = max(1, sample_k)
         self._rng = rng or random.Random()
         self._clients: dict[str, RemoteRuntime] = {}
@@ -667,8 +670,10 @@ class ClusterRuntime:
 
     async def delete_snapshot(self, snapshot_id: str) -> bool:
         """Every live node deletes its copy (the first also the bucket's). A node that is down
-        keeps its files until it is asked again; if no node answers, nothing is known
-        deleted (503)."""
+        deletes its copy when it comes back, before it registers (the tombstone written
+        first, `cluster.tombstones`); if no node answers, nothing is known deleted (503)."""
+        if SNAPSHOT_ID.fullmatch(snapshot_id):
+            await self.tombstones.add(snapshot_id)
         clients = [self._clients[n] for n in sorted(self._live) if n in self._clients]
         answers = await asyncio.gather(
             *(c.delete_snapshot(snapshot_id) for c in clients), return_exceptions=True

@@ -506,6 +506,52 @@ class EtcdStore:
                 return None  # an earlier attempt of this very take won; its answer was lost
         raise StoreConflict(f"team {team_id}: {MAX_CAS_ATTEMPTS} rate-bucket writes lost")
 
+    async def take_places(
+        self, team_id: str, count: int, limit: int, hold_id: str, lease: int
+    ) -> float | None:
+        """Holds `count` of the team's `limit` places for every replica to see
+        (`team-holds/<team>/<hold_id>`, under `lease`), or returns the team's soonest
+        sandbox end (0 if none) and holds nothing.
+
+        Exact across replicas: every hold bumps the team's gate key in the transaction that
+        writes it, guarded by the gate's revision read first, so of two admissions that saw
+        the same places one fails and reads again. The holds are read before the rows: a
+        hold released after that read was released after its row was inserted, so the rows
+        read next include it (counted twice at worst, never missed)."""
+        team = _b64(team_id)
+        gate = self.etcd.key("team-gates", team)
+        hold = self.etcd.key("team-holds", team, hold_id)
+        active = {s.value for s in ACTIVE_STATES}
+        for _ in range(MAX_CAS_ATTEMPTS):
+            gate_kv = await self.etcd.get(gate)
+            holds, _ = await self.etcd.get_prefix(self.etcd.dir("team-holds", team))
+            held = sum(int(json.loads(kv.value)["count"]) for kv in holds)
+            ends = [
+                float(r["end_at"])
+                for r in await self._live_rows()
+                if (r.get("team_id") or DEFAULT_TEAM) == team_id
+                and not _is_build(r)
+                and r["state"] in active
+            ]
+            if len(ends) + held + count > limit:
+                return min(ends) if ends else 0.0
+            guard = (
+                created_at(gate, 0) if gate_kv is None else modified_at(gate, gate_kv.mod_revision)
+            )
+            value = json.dumps({"count": count, "at": time.time()}).encode()
+            result = await self.etcd.txn(
+                [guard],
+                [put_op(gate, hold_id.encode()), put_op(hold, value, lease)],
+                [get_op(hold)],
+            )
+            if result.succeeded or result.ranges[0]:
+                # Won, or an earlier attempt of this very hold won and its answer was lost.
+                return None
+        raise StoreConflict(f"team {team_id}: {MAX_CAS_ATTEMPTS} admissions lost their race")
+
+    async def release_places(self, team_id: str, hold_id: str) -> None:
+        await self.etcd.delete(self.etcd.key("team-holds", _b64(team_id), hold_id))
+
     async def snapshot_owner(self, snapshot_id: str) -> str:
         kv = await self.etcd.get(self.etcd.key("snapshot-owners", _b64(snapshot_id)))
         return kv.value.decode() if kv is not None else DEFAULT_TEAM
@@ -540,6 +586,24 @@ class EtcdStore:
         if not (result.succeeded or (result.ranges[0] and result.ranges[0][0].value == value)):
             raise DuplicateKey(f"API key {key_id} (or its hash) exists already")
         return key
+
+    async def add_first_key(
+        self, key_id: str, name: str, prefix: str, key_hash: str, team_id: str = DEFAULT_TEAM
+    ) -> ApiKey | None:
+        """Under a marker made in the same transaction: once any replica made the first key,
+        no other ever does (even after every key was revoked)."""
+        if not _part_ok(key_id):
+            raise ValueError(f"API key id {key_id!r}: not a valid key part")
+        key = ApiKey(key_id, name, prefix, time.time(), None, team_id)
+        value = _dumps({**dataclasses.asdict(key), "hash": key_hash})
+        by_id, by_hash = self._key_key(key_id), self._hash_key(key_hash)
+        marker = self.etcd.key("first-api-key")
+        result = await self.etcd.txn(
+            [created_at(marker, 0), created_at(by_id, 0), created_at(by_hash, 0)],
+            [put_op(marker, key_id.encode()), put_op(by_id, value), put_op(by_hash, value)],
+            [],
+        )
+        return key if result.succeeded else None
 
     async def key_by_hash(self, key_hash: str) -> ApiKey | None:
         kv = await self.etcd.get(self._hash_key(key_hash))

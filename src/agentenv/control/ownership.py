@@ -31,6 +31,9 @@ class Replicas(Protocol):
     process's registration and who else is alive now."""
 
     replica_id: str
+    # Its current etcd lease (0 before it registered): what it holds in the store lives
+    # only as long as it does (`control.tenants`' places).
+    lease_id: int
 
     async def start(self) -> None: ...
 

@@ -179,7 +179,8 @@ class SandboxManager:
         # Whether proxy traffic resumes a paused sandbox whose create request left it unset.
         self.auto_resume = auto_resume
         # Each team's own limits (concurrent sandboxes, create rate); none by default.
-        self.limits = TeamLimits(store)
+        own = self.replicas
+        self.limits = TeamLimits(store, lease=(lambda: own.lease_id) if own is not None else None)
         self._retention_checked = 0.0
         self._locks: dict[str, asyncio.Lock] = {}
         self._reaper: asyncio.Task[None] | None = None

@@ -277,6 +277,11 @@ class Store(Protocol):
     async def add_key(
         self, key_id: str, name: str, prefix: str, key_hash: str, team_id: str = DEFAULT_TEAM
     ) -> ApiKey: ...
+    # The store's first key, atomically: None if it has (or, on etcd, ever had) one, so of
+    # replicas starting together on an empty store exactly one makes it.
+    async def add_first_key(
+        self, key_id: str, name: str, prefix: str, key_hash: str, team_id: str = DEFAULT_TEAM
+    ) -> ApiKey | None: ...
     async def key_by_hash(self, key_hash: str) -> ApiKey | None: ...
     async def key(self, key_id: str) -> ApiKey | None: ...
     async def keys(self) -> list[ApiKey]: ...
@@ -566,6 +571,17 @@ class SqliteStore:
             (key_id, name, prefix, key_hash, now, team_id),
         )
         return ApiKey(key_id, name, prefix, now, None, team_id)
+
+    async def add_first_key(
+        self, key_id: str, name: str, prefix: str, key_hash: str, team_id: str = DEFAULT_TEAM
+    ) -> ApiKey | None:
+        now = time.time()
+        cur = self._db.execute(
+            "INSERT INTO api_keys (id, name, prefix, hash, created_at, team_id) "
+            "SELECT ?, ?, ?, ?, ?, ? WHERE NOT EXISTS (SELECT 1 FROM api_keys)",
+            (key_id, name, prefix, key_hash, now, team_id),
+        )
+        return ApiKey(key_id, name, prefix, now, None, team_id) if cur.rowcount == 1 else None
 
     async def key_by_hash(self, key_hash: str) -> ApiKey | None:
         row = self._db.execute(

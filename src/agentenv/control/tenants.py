@@ -8,9 +8,10 @@ the team's own; the node's admission limits (`node.admission`) apply either way.
   paused ones are disk only, build sandboxes are the server's) plus those asked for must fit
   `max_sandboxes`. Checked on create, fork and every resume (connect, the proxy's
   auto-resume). `reserve` checks under a per-team lock and holds the place until the
-  caller's row that takes it is in the store, so on one replica two requests cannot both
-  take the last place (replicas sharing a store each check against the rows, so two of them
-  may each admit one of the last places at the same instant: a limit is exact per replica).
+  caller's row that takes it is in the store, so two requests cannot both take the last
+  place. Replicas sharing a store (`SharedPlaces`: etcd) hold places in the store, under
+  the replica's lease (a replica that dies mid-create leaves no hold behind), so the limit
+  is exact across replicas too.
 - Create rate: a token bucket per team holding up to `creates_per_minute` tokens, refilled
   continuously at that rate (a full minute's allowance may come as one burst); a create
   takes one, a fork one per child. On one server buckets are in memory (a restart refills
@@ -27,10 +28,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import secrets
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import NoReturn, Protocol, runtime_checkable
 
 from agentenv.contract.errors import TooManyRequests
 from agentenv.control.store import Store, Team
@@ -48,6 +50,20 @@ class SharedBuckets(Protocol):
         ...
 
 
+@runtime_checkable
+class SharedPlaces(Protocol):
+    """A store whose replicas hold each team's concurrency places in one place."""
+
+    async def take_places(
+        self, team_id: str, count: int, limit: int, hold_id: str, lease: int
+    ) -> float | None:
+        """Holds `count` places of `limit` as `hold_id` (under etcd lease `lease`); None when
+        held, else the soonest end of the team's sandboxes (0 if none) and nothing held."""
+        ...
+
+    async def release_places(self, team_id: str, hold_id: str) -> None: ...
+
+
 @dataclass
 class _Bucket:
     tokens: float
@@ -55,8 +71,17 @@ class _Bucket:
 
 
 class TeamLimits:
-    def __init__(self, store: Store, clock: Callable[[], float] | None = None) -> None:
+    def __init__(
+        self,
+        store: Store,
+        clock: Callable[[], float] | None = None,
+        *,
+        lease: Callable[[], int] | None = None,
+    ) -> None:
+        """`lease`: this replica's current etcd lease, under which places are held in a
+        shared store (`SharedPlaces`); without it places are held in this process only."""
         self.store = store
+        self._lease = lease
         self._clock = clock or time.monotonic
         # A shared bucket is refilled by wall time: every replica reads the same clock.
         self._wall = clock or time.time
@@ -74,17 +99,24 @@ class TeamLimits:
         """`admit` `count` sandboxes and count them as the team's until the block ends (by
         then their rows are in the store, or they failed). The check and the hold happen
         under the team's lock: a concurrent request sees the place as taken."""
+        hold_id: str | None = None
         async with self._lock(team_id):
-            await self._admit(team_id, count, create)
-            self._held[team_id] = self._held.get(team_id, 0) + count
+            hold_id = await self._admit(team_id, count, create, hold=True)
+            if hold_id is None:
+                self._held[team_id] = self._held.get(team_id, 0) + count
         try:
             yield
         finally:
-            left = self._held.get(team_id, 0) - count
-            if left > 0:
-                self._held[team_id] = left
+            if hold_id is not None:
+                assert isinstance(self.store, SharedPlaces)
+                # Shielded: the caller's row is in (or failed) and the place must go either way.
+                await asyncio.shield(self.store.release_places(team_id, hold_id))
             else:
-                self._held.pop(team_id, None)
+                left = self._held.get(team_id, 0) - count
+                if left > 0:
+                    self._held[team_id] = left
+                else:
+                    self._held.pop(team_id, None)
 
     async def admit(self, team_id: str, count: int = 1, *, create: bool = True) -> None:
         """Raise `TooManyRequests` unless `count` more sandboxes of `team_id` fit; `create`:
@@ -96,21 +128,57 @@ class TeamLimits:
     def _lock(self, team_id: str) -> asyncio.Lock:
         return self._locks.setdefault(team_id, asyncio.Lock())
 
-    async def _admit(self, team_id: str, count: int, create: bool) -> None:
+    async def _admit(
+        self, team_id: str, count: int, create: bool, *, hold: bool = False
+    ) -> str | None:
+        """The id of the places held in a shared store (with `hold`), else None."""
         team = await self.store.team(team_id)
         if team is None:
-            return
-        await self._check_concurrency(team, count)
+            return None
+        hold_id = await self._check_concurrency(team, count, hold)
         if create:
-            await self._take(team, count)
+            try:
+                await self._take(team, count)
+            except BaseException:
+                if hold_id is not None:
+                    assert isinstance(self.store, SharedPlaces)
+                    await asyncio.shield(self.store.release_places(team.id, hold_id))
+                raise
+        return hold_id
 
-    async def _check_concurrency(self, team: Team, count: int) -> None:
+    def _shared(self) -> bool:
+        # Lease 0 (not registered): a hold would outlive a crash, so none is made.
+        return (
+            self._lease is not None and isinstance(self.store, SharedPlaces) and self._lease() != 0
+        )
+
+    async def _check_concurrency(self, team: Team, count: int, hold: bool) -> str | None:
         limit = team.max_sandboxes
         if limit <= 0:
-            return
+            return None
+        if self._shared() and hold:
+            assert self._lease is not None and isinstance(self.store, SharedPlaces)
+            hold_id = secrets.token_hex(8)
+            ends = await self.store.take_places(team.id, count, limit, hold_id, self._lease())
+            if ends is None:
+                return hold_id
+            self._refuse(team, ends or None)
+        if self._shared():
+            # A check only (`admit`): the same transaction, its hold given back at once.
+            assert self._lease is not None and isinstance(self.store, SharedPlaces)
+            hold_id = secrets.token_hex(8)
+            ends = await self.store.take_places(team.id, count, limit, hold_id, self._lease())
+            if ends is not None:
+                self._refuse(team, ends or None)
+            await self.store.release_places(team.id, hold_id)
+            return None
         active, soonest = await self.store.count_active(team.id)
         if active + self._held.get(team.id, 0) + count <= limit:
-            return
+            return None
+        self._refuse(team, soonest)
+
+    def _refuse(self, team: Team, soonest: float | None) -> NoReturn:
+        limit = team.max_sandboxes
         wait = 1
         if soonest is not None:
             wait = min(max(1, math.ceil(soonest - time.time())), MAX_CONCURRENCY_RETRY_S)

@@ -5,7 +5,8 @@ One request per connection: ``CONNECT <sandbox id>:<port> HTTP/1.1`` with
 generic CONNECT clients send it). The answer is ``200`` and then the bytes of the guest's
 port both ways, or an error with a ``{"code","message"}`` body and the connection closed:
 400 a malformed request, 405 another method, 407 no or a wrong token, 404 no such sandbox
-running here, 502 the guest does not accept on that port, 504 it did not answer in time.
+running here, 502 the guest does not accept on that port, 504 it did not answer in time,
+503 the gateway holds `max_tunnels` open already.
 """
 
 from __future__ import annotations
@@ -29,6 +30,9 @@ MAX_HEAD_BYTES = 16 * 1024
 HEAD_TIMEOUT_S = 10.0
 CONNECT_TIMEOUT_S = 5.0
 CHUNK = 256 * 1024
+# Open tunnels at most (each is two sockets and two tasks); more get a 503 at once, so a
+# flood of connections cannot take the agent's file descriptors.
+MAX_TUNNELS = 8192
 
 # sandbox id -> the slot address it is reached at, None unless it runs on this node now.
 Resolve = Callable[[str], str | None]
@@ -53,6 +57,7 @@ _REASONS = {
     405: "Method Not Allowed",
     407: "Proxy Authentication Required",
     502: "Bad Gateway",
+    503: "Service Unavailable",
     504: "Gateway Timeout",
 }
 
@@ -163,6 +168,7 @@ class DataGateway:
         tls: ssl.SSLContext | None = None,
         connect_timeout_s: float = CONNECT_TIMEOUT_S,
         head_timeout_s: float = HEAD_TIMEOUT_S,
+        max_tunnels: int = MAX_TUNNELS,
     ) -> None:
         if not token:
             raise ValueError("a data gateway needs the node token")
@@ -173,6 +179,7 @@ class DataGateway:
         self._tls = tls
         self._connect_timeout_s = connect_timeout_s
         self._head_timeout_s = head_timeout_s
+        self._max_tunnels = max_tunnels
         self._server: asyncio.Server | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         # Tunnels opened since start, and open now (tests and logs read them).
@@ -198,12 +205,20 @@ class DataGateway:
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        # Python 3.11's start_server logs a handler task that ends cancelled as an error
+        # ("Exception in callback"); a tunnel `stop` cuts ends normally instead.
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._tunnel(reader, writer)
+
+    async def _tunnel(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
         assert task is not None
         self._tasks.add(task)
         upstream: asyncio.StreamWriter | None = None
         try:
             try:
+                if len(self._tasks) > self._max_tunnels:
+                    raise BadRequest(503, f"{self._max_tunnels} tunnels are open here already")
                 _, up_reader, upstream = await self._open(reader)
             except BadRequest as refusal:
                 self.refused += 1

@@ -26,6 +26,7 @@ from agentenv.cluster.catalog import SharedCatalog, encode
 from agentenv.cluster.etcd import Etcd
 from agentenv.cluster.locations import Locations
 from agentenv.cluster.membership import Capacity, Load, NodeInfo, NodeRegistration
+from agentenv.cluster.tombstones import SnapshotTombstones
 from agentenv.config import ConfigError, Settings
 from agentenv.gateway.client import TLS_SCHEME
 from agentenv.gateway.server import DataGateway
@@ -167,6 +168,8 @@ class NodeAgent:
                 instance=await asyncio.to_thread(instance_token, self.settings.home),
                 gateway=self.gateway_addr,
             )
+            # Before it is a member: a snapshot deleted while it was away is not served again.
+            await self._drop_deleted_snapshots()
             self.registration = NodeRegistration(
                 self.etcd, info, ttl_s=self.settings.node_ttl_s, load_source=self.load
             )
@@ -235,9 +238,26 @@ class NodeAgent:
                     log.warning("node %s: bucket garbage collection failed: %s", self.node_id, exc)
             await asyncio.sleep(self.settings.bucket_gc_s)
 
+    async def _drop_deleted_snapshots(self) -> None:
+        """Deletes this node's copies of snapshots the cluster deleted (tombstones): those it
+        kept while it was down, or missed a delete of while it was unreachable."""
+        deleted = await SnapshotTombstones(self.etcd).all()
+        if not deleted:
+            return
+        held = {snap.id for snap in await asyncio.to_thread(self.runtime.node.repo.list)}
+        for snapshot_id in sorted(held & deleted):
+            try:
+                await self.runtime.delete_snapshot(snapshot_id)
+                log.info("node %s: deleted snapshot %s, deleted from the cluster while this "
+                         "node was away", self.node_id, snapshot_id)  # fmt: skip
+            except Exception as exc:
+                log.warning("node %s: deleted snapshot %s is still here: %s",
+                            self.node_id, snapshot_id, exc)  # fmt: skip
+
     async def _publish_once(self) -> None:
         """This node's template and snapshot locations and its catalog, as they are now."""
         assert self.registration is not None
+        await self._drop_deleted_snapshots()
         locations = Locations(self.etcd, self.registration)
         held = await asyncio.to_thread(self._held)
         for kind, item in sorted(held - self._published):
