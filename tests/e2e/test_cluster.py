@@ -31,6 +31,7 @@ from oci.images import Pusher
 from oci.registry import REGISTRY_BIN, Registry
 from proxy.conftest import APP, GUEST_LIB, HTTP_PORT, WS_PORT, wait_port, websockets_tarball
 from template.imagebuild import push_busybox
+from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect as ws_sync_connect
 
 from agentenv.api.devserver import prepare_home
@@ -267,6 +268,19 @@ def test_guest_ports_are_reached_through_the_node_gateway_from_either_replica(
             assert len(used) == 1, grew
         # The one the node publishes (`GET /nodes`), not the sandbox's slot address.
         assert _nodes(servers[1])[node_id]["gateway"] == used[0]
+        # A WebSocket open through replica 1 while replica 0 pauses the sandbox: its node
+        # cuts the tunnel (a frozen guest would never answer), so it ends, and soon.
+        url = servers[1].url.replace("http://", "ws://") + "/"
+        ws_headers = {"e2b-sandbox-id": sbx.sandbox_id, "e2b-sandbox-port": str(WS_PORT)}
+        with ws_sync_connect(url, additional_headers=ws_headers, open_timeout=30) as ws:
+            ws.send("before the pause")
+            assert ws.recv(timeout=30) == "before the pause"
+            sbx.pause(request_timeout=RT)
+            t0 = time.monotonic()
+            with pytest.raises(ConnectionClosed):
+                ws.recv(timeout=30)
+            print(f"\nwebsocket through the other replica ended {time.monotonic() - t0:.2f}s "
+                  "after the pause returned")  # fmt: skip
     finally:
         sbx.kill(request_timeout=RT)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import json
 import ssl
 import time
@@ -64,8 +65,9 @@ async def guests() -> AsyncIterator[Guests]:
     http_port = server.servers[0].sockets[0].getsockname()[1]
 
     async def echo_ws(ws: ServerConnection) -> None:
-        async for message in ws:
-            await ws.send(message)
+        with contextlib.suppress(ConnectionClosed):  # a cut tunnel ends it so
+            async for message in ws:
+                await ws.send(message)
 
     async def echo_to_eof(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         # Answers only once the client has half-closed: what a tunnel must pass on.
@@ -317,4 +319,37 @@ async def test_tunnels_beyond_the_cap_are_refused_at_once(guests: Guests) -> Non
         for sock, relay in held:
             sock.close()
             relay.cancel()
+        await gw.stop()
+
+
+async def test_a_sandbox_that_stops_running_here_has_its_tunnels_cut(guests: Guests) -> None:
+    """Paused or killed on this node (the resolver no longer knows it): its open tunnels end
+    within a check, so a request through another replica does not wait on a frozen guest."""
+    running = {"sbx1": "127.0.0.1", "sbx2": "127.0.0.1"}
+    gw = DataGateway("127.0.0.1", 0, TOKEN, running.get, check_s=0.2)
+    await gw.start()
+    dialer = GatewayDialer(TOKEN)
+    try:
+        socks = {}
+        for sid in running:
+            socks[sid] = await dialer.socket(_address(gw), sid, guests.ws_port)
+        ws1 = await ws_connect(f"ws://x:{guests.ws_port}/", sock=socks["sbx1"][0], open_timeout=5)
+        ws2 = await ws_connect(f"ws://x:{guests.ws_port}/", sock=socks["sbx2"][0], open_timeout=5)
+        del running["sbx1"]
+        t0 = time.monotonic()
+        with pytest.raises(ConnectionClosed):
+            await asyncio.wait_for(ws1.recv(), 5)
+        assert time.monotonic() - t0 < 2 and gw.cut == 1
+        # The other sandbox's tunnel is untouched.
+        await ws2.send("still here")
+        assert await ws2.recv() == "still here"
+        # Back at another address (resumed elsewhere on this node): cut as well.
+        running["sbx2"] = "127.0.0.2"
+        with pytest.raises(ConnectionClosed):
+            await asyncio.wait_for(ws2.recv(), 5)
+        await ws1.close()
+        await ws2.close()
+        for _, relay in socks.values():
+            await asyncio.wait_for(relay, 5)
+    finally:
         await gw.stop()

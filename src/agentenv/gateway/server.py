@@ -33,6 +33,10 @@ CHUNK = 256 * 1024
 # Open tunnels at most (each is two sockets and two tasks); more get a 503 at once, so a
 # flood of connections cannot take the agent's file descriptors.
 MAX_TUNNELS = 8192
+# How often open tunnels are checked against `resolve`: one whose sandbox stopped running
+# here (paused, killed, its VM gone) is cut. A paused guest sends nothing, not even a reset,
+# so a request another replica has open to it would otherwise wait forever.
+CHECK_S = 1.0
 
 # sandbox id -> the slot address it is reached at, None unless it runs on this node now.
 Resolve = Callable[[str], str | None]
@@ -169,6 +173,7 @@ class DataGateway:
         connect_timeout_s: float = CONNECT_TIMEOUT_S,
         head_timeout_s: float = HEAD_TIMEOUT_S,
         max_tunnels: int = MAX_TUNNELS,
+        check_s: float = CHECK_S,
     ) -> None:
         if not token:
             raise ValueError("a data gateway needs the node token")
@@ -180,6 +185,11 @@ class DataGateway:
         self._connect_timeout_s = connect_timeout_s
         self._head_timeout_s = head_timeout_s
         self._max_tunnels = max_tunnels
+        self._check_s = check_s
+        # Open tunnels: their task -> (sandbox id, the address it was joined to).
+        self._joined: dict[asyncio.Task[Any], tuple[str, str]] = {}
+        self._checker: asyncio.Task[None] | None = None
+        self.cut = 0
         self._server: asyncio.Server | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         # Tunnels opened since start, and open now (tests and logs read them).
@@ -195,8 +205,13 @@ class DataGateway:
             self._serve, self.host, self.port, ssl=self._tls, limit=MAX_HEAD_BYTES
         )
         self.port = self._server.sockets[0].getsockname()[1]
+        self._checker = asyncio.create_task(self._check_forever(), name="gateway-check")
 
     async def stop(self) -> None:
+        if self._checker is not None:
+            self._checker.cancel()
+            await asyncio.gather(self._checker, return_exceptions=True)
+            self._checker = None
         if self._server is not None:
             self._server.close()
             self._server = None
@@ -219,7 +234,7 @@ class DataGateway:
             try:
                 if len(self._tasks) > self._max_tunnels:
                     raise BadRequest(503, f"{self._max_tunnels} tunnels are open here already")
-                _, up_reader, upstream = await self._open(reader)
+                target, address, up_reader, upstream = await self._open(reader)
             except BadRequest as refusal:
                 self.refused += 1
                 writer.write(_answer(refusal.status, refusal.message))
@@ -227,6 +242,7 @@ class DataGateway:
                     await asyncio.wait_for(writer.drain(), self._head_timeout_s)
                 return
             self.opened += 1
+            self._joined[task] = (target.sandbox_id, address)
             writer.write(b"HTTP/1.1 200 Connection Established\r\n\r\n")
             await writer.drain()
             await _both_ways(reader, writer, up_reader, upstream)
@@ -234,6 +250,7 @@ class DataGateway:
             log.debug("gateway: tunnel ended: %r", exc)
         finally:
             self._tasks.discard(task)
+            self._joined.pop(task, None)
             for w in (upstream, writer):
                 if w is not None:
                     w.close()
@@ -242,9 +259,27 @@ class DataGateway:
                     with contextlib.suppress(Exception):
                         await asyncio.wait_for(w.wait_closed(), 2.0)
 
+    async def _check_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self._check_s)
+            self.check_now()
+
+    def check_now(self) -> None:
+        """Cuts every tunnel whose sandbox no longer runs here at the address it joined."""
+        for task, (sandbox_id, address) in list(self._joined.items()):
+            try:
+                still = self._resolve(sandbox_id) == address
+            except Exception:  # a resolver that fails says nothing: keep the tunnel
+                log.exception("gateway: resolving %s failed", sandbox_id)
+                continue
+            if not still:
+                self.cut += 1
+                self._joined.pop(task, None)
+                task.cancel()
+
     async def _open(
         self, reader: asyncio.StreamReader
-    ) -> tuple[Target, asyncio.StreamReader, asyncio.StreamWriter]:
+    ) -> tuple[Target, str, asyncio.StreamReader, asyncio.StreamWriter]:
         try:
             head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), self._head_timeout_s)
         except TimeoutError:
@@ -272,4 +307,4 @@ class DataGateway:
             raise BadRequest(
                 502, f"port {target.port} of sandbox {target.sandbox_id} is not open: {exc}"
             ) from None
-        return target, up_reader, upstream
+        return target, address, up_reader, upstream
