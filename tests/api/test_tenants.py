@@ -121,6 +121,9 @@ class PaperRuntime:
     async def snapshots(self) -> list[SnapshotInfo]:
         return [replace(s, names=self.repo.get(s.snapshot_id).names) for s in self.made]
 
+    async def remove_image(self, name: str) -> bool:
+        return False
+
     async def gateway(self, node_id: str) -> str | None:
         return None
 

@@ -392,3 +392,12 @@ async def test_a_snapshot_delete_leaves_a_tombstone_for_nodes_that_were_away(
     # A name that is not a snapshot id leaves none (the nodes refuse it themselves).
     await cluster.delete_snapshot("build-final-x")
     assert "build-final-x" not in await cluster.tombstones.all()
+
+
+async def test_an_imported_image_is_removed_from_every_live_node(
+    cluster: ClusterRuntime, nodes: list[FakeNode]
+) -> None:
+    nodes[1].runtime.images = {"image-abc"}
+    assert await cluster.remove_image("image-abc") is True
+    assert all(("remove_image", ("image-abc",)) in n.runtime.calls for n in nodes)
+    assert await cluster.remove_image("image-abc") is False

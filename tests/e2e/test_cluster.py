@@ -566,6 +566,12 @@ def test_an_image_built_through_one_replica_is_imported_on_one_node_and_created_
             sbx.kill(request_timeout=RT)
         with _api(r0) as api:
             assert api.delete(f"/templates/{name}").status_code == 204
+        # Nothing else uses the image: it leaves the node's catalog, and the cluster's.
+        for node in cluster["nodes"]:
+            assert not [t for t in _catalog_names(node) if t.startswith("image-")], node.node_id
+        with _api(r1) as api:
+            listed = [t.get("templateID", "") for t in api.get("/templates").json()]
+        assert not [t for t in listed if t.startswith("image-")], listed
     finally:
         reg.stop()
 

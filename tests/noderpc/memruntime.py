@@ -40,6 +40,7 @@ class MemoryRuntime:
         self.calls: list[tuple[str, tuple[object, ...]]] = []
         self.activity: list[str] = []
         self.handlers: list[Callable[[str, str], None]] = []
+        self.images: set[str] = set()
         self.snaps: list[SnapshotInfo] = []
         # Creates that were cancelled while they ran (the caller gone, or past its deadline).
         self.cancelled: list[str] = []
@@ -213,6 +214,13 @@ class MemoryRuntime:
         await asyncio.to_thread(on_event, ImportEvent(layer=layer))
         return TemplateInfo(name, 64, 1.0, 1.0, 1, 512, layers=("e" * 64,),
                             env=(("A", "b"),), user="app", workdir="/app")  # fmt: skip
+
+    async def remove_image(self, name: str) -> bool:
+        self._enter("remove_image", name)
+        if name in self.images:
+            self.images.discard(name)
+            return True
+        return False
 
     async def gateway(self, node_id: str) -> str | None:
         return None

@@ -259,6 +259,18 @@ async def test_delete_snapshot_says_whether_there_was_one(
     assert await client.delete_snapshot("a" * 32) is False
 
 
+async def test_remove_image_says_whether_there_was_one_and_carries_refusals(
+    node: tuple[MemoryRuntime, NodeServer], client: RemoteRuntime
+) -> None:
+    runtime, _ = node
+    runtime.images = {"image-abc"}
+    assert await client.remove_image("image-abc") is True
+    assert await client.remove_image("image-abc") is False
+    runtime.fail = BadRequest("template 'base' is not an imported image")
+    with pytest.raises(BadRequest, match="not an imported image"):
+        await client.remove_image("base")
+
+
 async def test_calls_before_start_are_refused() -> None:
     remote = RemoteRuntime("http://127.0.0.1:1", TOKEN)
     with pytest.raises(RuntimeError, match="before start"):

@@ -217,14 +217,21 @@ class TemplateBuilds:
         images = {i for b in mine if (i := _image_of(b)) and i not in theirs and i not in live}
         ours = {b.snapshot_id for b in mine if b.snapshot_id}
         if self.built.shared:
-            # A cluster's snapshots are on its nodes and in the bucket: each node deletes its
-            # copy. An image a `fromImage` build imported stays in its node's catalog.
+            # A cluster's snapshots are on its nodes and in the bucket, its imported images
+            # in the catalogs of the nodes that imported them: each node deletes its copy.
+            runtime = self.ctx.manager.runtime
             for sid in sorted(snapshots):
                 try:
-                    await self.ctx.manager.runtime.delete_snapshot(sid)
+                    await runtime.delete_snapshot(sid)
                 except Exception as exc:
                     log.warning("template %s: snapshot %s not deleted: %s",
                                 tpl.template_id, sid, exc)  # fmt: skip
+            for image in sorted(images):
+                try:
+                    await runtime.remove_image(image)
+                except Exception as exc:
+                    log.warning("template %s: image %s not removed: %s",
+                                tpl.template_id, image, exc)  # fmt: skip
         else:
             await asyncio.to_thread(self._release, tpl.template_id, ours, snapshots, images)
         for b in mine:

@@ -685,6 +685,18 @@ class ClusterRuntime:
             raise Unavailable(f"snapshot {snapshot_id}: no node could delete it now")
         return any(a is True for a in answers)
 
+    async def remove_image(self, name: str) -> bool:
+        """Every live node removes its copy; one that is down keeps it (an image is a cache:
+        the next build from the same reference imports it again anyway)."""
+        clients = [self._clients[n] for n in sorted(self._live) if n in self._clients]
+        answers = await asyncio.gather(
+            *(c.remove_image(name) for c in clients), return_exceptions=True
+        )
+        for err in answers:
+            if isinstance(err, BaseException):
+                log.warning("cluster: a node did not remove image template %s: %s", name, err)
+        return any(a is True for a in answers)
+
     def note_activity(self, runtime_id: str) -> None:
         node_id = self._bound.get(runtime_id)
         client = self._clients.get(node_id) if node_id is not None else None

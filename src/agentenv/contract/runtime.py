@@ -239,6 +239,12 @@ class Runtime(Protocol):
         `on_event` gets the pull's log lines and layer reports, maybe from another thread."""
         ...
 
+    async def remove_image(self, name: str) -> bool:
+        """Removes catalog template `name` (``image-…``, what a `fromImage` build imported)
+        where sandboxes run (a cluster: on every live node that has it). False: none had it.
+        Sandboxes running from it keep the layers they use."""
+        ...
+
     async def gateway(self, node_id: str) -> str | None:
         """Where the proxy reaches the guests of cluster node `node_id`: its data gateway
         (HOST:PORT, `agentenv.gateway`), or None to reach their slot addresses directly."""

@@ -60,6 +60,10 @@ def snapshot_info(s: snaps.Snapshot) -> SnapshotInfo:
 GUEST_HEALTH_TIMEOUT_S = 3.0
 
 
+# What `fromImage` builds import images as (`build.templates.image_template_name`).
+IMAGE_TEMPLATE_PREFIX = "image-"
+
+
 def _has_snapshot(repo: snaps.SnapshotRepository, ref: str) -> bool:
     try:
         repo.get(ref)
@@ -132,8 +136,9 @@ class NodeRuntime:
         # pause uploads, a resume of one this node lacks downloads, so any node resumes it.
         self.objects: ObjectStore | None = None
         self.remote: RemoteSnapshots | None = None
-        # Called after an image import registered a template (a node agent republishes its
-        # catalog at once, so the cluster places the build sandbox here).
+        # Called after the catalog changed here (an image imported or removed): a node agent
+        # republishes it before the call answers, so the cluster places the build sandbox
+        # here (or no longer resolves the removed one).
         self.after_import: Callable[[], Awaitable[None]] | None = None
 
     def status(self, node_id: str = LOCAL_NODE, rpc_url: str = "", version: str = "") -> NodeStatus:
@@ -451,6 +456,24 @@ class NodeRuntime:
             except Exception as exc:
                 log.warning("template %s: catalog not republished after import: %s", name, exc)
         return CatalogTemplates(self.node.settings).info_of(tpl)
+
+    async def remove_image(self, name: str) -> bool:
+        from agentenv.template.image import remove_template  # the OCI stack, only when used
+
+        if not name.startswith(IMAGE_TEMPLATE_PREFIX):
+            raise BadRequest(
+                f"template {name!r} is not an imported image ({IMAGE_TEMPLATE_PREFIX}…)"
+            )
+        try:
+            await asyncio.to_thread(remove_template, self.node.settings, name)
+        except TemplateNotFound:
+            return False
+        if self.after_import is not None:
+            try:
+                await self.after_import()
+            except Exception as exc:
+                log.warning("template %s: catalog not republished after removal: %s", name, exc)
+        return True
 
     async def delete_snapshot(self, snapshot_id: str) -> bool:
         """This node's copy and the bucket's (any node deleting it deletes it for all)."""

@@ -406,6 +406,15 @@ class RemoteRuntime:
         )
         return bool(res.deleted)
 
+    async def remove_image(self, name: str) -> bool:
+        req = pb.ImageRef(name=name)
+        res = await self._call(
+            "RemoveImage",
+            self._change_s,
+            lambda ms: self._client().remove_image(req, headers=self._headers, timeout_ms=ms),
+        )
+        return bool(res.deleted)
+
     async def host_memory(self, runtime_id: str) -> HostMemory | None:
         req = pb.SandboxRef(runtime_id=runtime_id)
         res = await self._call(

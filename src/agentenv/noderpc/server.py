@@ -269,6 +269,12 @@ class NodeService(NodeServiceProtocol):
         )
         return pb.DeletedResponse(deleted=deleted)
 
+    async def remove_image(
+        self, request: pb.ImageRef, ctx: RequestContext[Any, Any]
+    ) -> pb.DeletedResponse:
+        removed = await _call(ctx, "remove_image", self.runtime.remove_image(request.name))
+        return pb.DeletedResponse(deleted=removed)
+
     async def note_activity(
         self, request: pb.NoteActivityRequest, ctx: RequestContext[Any, Any]
     ) -> pb.Empty:

@@ -16,7 +16,7 @@ from connectrpc.server import ConnectASGIApplication, ConnectWSGIApplication, DE
 from protobuf import DescService
 
 from . import node_pb
-from .node_pb import AliveResponse, CreateRequest, DeletedResponse, Empty, FindResponse, ForkRequest, ForkResponse, GuestMetricsRequest, HostMemoryResponse, ImportEvent, ImportImageRequest, InitGuestRequest, LostEvent, NoteActivityRequest, OptionalJson, OptionalText, PauseRequest, PlacementResponse, ResumeRequest, SandboxIdsResponse, SandboxRef, SnapshotInfo, SnapshotRef, SnapshotRequest, SnapshotsResponse, UpdateEgressRequest, WatchLostRequest
+from .node_pb import AliveResponse, CreateRequest, DeletedResponse, Empty, FindResponse, ForkRequest, ForkResponse, GuestMetricsRequest, HostMemoryResponse, ImageRef, ImportEvent, ImportImageRequest, InitGuestRequest, LostEvent, NoteActivityRequest, OptionalJson, OptionalText, PauseRequest, PlacementResponse, ResumeRequest, SandboxIdsResponse, SandboxRef, SnapshotInfo, SnapshotRef, SnapshotRequest, SnapshotsResponse, UpdateEgressRequest, WatchLostRequest
 
 if TYPE_CHECKING:
     from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Iterator, Mapping
@@ -80,6 +80,9 @@ class NodeService(Protocol):
         raise ConnectError(Code.UNIMPLEMENTED, 'Not implemented')
 
     async def delete_snapshot(self, request: SnapshotRef, ctx: RequestContext[SnapshotRef, DeletedResponse], /) -> DeletedResponse:
+        raise ConnectError(Code.UNIMPLEMENTED, 'Not implemented')
+
+    async def remove_image(self, request: ImageRef, ctx: RequestContext[ImageRef, DeletedResponse], /) -> DeletedResponse:
         raise ConnectError(Code.UNIMPLEMENTED, 'Not implemented')
 
     def import_image(self, request: ImportImageRequest, ctx: RequestContext[ImportImageRequest, ImportEvent], /) -> AsyncIterator[ImportEvent]:
@@ -288,6 +291,16 @@ class NodeServiceASGIApplication(ConnectASGIApplication[NodeService]):
                         idempotency_level=IdempotencyLevel.UNKNOWN,
                     ),
                     function=svc.delete_snapshot,
+                ),
+                "/agentenv.node.v1.NodeService/RemoveImage": Endpoint.unary(
+                    method=MethodInfo(
+                        name="RemoveImage",
+                        service_name="agentenv.node.v1.NodeService",
+                        input=ImageRef,
+                        output=DeletedResponse,
+                        idempotency_level=IdempotencyLevel.UNKNOWN,
+                    ),
+                    function=svc.remove_image,
                 ),
                 "/agentenv.node.v1.NodeService/ImportImage": Endpoint.server_stream(
                     method=MethodInfo(
@@ -693,6 +706,26 @@ class NodeServiceClient(ConnectClient):
             timeout_ms=timeout_ms,
         )
 
+    async def remove_image(
+        self,
+        request: ImageRef,
+        *,
+        headers: Headers | Mapping[str, str] | None = None, 
+        timeout_ms: int | None = None,
+    ) -> DeletedResponse:
+        return await self.execute_unary(
+            request=request,
+            method=MethodInfo(
+                name="RemoveImage",
+                service_name="agentenv.node.v1.NodeService",
+                input=ImageRef,
+                output=DeletedResponse,
+                idempotency_level=IdempotencyLevel.UNKNOWN,
+            ),
+            headers=headers,
+            timeout_ms=timeout_ms,
+        )
+
     def import_image(
         self,
         request: ImportImageRequest,
@@ -806,6 +839,9 @@ class NodeServiceSync(Protocol):
         raise ConnectError(Code.UNIMPLEMENTED, 'Not implemented')
 
     def delete_snapshot(self, request: SnapshotRef, ctx: RequestContext[SnapshotRef, DeletedResponse], /) -> DeletedResponse:
+        raise ConnectError(Code.UNIMPLEMENTED, 'Not implemented')
+
+    def remove_image(self, request: ImageRef, ctx: RequestContext[ImageRef, DeletedResponse], /) -> DeletedResponse:
         raise ConnectError(Code.UNIMPLEMENTED, 'Not implemented')
 
     def import_image(self, request: ImportImageRequest, ctx: RequestContext[ImportImageRequest, ImportEvent], /) -> Iterator[ImportEvent]:
@@ -1012,6 +1048,16 @@ class NodeServiceWSGIApplication(ConnectWSGIApplication):
                         idempotency_level=IdempotencyLevel.UNKNOWN,
                     ),
                     function=service.delete_snapshot,
+                ),
+                "/agentenv.node.v1.NodeService/RemoveImage": EndpointSync.unary(
+                    method=MethodInfo(
+                        name="RemoveImage",
+                        service_name="agentenv.node.v1.NodeService",
+                        input=ImageRef,
+                        output=DeletedResponse,
+                        idempotency_level=IdempotencyLevel.UNKNOWN,
+                    ),
+                    function=service.remove_image,
                 ),
                 "/agentenv.node.v1.NodeService/ImportImage": EndpointSync.server_stream(
                     method=MethodInfo(
@@ -1393,6 +1439,25 @@ class NodeServiceClientSync(ConnectClientSync):
                 name="DeleteSnapshot",
                 service_name="agentenv.node.v1.NodeService",
                 input=SnapshotRef,
+                output=DeletedResponse,
+                idempotency_level=IdempotencyLevel.UNKNOWN,
+            ),
+            headers=headers,
+            timeout_ms=timeout_ms,
+        )
+    def remove_image(
+        self,
+        request: ImageRef,
+        *,
+        headers: Headers | Mapping[str, str] | None = None, 
+        timeout_ms: int | None = None,
+    ) -> DeletedResponse:
+        return self.execute_unary(
+            request=request,
+            method=MethodInfo(
+                name="RemoveImage",
+                service_name="agentenv.node.v1.NodeService",
+                input=ImageRef,
                 output=DeletedResponse,
                 idempotency_level=IdempotencyLevel.UNKNOWN,
             ),
