@@ -206,6 +206,9 @@ async def test_placements_name_their_node_and_its_gateway_is_known(
     cluster._gateways.clear()
     assert await cluster.gateway(home) == f"gw-{home}:7101"
     assert await cluster.gateway("no-such-node") is None
+    # An old entry is read again (an agent back on another port before its rejoin).
+    cluster._gateways[home] = ("gw-stale:1", 0.0)
+    assert await cluster.gateway(home) == f"gw-{home}:7101"
     for rid in ("sb-g", "sb-g1", "sb-g2"):
         await cluster.delete(rid)
 

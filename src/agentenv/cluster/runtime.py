@@ -74,6 +74,10 @@ RECONCILE_ETCD_S = 15.0
 RECONCILE_ASKS = 16
 
 
+# How long a node's gateway address is used before its record is read again.
+GATEWAY_FRESH_S = 10.0
+
+
 class NodeDown(Unavailable):
     """The sandbox's node is not a member of the cluster now (503: it may come back)."""
 
@@ -113,8 +117,8 @@ class ClusterRuntime:
         self._rng = rng or random.Random()
         self._clients: dict[str, RemoteRuntime] = {}
         self._urls: dict[str, str] = {}
-        # node -> its data gateway ("" = none), from the latest record seen.
-        self._gateways: dict[str, str] = {}
+        # node -> (its data gateway, "" = none; when read), from the latest record seen.
+        self._gateways: dict[str, tuple[str, float]] = {}
         self._live: set[str] = set()
         # A hint only (sandbox -> node): `note_activity` cannot wait for etcd.
         self._bound: dict[str, str] = {}
@@ -169,12 +173,12 @@ class ClusterRuntime:
         client = self._clients.get(info.node_id)
         if client is not None and self._urls.get(info.node_id) == info.rpc_url:
             # A restarted agent keeps its RPC URL but its gateway may bind another port.
-            self._gateways[info.node_id] = info.gateway
+            self._gateways[info.node_id] = (info.gateway, time.monotonic())
             return client
         if client is not None:
             with contextlib.suppress(Exception):
                 await client.close()
-        self._gateways[info.node_id] = info.gateway
+        self._gateways[info.node_id] = (info.gateway, time.monotonic())
         client = RemoteRuntime(info.rpc_url, self.token, config=self.settings.node_rpc)
         await client.start()
         client.watch_lost(self._deliver)
@@ -624,14 +628,17 @@ class ClusterRuntime:
         return [replace(p, node_id=node_id) for p in placements]
 
     async def gateway(self, node_id: str) -> str | None:
-        """From the node's record as this replica last saw it (no etcd read per request);
-        a node it has not seen yet is read once."""
-        if node_id not in self._gateways:
+        """From the node's record as this replica last saw it (no etcd read per request),
+        read again when older than `GATEWAY_FRESH_S`: an agent that restarted within its
+        lease may listen on another port before its rejoin reaches this replica."""
+        seen = self._gateways.get(node_id)
+        if seen is None or time.monotonic() - seen[1] > GATEWAY_FRESH_S:
             info = await self.membership.get_node(node_id)
             if info is None:
+                self._gateways.pop(node_id, None)
                 return None
-            self._gateways[node_id] = info.gateway
-        return self._gateways[node_id] or None
+            seen = self._gateways[node_id] = (info.gateway, time.monotonic())
+        return seen[0] or None
 
     async def snapshots(self) -> list[SnapshotInfo]:
         clients = [self._clients[n] for n in sorted(self._live) if n in self._clients]
