@@ -281,6 +281,11 @@ def test_guest_ports_are_reached_through_the_node_gateway_from_either_replica(
                 ws.recv(timeout=30)
             print(f"\nwebsocket through the other replica ended {time.monotonic() - t0:.2f}s "
                   "after the pause returned")  # fmt: skip
+        # Ended by its node's gateway, not by chance.
+        node = next(n for n in nodes if n.node_id == node_id)
+        assert f"tunnel(s) of sandbox {sbx.sandbox_id}: it no longer runs here" in (
+            node.log_path.read_text(errors="replace")
+        )
     finally:
         sbx.kill(request_timeout=RT)
 

@@ -266,6 +266,7 @@ class DataGateway:
 
     def check_now(self) -> None:
         """Cuts every tunnel whose sandbox no longer runs here at the address it joined."""
+        cut: dict[str, int] = {}
         for task, (sandbox_id, address) in list(self._joined.items()):
             try:
                 still = self._resolve(sandbox_id) == address
@@ -274,8 +275,12 @@ class DataGateway:
                 continue
             if not still:
                 self.cut += 1
+                cut[sandbox_id] = cut.get(sandbox_id, 0) + 1
                 self._joined.pop(task, None)
                 task.cancel()
+        for sandbox_id, n in sorted(cut.items()):
+            log.info("gateway: cut %d tunnel(s) of sandbox %s: it no longer runs here",
+                     n, sandbox_id)  # fmt: skip
 
     async def _open(
         self, reader: asyncio.StreamReader
