@@ -43,6 +43,7 @@ _spec = importlib.util.spec_from_file_location(
 )
 assert _spec is not None and _spec.loader is not None
 bench_cluster = importlib.util.module_from_spec(_spec)
+sys.modules["bench_cluster"] = bench_cluster  # its dataclasses look their module up
 _spec.loader.exec_module(bench_cluster)
 
 from cluster.etcd_cluster import EtcdCluster  # noqa: E402
