@@ -106,6 +106,18 @@ def _record(row: dict[str, Any]) -> SandboxRecord:
     return SandboxRecord(**fields, seq=int(row["seq"]))
 
 
+def _active_ends(rows: list[dict[str, Any]], team_id: str) -> list[float]:
+    """The end times of the team's sandboxes that hold (or are about to hold) a VM."""
+    active = {s.value for s in ACTIVE_STATES}
+    return [
+        float(r["end_at"])
+        for r in rows
+        if (r.get("team_id") or DEFAULT_TEAM) == team_id
+        and not _is_build(r)
+        and r["state"] in active
+    ]
+
+
 def _row_value(value: Any) -> Any:
     return value.value if isinstance(value, SandboxState) else value
 
@@ -324,14 +336,7 @@ class EtcdStore:
         return counts
 
     async def count_active(self, team_id: str) -> tuple[int, float | None]:
-        active = {s.value for s in ACTIVE_STATES}
-        ends = [
-            float(r["end_at"])
-            for r in await self._live_rows()
-            if (r.get("team_id") or DEFAULT_TEAM) == team_id
-            and not _is_build(r)
-            and r["state"] in active
-        ]
+        ends = _active_ends(await self._live_rows(), team_id)
         return len(ends), (min(ends) if ends else None)
 
     async def count_builds(self) -> int:
@@ -521,18 +526,11 @@ class EtcdStore:
         team = _b64(team_id)
         gate = self.etcd.key("team-gates", team)
         hold = self.etcd.key("team-holds", team, hold_id)
-        active = {s.value for s in ACTIVE_STATES}
         for _ in range(MAX_CAS_ATTEMPTS):
             gate_kv = await self.etcd.get(gate)
             holds, _ = await self.etcd.get_prefix(self.etcd.dir("team-holds", team))
             held = sum(int(json.loads(kv.value)["count"]) for kv in holds)
-            ends = [
-                float(r["end_at"])
-                for r in await self._live_rows()
-                if (r.get("team_id") or DEFAULT_TEAM) == team_id
-                and not _is_build(r)
-                and r["state"] in active
-            ]
+            ends = _active_ends(await self._live_rows(), team_id)
             if len(ends) + held + count > limit:
                 return min(ends) if ends else 0.0
             guard = (
