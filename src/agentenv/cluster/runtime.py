@@ -31,9 +31,9 @@ import contextlib
 import logging
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, TypeVar
 
 from agentenv.cluster.bindings import Bindings
 from agentenv.cluster.catalog import SharedCatalog
@@ -73,6 +73,8 @@ RECONCILE_ETCD_S = 15.0
 # Questions about missing sandboxes one node's check has in flight at once.
 RECONCILE_ASKS = 16
 
+
+T = TypeVar("T")
 
 # How long a node's gateway address is used before its record is read again.
 GATEWAY_FRESH_S = 10.0
@@ -578,15 +580,8 @@ class ClusterRuntime:
         return replace(found, placement=replace(found.placement, node_id=node_id))
 
     async def sandbox_ids(self) -> list[str]:
-        clients = [self._clients[n] for n in sorted(self._live) if n in self._clients]
-        lists = await asyncio.gather(*(c.sandbox_ids() for c in clients), return_exceptions=True)
-        out: set[str] = set()
-        for got in lists:
-            if isinstance(got, BaseException):
-                log.warning("cluster: a node did not list its sandboxes: %s", got)
-                continue
-            out.update(got)
-        return sorted(out)
+        lists, _ = await self._ask_live("list its sandboxes", lambda c: c.sandbox_ids())
+        return sorted({rid for got in lists for rid in got})
 
     async def lost_reason(self, runtime_id: str) -> str | None:
         node_id = await self.bindings.get(runtime_id)
@@ -641,13 +636,9 @@ class ClusterRuntime:
         return seen[0] or None
 
     async def snapshots(self) -> list[SnapshotInfo]:
-        clients = [self._clients[n] for n in sorted(self._live) if n in self._clients]
-        lists = await asyncio.gather(*(c.snapshots() for c in clients), return_exceptions=True)
+        lists, _ = await self._ask_live("list its snapshots", lambda c: c.snapshots())
         seen: dict[str, SnapshotInfo] = {}
         for got in lists:
-            if isinstance(got, BaseException):
-                log.warning("cluster: a node did not list its snapshots: %s", got)
-                continue
             for snap in got:
                 seen.setdefault(snap.snapshot_id, snap)
         return list(seen.values())
@@ -681,28 +672,37 @@ class ClusterRuntime:
         first, `cluster.tombstones`); if no node answers, nothing is known deleted (503)."""
         if SNAPSHOT_ID.fullmatch(snapshot_id):
             await self.tombstones.add(snapshot_id)
-        clients = [self._clients[n] for n in sorted(self._live) if n in self._clients]
-        answers = await asyncio.gather(
-            *(c.delete_snapshot(snapshot_id) for c in clients), return_exceptions=True
+        answers, failed = await self._ask_live(
+            f"delete snapshot {snapshot_id}", lambda c: c.delete_snapshot(snapshot_id)
         )
-        failed = [a for a in answers if isinstance(a, BaseException)]
-        for err in failed:
-            log.warning("cluster: a node did not delete snapshot %s: %s", snapshot_id, err)
-        if failed and len(failed) == len(answers):
+        if failed and not answers:
             raise Unavailable(f"snapshot {snapshot_id}: no node could delete it now")
-        return any(a is True for a in answers)
+        return any(answers)
 
     async def remove_image(self, name: str) -> bool:
         """Every live node removes its copy; one that is down keeps it (an image is a cache:
         the next build from the same reference imports it again anyway)."""
-        clients = [self._clients[n] for n in sorted(self._live) if n in self._clients]
-        answers = await asyncio.gather(
-            *(c.remove_image(name) for c in clients), return_exceptions=True
+        answers, _ = await self._ask_live(
+            f"remove image template {name}", lambda c: c.remove_image(name)
         )
-        for err in answers:
-            if isinstance(err, BaseException):
-                log.warning("cluster: a node did not remove image template %s: %s", name, err)
-        return any(a is True for a in answers)
+        return any(answers)
+
+    async def _ask_live(
+        self, what: str, call: Callable[[RemoteRuntime], Awaitable[T]]
+    ) -> tuple[list[T], int]:
+        """`call` on every live node at once: the answers of those that gave one, and how
+        many did not (each logged)."""
+        clients = [self._clients[n] for n in sorted(self._live) if n in self._clients]
+        got = await asyncio.gather(*(call(c) for c in clients), return_exceptions=True)
+        answers: list[T] = []
+        failed = 0
+        for answer in got:
+            if isinstance(answer, BaseException):
+                failed += 1
+                log.warning("cluster: a node did not %s: %s", what, answer)
+            else:
+                answers.append(answer)
+        return answers, failed
 
     def note_activity(self, runtime_id: str) -> None:
         node_id = self._bound.get(runtime_id)
