@@ -12,7 +12,7 @@ import pytest
 
 from agentenv.api.keys import KeyRing, TeamExists, UnknownTeam, hash_key
 from agentenv.contract.errors import TooManyRequests
-from agentenv.control.etcd_store import EtcdStore
+from agentenv.control.etcd_store import EtcdStore, StoreConflict
 from agentenv.control.store import DEFAULT_TEAM, SandboxRecord, SandboxState, SqliteStore, Store
 from agentenv.control.tenants import SharedPlaces, TeamLimits
 
@@ -221,6 +221,43 @@ async def test_replicas_sharing_a_store_never_admit_more_than_the_limit_together
         pass
     release.set()
     await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def test_a_hold_the_store_does_not_give_back_fails_nothing_and_goes_later(
+    open_store: OpenStore, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The create is done but the store fails to take its hold back (etcd away a moment,
+    made here by failing the first two deletes: a real cluster cannot be made to fail just
+    those): the create is not failed for it, and the place comes back once the store does."""
+    if "sqlite" in request.node.callspec.id:
+        pytest.skip("one SQLite file is one server's: nothing is shared across processes")
+    store = open_store()
+    assert isinstance(store, EtcdStore)
+    team = await KeyRing(store).create_team("flaky")
+    await store.set_team_limits(team.id, max_sandboxes=1, creates_per_minute=None)
+    lease = await store.etcd.grant_lease(300)
+    limits = TeamLimits(store, lease=lambda: lease)
+    limits.release_retry_s = (1.0, 0.2, 0.2)
+    real = store.release_places
+    failures = [2]
+
+    async def flaky(team_id: str, hold_id: str) -> None:
+        if failures[0] > 0:
+            failures[0] -= 1
+            raise StoreConflict("etcd is away")
+        await real(team_id, hold_id)
+
+    monkeypatch.setattr(store, "release_places", flaky)
+    async with limits.reserve(team.id):
+        pass  # the create that took the place is done
+    with pytest.raises(TooManyRequests):  # its hold is still there
+        await limits.admit(team.id)
+    async with asyncio.timeout(5):
+        while (await store.etcd.get_prefix(store.etcd.dir("team-holds")))[0]:  # noqa: ASYNC110
+            await asyncio.sleep(0.05)
+    async with limits.reserve(team.id):
+        pass
+    await limits.close()
 
 
 async def test_the_create_rate_is_a_token_bucket(store: Store) -> None:

@@ -224,6 +224,7 @@ class SandboxManager:
         try:
             await self._close()
         finally:
+            await self.limits.close()
             if self.replicas is not None:
                 # Revoked last: what this replica leaves half-done is the others' at once.
                 await self.replicas.close()

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import math
 import secrets
 import time
@@ -38,6 +39,12 @@ from agentenv.contract.errors import TooManyRequests
 from agentenv.control.store import Store, Team
 
 MAX_CONCURRENCY_RETRY_S = 30
+# A shared hold the store did not take back at the end of its create is given back again
+# after each of these pauses (about 15 minutes in all); it must neither fail the create that
+# is done nor keep the team's place for as long as this replica lives.
+RELEASE_RETRY_S = (0.5, 1, 2, 5, 10, 30, 60, 60, 120, 120, 120, 120, 120, 120)
+
+log = logging.getLogger(__name__)
 
 
 @runtime_checkable
@@ -91,6 +98,8 @@ class TeamLimits:
         self._held: dict[str, int] = {}
         # One per team: a check and the hold it grants are one step.
         self._locks: dict[str, asyncio.Lock] = {}
+        self.release_retry_s: tuple[float, ...] = RELEASE_RETRY_S
+        self._retries: set[asyncio.Task[None]] = set()
 
     @contextlib.asynccontextmanager
     async def reserve(
@@ -108,9 +117,8 @@ class TeamLimits:
             yield
         finally:
             if hold_id is not None:
-                assert isinstance(self.store, SharedPlaces)
                 # Shielded: the caller's row is in (or failed) and the place must go either way.
-                await asyncio.shield(self.store.release_places(team_id, hold_id))
+                await asyncio.shield(self._release(team_id, hold_id))
             else:
                 left = self._held.get(team_id, 0) - count
                 if left > 0:
@@ -141,10 +149,40 @@ class TeamLimits:
                 await self._take(team, count)
             except BaseException:
                 if hold_id is not None:
-                    assert isinstance(self.store, SharedPlaces)
-                    await asyncio.shield(self.store.release_places(team.id, hold_id))
+                    await asyncio.shield(self._release(team.id, hold_id))
                 raise
         return hold_id
+
+    async def _release(self, team_id: str, hold_id: str) -> None:
+        """Gives a shared hold back; if the store fails now, again in the background."""
+        assert isinstance(self.store, SharedPlaces)
+        try:
+            await self.store.release_places(team_id, hold_id)
+        except Exception as exc:
+            log.warning("team %s: hold %s not given back yet (%s); trying again",
+                        team_id, hold_id, exc)  # fmt: skip
+            task = asyncio.get_running_loop().create_task(self._release_later(team_id, hold_id))
+            self._retries.add(task)
+            task.add_done_callback(self._retries.discard)
+
+    async def _release_later(self, team_id: str, hold_id: str) -> None:
+        assert isinstance(self.store, SharedPlaces)
+        last: Exception | None = None
+        for pause in self.release_retry_s:
+            await asyncio.sleep(pause)
+            try:
+                await self.store.release_places(team_id, hold_id)
+                return
+            except Exception as exc:
+                last = exc
+        log.error("team %s: hold %s could not be given back (%s); it goes with this "
+                  "replica's lease", team_id, hold_id, last)  # fmt: skip
+
+    async def close(self) -> None:
+        """Ends the background give-backs (their holds go with this replica's lease)."""
+        for task in list(self._retries):
+            task.cancel()
+        await asyncio.gather(*self._retries, return_exceptions=True)
 
     def _shared(self) -> bool:
         # Lease 0 (not registered): a hold would outlive a crash, so none is made.
@@ -170,7 +208,7 @@ class TeamLimits:
             ends = await self.store.take_places(team.id, count, limit, hold_id, self._lease())
             if ends is not None:
                 self._refuse(team, ends or None)
-            await self.store.release_places(team.id, hold_id)
+            await self._release(team.id, hold_id)
             return None
         active, soonest = await self.store.count_active(team.id)
         if active + self._held.get(team.id, 0) + count <= limit:
