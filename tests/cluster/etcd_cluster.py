@@ -80,6 +80,10 @@ def _post(url: str, body: dict[str, object]) -> dict[str, object]:
         return result
 
 
+# Starts made again when a picked port was taken meanwhile.
+BIND_ATTEMPTS = 3
+
+
 class EtcdCluster:
     def __init__(self, workdir: Path, size: int = 3) -> None:
         if not os.access(ETCD, os.X_OK):
@@ -88,17 +92,21 @@ class EtcdCluster:
                 "(`aenv setup --with-test-tools` installs Debian's etcd-server)"
             )
         self.workdir = workdir
+        self.size = size
         self.token = f"agentenv-test-{uuid.uuid4().hex[:8]}"
-        self.members = [
+        self.members = self._new_members()
+
+    def _new_members(self) -> list[Member]:
+        return [
             Member(
                 index=i,
                 name=f"m{i}",
                 client_port=free_port(),
                 peer_port=free_port(),
-                data_dir=workdir / f"m{i}",
-                log_path=workdir / f"m{i}.log",
+                data_dir=self.workdir / f"m{i}",
+                log_path=self.workdir / f"m{i}.log",
             )
-            for i in range(size)
+            for i in range(self.size)
         ]
 
     @property
@@ -130,15 +138,22 @@ class EtcdCluster:
             )
 
     def start(self) -> EtcdCluster:
-        self.workdir.mkdir(parents=True, exist_ok=True)
-        try:
-            for member in self.members:
-                self._spawn(member)
-            self.wait_healthy()
-        except BaseException:
-            self.stop()
-            raise
-        return self
+        """Up and healthy. A free port is only free when it was picked: another process may
+        bind it before etcd does ("address already in use", seen once in a whole-suite CI
+        run), so such a start is made again on new ports, a bounded number of times."""
+        for attempt in range(1, BIND_ATTEMPTS + 1):
+            self.workdir.mkdir(parents=True, exist_ok=True)
+            try:
+                for member in self.members:
+                    self._spawn(member)
+                self.wait_healthy()
+                return self
+            except BaseException as exc:
+                self.stop()
+                if attempt == BIND_ATTEMPTS or "address already in use" not in str(exc):
+                    raise
+                self.members = self._new_members()
+        raise AssertionError("unreachable")
 
     def healthy(self, member: Member) -> bool:
         if not member.running:

@@ -28,6 +28,7 @@ from pathlib import Path
 from agentenv.config import ObjectStoreConfig
 
 READY_TIMEOUT_S = 60.0
+BIND_ATTEMPTS = 3
 # Volumes are sparse and never preallocated, so a fixed ceiling costs no disk. Left to `weed`
 # (`-volume.max=0`) the ceiling is free disk / volume size, and every bucket (a collection of
 # its own) grows 7 volumes at once by default: on a machine with ~4 GB free the ninth bucket of a
@@ -81,10 +82,13 @@ class SeaweedFS:
         self.workdir = Path(tempfile.mkdtemp(prefix="agentenv-seaweed-"))
         self.access_key = "AK" + secrets.token_hex(8).upper()
         self.secret_key = secrets.token_hex(20)
+        self._pick_ports()
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def _pick_ports(self) -> None:
         ports = _free_ports(2 * len(_SERVICES))
         self.ports = {svc: ports[i] for i, svc in enumerate(_SERVICES)}
         self.grpc_ports = {svc: ports[len(_SERVICES) + i] for i, svc in enumerate(_SERVICES)}
-        self.proc: subprocess.Popen[bytes] | None = None
 
     @property
     def endpoint(self) -> str:
@@ -108,6 +112,21 @@ class SeaweedFS:
         }
 
     def start(self) -> None:
+        """Up and serving. A port picked free may be bound by another process before `weed`
+        binds it: such a start is made again on new ports (a bounded number of times)."""
+        for attempt in range(1, BIND_ATTEMPTS + 1):
+            try:
+                self._start_once()
+                return
+            except RuntimeError as exc:
+                self.kill()
+                if attempt == BIND_ATTEMPTS or "address already in use" not in str(exc):
+                    raise
+                for sub in ("data", "log", "tmp"):
+                    shutil.rmtree(self.workdir / sub, ignore_errors=True)
+                self._pick_ports()
+
+    def _start_once(self) -> None:
         data = self.workdir / "data"
         logs = self.workdir / "log"
         tmp = self.workdir / "tmp"
