@@ -1,24 +1,33 @@
-"""Shared fixtures: per-session state dir on the shared artifact cache, and the leak check.
+"""Shared fixtures: per-session state dir on the shared artifact cache, and the leak checks.
 
-The leak check runs around every test. It records which host resources made by this test
-process exist before the test and fails the test if new ones are still there afterwards: QEMU
-processes, network namespaces, slot links, the host nftables table (once no slot is left),
-mounts, sandbox cgroups and files under the sandboxes dir.
+The per-test leak check runs around tests that touch host resources in this process (marked
+`vm` or `host`, or using the session's data dir): it records which host resources made by
+this test process exist before the test and fails the test if new ones are still there
+afterwards: QEMU processes, network namespaces, slot links, mounts, sandbox cgroups and files
+under the sandboxes dir. The run-end check (`pytest_sessionfinish`) judges what subprocess
+servers and agents left, by owner.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
+import time
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 from resolver import TestResolver
 
+from agentenv.api.devserver import SEED_ENV
 from agentenv.config import Settings
 from agentenv.vmm import cgroup
+
+# What this run's resources were when it started (`pytest_sessionstart`, controller only).
+_BEFORE = pytest.StashKey[tuple[set[str], bool]]()
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -70,19 +79,16 @@ def _descendant_qemus(home: Path) -> set[str]:
 
 
 def _snapshot(home: Path) -> dict[str, set[str]]:
-    """Resources this process made that exist now. Other engineers' servers share the host,
-    so namespaces (and their links and mounts) count only if this process created them, and
-    cgroups only if their names were created here."""
+    """Resources this process made that exist now. Other servers (and this run's other
+    workers) share the host, so namespaces (and their links and mounts) count only if this
+    process created them, and cgroups only if their names were created here. The host nft
+    table is shared by every slot on the host: the run-end check judges it."""
     from agentenv.network import slot
 
     netns = set(os.listdir("/run/netns")) if os.path.isdir("/run/netns") else set()
     ours_ns = {n for n in netns if slot.made_here(n)}
     ours_links = {n.replace(slot.NETNS_PREFIX, slot.HOST_VETH_PREFIX, 1) for n in ours_ns}
     links = set(os.listdir("/sys/class/net"))
-    host_veths = {n for n in links if n.startswith(slot.HOST_VETH_PREFIX)}
-    tables = subprocess.run(
-        ["nft", "list", "tables"], capture_output=True, text=True, check=False
-    ).stdout.splitlines()
     mounts = {
         line.split()[1]
         for line in Path("/proc/self/mounts").read_text().splitlines()
@@ -94,16 +100,26 @@ def _snapshot(home: Path) -> dict[str, set[str]]:
         "qemu processes": _descendant_qemus(home),
         "network namespaces": netns & ours_ns,
         "links": links & ours_links,
-        # The host table must go with the last slot, whoever owned it.
-        "nft tables": {t for t in tables if "agentenv" in t} if not host_veths else set(),
         "mounts": mounts,
         "cgroups": {str(p) for p in cgroup.stale() if p.name in cgroup.created_here},
         "sandbox files": files,
     }
 
 
+def _touches_host(item: pytest.Item, fixturenames: list[str]) -> bool:
+    return (
+        item.get_closest_marker("vm") is not None
+        or item.get_closest_marker("host") is not None
+        or "agentenv_home" in fixturenames
+    )
+
+
 @pytest.fixture(autouse=True)
-def leak_check(agentenv_home: Path) -> Iterator[None]:
+def leak_check(request: pytest.FixtureRequest) -> Iterator[None]:
+    if not _touches_host(request.node, request.fixturenames):
+        yield
+        return
+    agentenv_home: Path = request.getfixturevalue("agentenv_home")
     before = _snapshot(agentenv_home)
     yield
     after = _snapshot(agentenv_home)
@@ -128,39 +144,179 @@ def base_template(agentenv_home: Path) -> object:
     return ensure_base(replace(Settings.from_env(), home=agentenv_home), None)
 
 
-def _host_wide() -> set[str]:
-    """Every agentenv resource on the host, whoever made it: namespaces, slot links, the
-    nftables table, sandbox cgroups and QEMU processes."""
-    from agentenv.network import slot
-
-    found: set[str] = set()
-    if os.path.isdir("/run/netns"):
-        found |= {f"netns {n}" for n in os.listdir("/run/netns") if n.startswith("ae-")}
-    found |= {
-        f"link {n}" for n in os.listdir("/sys/class/net") if n.startswith(slot.HOST_VETH_PREFIX)
-    }
-    tables = subprocess.run(
-        ["nft", "list", "tables"], capture_output=True, text=True, check=False
-    ).stdout.splitlines()
-    found |= {f"nft {t}" for t in tables if "agentenv" in t}
-    found |= {f"cgroup {p}" for p in cgroup.stale()}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
+def _cgroup_is_foreign(path: Path, root: str) -> bool:
+    """Whether a sandbox cgroup belongs to another server: a process in it whose command
+    line does not name this run's temp root."""
+    for procs in path.glob("**/cgroup.procs"):
+        try:
+            pids = procs.read_text().split()
+        except OSError:
+            continue
+        for pid in pids:
             try:
-                cmd = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")[0]
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
             except OSError:
                 continue
-            if b"qemu-system" in cmd:
-                found.add(f"qemu pid {entry}")
+            if root.encode() not in cmd:
+                return True
+    return False
+
+
+def _run_resources(root: Path) -> set[str]:
+    """What exists on the host now that belongs to this run: QEMU processes and mounts
+    naming its temp root, the slots its data dirs mark as held (`network.slot` markers, and
+    those this process made) with their links, and sandbox cgroups with no other server's
+    process in them. The host nft table is judged apart (`_orphan_table`): it is shared."""
+    from agentenv.network import slot
+    from agentenv.vmm import registry
+
+    mark = str(root)
+    found = {f"qemu pid {pid} {cmd[:100]}" for pid, cmd in registry.qemu_processes(mark).items()}
+    found |= {
+        f"mount {line.split()[1]}"
+        for line in Path("/proc/self/mounts").read_text().splitlines()
+        if mark in line
+    }
+    netns = set(os.listdir("/run/netns")) if os.path.isdir("/run/netns") else set()
+    marked = {m.name for m in root.glob("**/run/slots/ae-s*")}
+    ours = {n for n in netns if n in marked or slot.made_here(n)}
+    found |= {f"netns {n}" for n in ours}
+    links = set(os.listdir("/sys/class/net"))
+    found |= {
+        f"link {link}"
+        for n in ours
+        if (link := n.replace(slot.NETNS_PREFIX, slot.HOST_VETH_PREFIX, 1)) in links
+    }
+    found |= {f"cgroup {p}" for p in cgroup.stale() if not _cgroup_is_foreign(p, mark)}
     return found
 
 
-@pytest.fixture(scope="session", autouse=True)
-def no_leaks_at_session_end() -> Iterator[None]:
-    """The per-test check only sees what this process made; servers run as subprocesses make
-    their own slots and VMs. At the end of the session nothing new may remain on the host."""
-    before = _host_wide()
-    yield
-    left = sorted(_host_wide() - before)
+def _orphan_table() -> bool:
+    """The host nft table exists with no slot link left on the host (whoever's)."""
+    from agentenv.network import slot
+
+    if any(n.startswith(slot.HOST_VETH_PREFIX) for n in os.listdir("/sys/class/net")):
+        return False
+    tables = subprocess.run(
+        ["nft", "list", "tables"], capture_output=True, text=True, check=False
+    ).stdout.splitlines()
+    return any("agentenv" in t for t in tables)
+
+
+def _controller(config: pytest.Config) -> bool:
+    return not hasattr(config, "workerinput")
+
+
+def _run_root(config: pytest.Config) -> Path:
+    """The temp root of this run: under pytest-xdist every worker's basetemp lies inside the
+    controller's, so the controller sees every home, slot marker and VM of the run."""
+    base: Path = config._tmp_path_factory.getbasetemp()  # type: ignore[attr-defined]
+    return base if _controller(config) else base.parent
+
+
+@pytest.hookimpl(trylast=True)  # after the tmp_path plugin has set up its factory
+def pytest_configure(config: pytest.Config) -> None:
+    # Data dirs made by `prepare_home` start from one seed per run (its snapshot of `base`
+    # is captured once, by whichever worker needs it first), not from a cold boot each.
+    os.environ.setdefault(SEED_ENV, str(_run_root(config) / "seed-home"))
+    # No warm pools unless a test asks for one (tests of the pool, of crash recovery with
+    # it): a pool's refills are QEMUs started in the background of every other test.
+    os.environ.setdefault("AGENTENV_WARM_LOW", "0")
+    os.environ.setdefault("AGENTENV_WARM_HIGH", "0")
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    if _controller(session.config):
+        session.config.stash[_BEFORE] = (_run_resources(_run_root(session.config)), _orphan_table())
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """The per-test check only sees what a test's own process made; servers and node agents
+    run as subprocesses and make their own slots and VMs. Once every worker is done, nothing
+    this run made may remain, judged by owner (this run's temp root, its slot markers), so
+    other servers on the host, and this run's own workers, never count."""
+    config = session.config
+    if not _controller(config) or _BEFORE not in config.stash:
+        return
+    before, table_before = config.stash[_BEFORE]
+    root = _run_root(config)
+    left = _run_resources(root) - before
     if left:
-        pytest.fail(f"the test session left resources behind: {left}", pytrace=False)
+        # A teardown of another server racing its own cgroup: look once more.
+        time.sleep(1.0)
+        left &= _run_resources(root)
+    if _orphan_table() and not table_before:
+        left.add("nft table inet agentenv with no slot left")
+    if left:
+        reporter = config.pluginmanager.get_plugin("terminalreporter")
+        message = f"the test session left resources behind: {sorted(left)}"
+        if reporter is not None:
+            reporter.write_line(message, red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+# -- parallel runs and the cost of each module ------------------------------------------------
+
+# Measured wall seconds per module (setup, call and teardown of its tests; `--module-times`
+# writes a new table). Modules run longest first, so the last one a worker starts is short.
+MODULE_TIMES = Path(__file__).with_name("module_times.json")
+# A module not in the table yet is taken to be this long: new modules start early.
+UNKNOWN_MODULE_S = 120.0
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--module-times",
+        metavar="PATH",
+        help="write each module's measured wall seconds to PATH (the format of "
+        "tests/module_times.json)",
+    )
+
+
+def _module_of(nodeid: str) -> str:
+    return nodeid.split("::", 1)[0]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Every module is one xdist group (its module-scoped servers are made once, on one
+    worker), and the longest modules come first. Every worker sorts the same way, so their
+    collections agree."""
+    known: dict[str, float] = json.loads(MODULE_TIMES.read_text()) if MODULE_TIMES.exists() else {}
+    order = {m: i for i, m in enumerate(dict.fromkeys(_module_of(i.nodeid) for i in items))}
+
+    def cost(item: pytest.Item) -> tuple[float, int]:
+        module = _module_of(item.nodeid)
+        return (-known.get(module, UNKNOWN_MODULE_S), order[module])
+
+    items.sort(key=cost)
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(_module_of(item.nodeid)))
+
+
+# Seconds per module of this run, from every phase's report (under xdist the controller gets
+# the workers' reports, with their durations).
+_module_seconds: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    module = _module_of(report.nodeid)
+    _module_seconds[module] = _module_seconds.get(module, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
+    """Wall seconds per module, the 25 longest, after the slowest tests (`--durations`): what
+    each module costs stays visible run after run."""
+    if not _controller(config) or not _module_seconds:
+        return
+    ranked = sorted(_module_seconds.items(), key=lambda kv: -kv[1])
+    terminalreporter.write_sep("=", f"slowest modules (of {len(ranked)}; seconds, all phases)")
+    for module, seconds in ranked[:25]:
+        terminalreporter.write_line(f"{seconds:8.1f}  {module}")
+    terminalreporter.write_line(f"{sum(_module_seconds.values()):8.1f}  total")
+    path = config.getoption("module_times")
+    if path:
+        Path(path).write_text(
+            json.dumps({m: round(s, 1) for m, s in sorted(_module_seconds.items())}, indent=1)
+            + "\n"
+        )

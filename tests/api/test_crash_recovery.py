@@ -33,6 +33,9 @@ from .conftest import qemu_processes, stop_and_check
 pytestmark = pytest.mark.vm
 
 TIMEOUT_S = 600
+# The suite runs without warm pools (tests/conftest.py); crash recovery is checked with the
+# product's default pool, whose entries are VMs a crash leaves behind too.
+WARM_POOL = {"AGENTENV_WARM_LOW": "1", "AGENTENV_WARM_HIGH": "2"}
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +51,7 @@ def home(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _start(home: Path, port: int | None = None, **env: str) -> ServerProcess:
-    srv = ServerProcess(home, port=port, env=env, ready_timeout_s=240).start()
+    srv = ServerProcess(home, port=port, env={**WARM_POOL, **env}, ready_timeout_s=240).start()
     os.environ.update(srv.sdk_env())
     return srv
 
@@ -418,7 +421,7 @@ def test_sigkill_mid_operation_rolls_forward_or_back(
 
 
 def test_sigkill_during_template_build(tmp_path: Path, restore_env: None) -> None:
-    fresh = prepare_home(tmp_path / "fresh")
+    fresh = prepare_home(tmp_path / "fresh", seeded=False)  # the build is what crashes
     srv = _start(fresh, AGENTENV_CRASH_AT="template:booted")
     try:
         with pytest.raises(Exception):  # noqa: B017 - the server dies under the request

@@ -39,11 +39,17 @@ def cycle(api: httpx.Client) -> tuple[float, float]:
 def test_a_starting_server_does_not_hold_up_another_servers_deletes(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
-    busy = ServerProcess(prepare_home(tmp_path_factory.mktemp("busy")), ready_timeout_s=180)
+    # Both with the product's warm pool (the suite's default is none), and the starting one
+    # from nothing: it builds its own template snapshot, as a new server on a host does.
+    warm = {"AGENTENV_WARM_LOW": "1", "AGENTENV_WARM_HIGH": "2"}
+    busy = ServerProcess(
+        prepare_home(tmp_path_factory.mktemp("busy")), ready_timeout_s=180, env=warm
+    )
     starting = ServerProcess(
-        prepare_home(tmp_path_factory.mktemp("starting")),
+        prepare_home(tmp_path_factory.mktemp("starting"), seeded=False),
         ready_timeout_s=300,
         env={
+            **warm,
             "AGENTENV_SLOT_POOL_LOW": str(STARTING_SLOT_POOL // 2),
             "AGENTENV_SLOT_POOL_HIGH": str(STARTING_SLOT_POOL),
         },

@@ -34,6 +34,9 @@ from .tapwire import (
     wire,
 )
 
+# Slots made in this process: the per-test leak check runs around these.
+pytestmark = pytest.mark.host
+
 GUEST_IP = "169.254.0.2"
 GATEWAY_IP = "169.254.0.1"
 OTHER_MAC = "02:ae:00:00:00:03"
