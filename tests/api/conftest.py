@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import signal
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
@@ -99,6 +100,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
         yield srv
     finally:
         stop_and_check(srv)
+    # Clean: its disks and RAM files go now, not when the run's temp dir does.
+    shutil.rmtree(home, ignore_errors=True)
 
 
 @pytest.fixture

@@ -8,6 +8,7 @@ speedups are left out) is uploaded with the app.
 from __future__ import annotations
 
 import io
+import shutil
 import subprocess
 import tarfile
 import time
@@ -149,6 +150,7 @@ def proxy_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerPro
         srv.stop(timeout_s=120)
         sandboxes = home / "sandboxes"
         assert not (sandboxes.is_dir() and any(sandboxes.iterdir())), "sandboxes left behind"
+    shutil.rmtree(home, ignore_errors=True)  # clean: its disks go now, not with the run
 
 
 def sdk_opts(server: ServerProcess) -> dict[str, object]:
