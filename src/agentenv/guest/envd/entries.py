@@ -19,16 +19,20 @@ XATTR_PREFIX = "user.e2b."
 
 
 def read_metadata(path: str) -> dict[str, str]:
+    """The metadata of `path`, read through a symlink as upstream does (a link has no xattrs)."""
     found: dict[str, str] = {}
     try:
-        names = os.listxattr(path, follow_symlinks=False)
+        names = os.listxattr(path)
     except OSError:
         return found
     for name in names:
         if name.startswith(XATTR_PREFIX):
-            with contextlib.suppress(OSError, UnicodeDecodeError):
-                value = os.getxattr(path, name, follow_symlinks=False)
-                found[name[len(XATTR_PREFIX) :]] = value.decode()
+            # A key or value that is not UTF-8 (set with setfattr) is left out, as upstream
+            # does: it could not go out in the JSON or protobuf answer.
+            with contextlib.suppress(OSError, UnicodeError):
+                key = name[len(XATTR_PREFIX) :]
+                key.encode()
+                found[key] = os.getxattr(path, name).decode()
     return found
 
 
@@ -79,10 +83,30 @@ def replace_metadata(fd: int, metadata: dict[str, str]) -> None:
         os.setxattr(fd, XATTR_PREFIX + key, value.encode())
 
 
-def _permissions(mode: int) -> str:
-    # Go's FileMode.String(), which the SDK has always shown: `L` marks a symlink.
-    text = stat.filemode(mode)
-    return "L" + text[1:] if stat.S_ISLNK(mode) else text
+# Go's FileMode.String(), which upstream sends as `permissions` and the SDK has always shown:
+# type and special-bit letters in Go's order, then rwx. `/tmp` is `dtrwxrwxrwx`, a setuid file
+# `urwxr-xr-x`, a symlink `Lrwxrwxrwx`, /dev/null `Dcrw-rw-rw-`.
+def _go_flags(mode: int) -> list[tuple[str, bool]]:
+    kind = stat.S_IFMT(mode)
+    return [
+        ("d", kind == stat.S_IFDIR),
+        ("L", kind == stat.S_IFLNK),
+        ("D", kind in (stat.S_IFBLK, stat.S_IFCHR)),
+        ("p", kind == stat.S_IFIFO),
+        ("S", kind == stat.S_IFSOCK),
+        ("u", bool(mode & stat.S_ISUID)),
+        ("g", bool(mode & stat.S_ISGID)),
+        ("c", kind == stat.S_IFCHR),
+        ("t", bool(mode & stat.S_ISVTX)),
+    ]
+
+
+def permissions_string(mode: int) -> str:
+    letters = "".join(letter for letter, present in _go_flags(mode) if present) or "-"
+    bits = "".join(
+        char if mode & (0o400 >> index) else "-" for index, char in enumerate("rwxrwxrwx")
+    )
+    return letters + bits
 
 
 def file_type(mode: int) -> pb.FileType:
@@ -95,8 +119,27 @@ def file_type(mode: int) -> pb.FileType:
     return pb.FileType.UNSPECIFIED
 
 
+def _link_target(path: str) -> tuple[str, os.stat_result | None]:
+    """Where a symlink finally leads, and the stat of that, as upstream reports them.
+
+    The target is fully resolved (every link on the way followed). A link that leads nowhere
+    (dangling, a loop) names itself as its target and has no target stat.
+    """
+    try:
+        return os.path.realpath(path, strict=True), os.stat(path)
+    except OSError:
+        return path, None
+
+
 def entry_info(path: str, st: os.stat_result | None = None) -> pb.EntryInfo:
-    """EntryInfo of `path` itself (a symlink is described, not followed)."""
+    """EntryInfo of `path` itself, `st` being its lstat when the caller has it.
+
+    For a symlink, as upstream envd: `type` and `mode` describe the final target (type
+    UNSPECIFIED and mode 0 when there is none, which makes the SDK drop it from listings),
+    while size, owner, group, mtime and `permissions` (`Lrwxrwxrwx`) are the link's own.
+    `is_symlink` marks the link: the SDK (2.63) then reports the type as symlink. `metadata`
+    is the target's (xattrs are read through the link, as upstream does).
+    """
     if st is None:
         try:
             st = os.lstat(path)
@@ -104,20 +147,25 @@ def entry_info(path: str, st: os.stat_result | None = None) -> pb.EntryInfo:
             raise NotFound(f"path not found: {path}") from None
     is_link = stat.S_ISLNK(st.st_mode)
     target: str | None = None
+    kind = file_type(st.st_mode)
+    # Go's FileMode.Perm(): the rwx bits only; setuid, setgid and sticky show in `permissions`.
+    mode = st.st_mode & 0o777
     if is_link:
-        target = os.path.realpath(path)
+        target, target_st = _link_target(path)
+        kind = file_type(target_st.st_mode) if target_st else pb.FileType.UNSPECIFIED
+        mode = target_st.st_mode & 0o777 if target_st else 0
     seconds, nanos = divmod(st.st_mtime_ns, 1_000_000_000)
     return pb.EntryInfo(
         name=os.path.basename(path) or path,
-        type=file_type(st.st_mode),
+        type=kind,
         path=path,
         size=st.st_size,
-        mode=stat.S_IMODE(st.st_mode),
-        permissions=_permissions(st.st_mode),
+        mode=mode,
+        permissions=permissions_string(st.st_mode),
         owner=user_name(st.st_uid),
         group=group_name(st.st_gid),
         modified_time=Timestamp(seconds=seconds, nanos=nanos),
         symlink_target=target,
-        metadata=read_metadata(path) if not is_link else {},
+        metadata=read_metadata(path),
         is_symlink=is_link,
     )
