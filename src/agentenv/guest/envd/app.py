@@ -236,8 +236,8 @@ class Envd:
         self._check_files_auth(request)
         user = self._http_user(request)
         if request.method == "GET":
-            return await files_http.download(request, user)
-        return await files_http.upload(request, user)
+            return await files_http.download(request, user, self.state.default_workdir)
+        return await files_http.upload(request, user, self.state.default_workdir)
 
     def _check_files_auth(self, request: Request) -> None:
         if not self.state.access_token:

@@ -2,6 +2,8 @@
 
 Uploads go straight from the request body to the destination file in bounded chunks, so a
 1 GiB file needs no more memory than a small one; a failed upload removes the file it created.
+As upstream envd, both run as root whoever the request names: that user only owns what an upload
+creates (the file and its missing parents) and anchors `~` and relative paths.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from starlette.responses import FileResponse, JSONResponse, Response, StreamingR
 
 from . import paths
 from .entries import read_metadata, replace_metadata, validate_metadata
-from .errors import EnvdFault, InvalidArgument, ResourceExhausted
+from .errors import EnvdFault, InvalidArgument, NotFound, ResourceExhausted
 from .users import User
 
 log = logging.getLogger("agentenv.envd")
@@ -40,14 +42,22 @@ def error_response(exc: EnvdFault) -> JSONResponse:
     return JSONResponse({"code": exc.status, "message": exc.message}, status_code=exc.status)
 
 
-async def download(request: Request, user: User) -> Response:
+def _stat_for_download(path: str) -> os.stat_result:
+    try:
+        st = os.stat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        raise NotFound(f"path not found: {path}") from None
+    if stat.S_ISDIR(st.st_mode):
+        raise InvalidArgument(f"path is a directory: {path}")
+    return st
+
+
+async def download(request: Request, user: User, workdir: str | None = None) -> Response:
     raw = request.query_params.get("path")
     if not raw:
         raise InvalidArgument("query parameter 'path' is required")
-    path = paths.resolve(raw, user)
-    st = paths.check(path, user, paths.R)
-    if stat.S_ISDIR(st.st_mode):
-        raise InvalidArgument(f"path is a directory: {path}")
+    path = paths.resolve(raw, user, workdir)
+    st = await asyncio.to_thread(_stat_for_download, path)
     if request.headers.get("range") and stat.S_ISREG(st.st_mode) and st.st_size > 0:
         return FileResponse(path, media_type="application/octet-stream", stat_result=st)
     fd = await asyncio.to_thread(_open_for_reading, path)
@@ -139,12 +149,19 @@ class FileSink:
         await asyncio.to_thread(self._open)
 
     def _open(self) -> None:
-        paths.check_write(self.path, self.user)
         if os.path.isdir(self.path):
             raise InvalidArgument(f"path is a directory: {self.path}")
         paths.makedirs_as(os.path.dirname(self.path), self.user)
         self.created = not os.path.lexists(self.path)
-        self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
+        try:
+            self.fd = os.open(self.path, flags, 0o644)
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise ResourceExhausted("not enough space (or inodes) for a new file") from None
+            raise
+        # The user owns the file afterwards, also one that existed and was someone else's
+        # (upstream chowns an overwritten file to the uploader too).
         if os.geteuid() == 0:
             os.fchown(self.fd, self.user.uid, self.user.gid)
 
@@ -245,7 +262,7 @@ async def _body(request: Request) -> AsyncIterator[bytes]:
         yield tail
 
 
-async def upload(request: Request, user: User) -> Response:
+async def upload(request: Request, user: User, workdir: str | None = None) -> Response:
     content_type = request.headers.get("content-type", "")
     mime, options = parse_options_header(content_type)
     raw_path = request.query_params.get("path")
@@ -255,11 +272,11 @@ async def upload(request: Request, user: User) -> Response:
         boundary = options.get(b"boundary")
         if not boundary:
             raise InvalidArgument("multipart upload without a boundary")
-        written = await _upload_multipart(request, user, boundary, raw_path, metadata)
+        written = await _upload_multipart(request, user, boundary, raw_path, metadata, workdir)
     else:
         if not raw_path:
             raise InvalidArgument("query parameter 'path' is required for a raw upload")
-        sink = FileSink(paths.resolve(raw_path, user), user, metadata)
+        sink = FileSink(paths.resolve(raw_path, user, workdir), user, metadata)
         await sink.open()
         try:
             async for chunk in _body(request):
@@ -283,7 +300,12 @@ class _PartState:
 
 
 async def _upload_multipart(
-    request: Request, user: User, boundary: bytes, raw_path: str | None, metadata: dict[str, str]
+    request: Request,
+    user: User,
+    boundary: bytes,
+    raw_path: str | None,
+    metadata: dict[str, str],
+    workdir: str | None,
 ) -> list[dict[str, Any]]:
     part = _PartState()
 
@@ -341,7 +363,7 @@ async def _upload_multipart(
                         raise InvalidArgument(
                             "multipart part has no filename and no 'path' was given"
                         )
-                    sink = FileSink(paths.resolve(target, user), user, metadata)
+                    sink = FileSink(paths.resolve(target, user, workdir), user, metadata)
                     await sink.open()
                 elif op == "data" and sink is not None:
                     await sink.write(arg)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import errno
 import os
 import shutil
@@ -16,7 +17,13 @@ from protobuf import Oneof
 
 from . import paths
 from .entries import entry_info
-from .errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted
+from .errors import (
+    AlreadyExists,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+)
 from .gen.filesystem import filesystem_pb as pb
 from .gen.filesystem.filesystem_connect import Filesystem
 from .inotify import DirWatcher, FsEvent
@@ -62,48 +69,51 @@ class FilesystemService(Filesystem):
         self.state = state
         self.watchers: dict[str, PolledWatcher] = {}
 
+    def _resolve(self, raw: str, user: User) -> str:
+        return paths.resolve(raw, user, self.state.default_workdir)
+
     @unary
     async def stat(self, request: pb.StatRequest, ctx: Any) -> pb.StatResponse:
         user = acting_user(self.state, ctx)
-        path = paths.resolve(request.path, user)
-        paths.check_traverse(path, user)
-        return pb.StatResponse(entry=entry_info(path))
+        path = self._resolve(request.path, user)
+        return pb.StatResponse(entry=await asyncio.to_thread(entry_info, path))
 
     @unary
     async def make_dir(self, request: pb.MakeDirRequest, ctx: Any) -> pb.MakeDirResponse:
         user = acting_user(self.state, ctx)
-        path = paths.resolve(request.path, user)
-        return pb.MakeDirResponse(entry=_make_dir(path, user))
+        path = self._resolve(request.path, user)
+        return pb.MakeDirResponse(entry=await asyncio.to_thread(_make_dir, path, user))
 
     @unary
     async def move(self, request: pb.MoveRequest, ctx: Any) -> pb.MoveResponse:
         user = acting_user(self.state, ctx)
-        source = paths.resolve(request.source, user)
-        destination = paths.resolve(request.destination, user)
+        source = self._resolve(request.source, user)
+        destination = self._resolve(request.destination, user)
         entry = await asyncio.to_thread(_move, source, destination, user)
         return pb.MoveResponse(entry=entry)
 
     @unary
     async def list_dir(self, request: pb.ListDirRequest, ctx: Any) -> pb.ListDirResponse:
         user = acting_user(self.state, ctx)
-        path = paths.resolve(request.path, user)
-        paths.check_dir(path, user)
-        entries = await asyncio.to_thread(_walk, path, request.depth or 1, user)
+        path = self._resolve(request.path, user)
+        entries = await asyncio.to_thread(_list, path, request.depth or 1)
         return pb.ListDirResponse(entries=entries)
 
     @unary
     async def remove(self, request: pb.RemoveRequest, ctx: Any) -> pb.RemoveResponse:
         user = acting_user(self.state, ctx)
-        path = paths.resolve(request.path, user)
-        await asyncio.to_thread(_remove, path, user)
+        path = self._resolve(request.path, user)
+        await asyncio.to_thread(_remove, path)
         return pb.RemoveResponse()
 
-    def _watcher(
+    async def _watcher(
         self, raw: str, recursive: bool, allow_network: bool, user: User, sink: Any
     ) -> DirWatcher:
-        path = paths.resolve(raw, user)
-        paths.check_dir(path, user)
-        return DirWatcher(path, recursive=recursive, sink=sink, allow_network_mounts=allow_network)
+        path = self._resolve(raw, user)
+        # A recursive watch walks the whole tree to place its watches: not on the event loop.
+        return await asyncio.to_thread(
+            DirWatcher, path, recursive=recursive, sink=sink, allow_network_mounts=allow_network
+        )
 
     @streaming
     async def watch_dir(
@@ -119,7 +129,7 @@ class FilesystemService(Filesystem):
             if not queue.full():
                 queue.put_nowait(event)
 
-        watcher = self._watcher(
+        watcher = await self._watcher(
             request.path, request.recursive, request.allow_network_mounts, user, sink
         )
         watcher.start()
@@ -161,7 +171,7 @@ class FilesystemService(Filesystem):
             polled = holder[0]
             polled.events.append(_to_event(polled.watcher, event, polled.include_entry))
 
-        watcher = self._watcher(
+        watcher = await self._watcher(
             request.path, request.recursive, request.allow_network_mounts, user, sink
         )
         polled = PolledWatcher(watcher, request.include_entry)
@@ -200,14 +210,32 @@ class FilesystemService(Filesystem):
         self.watchers.clear()
 
 
-def _walk(root: str, depth: int, user: User) -> list[pb.EntryInfo]:
+def _list(path: str, depth: int) -> list[pb.EntryInfo]:
+    """ListDir: `path` (through symlinks) must be a directory; entries keep `path` as prefix."""
+    try:
+        st = os.stat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        raise NotFound(f"path not found: {path}") from None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise FailedPrecondition(f"cyclic symlink or too long a chain at {path}") from None
+        raise
+    if not stat.S_ISDIR(st.st_mode):
+        raise InvalidArgument(f"path is not a directory: {path}")
+    return _walk(path, depth)
+
+
+def _walk(root: str, depth: int) -> list[pb.EntryInfo]:
+    """Entries under `root` down to `depth` levels, sorted by name, each directory's children
+    right after it (upstream's filepath.WalkDir order). Symlinked directories are listed but
+    not entered; entries that vanish meanwhile are skipped."""
     entries: list[pb.EntryInfo] = []
 
     def visit(directory: str, level: int) -> None:
         try:
             with os.scandir(directory) as it:
                 children = sorted(it, key=lambda e: e.name)
-        except (PermissionError, FileNotFoundError, NotADirectoryError):
+        except (FileNotFoundError, NotADirectoryError):
             return
         for child in children:
             try:
@@ -215,11 +243,7 @@ def _walk(root: str, depth: int, user: User) -> list[pb.EntryInfo]:
             except FileNotFoundError:
                 continue
             entries.append(entry_info(child.path, st))
-            if (
-                level < depth
-                and stat.S_ISDIR(st.st_mode)
-                and paths.permits(st, user, paths.R | paths.X)
-            ):
+            if level < depth and stat.S_ISDIR(st.st_mode):
                 visit(child.path, level + 1)
 
     visit(root, 1)
@@ -231,7 +255,6 @@ def _make_dir(path: str, user: User) -> pb.EntryInfo:
         if os.path.isdir(path):
             raise AlreadyExists(f"directory already exists: {path}")
         raise InvalidArgument(f"path already exists and is not a directory: {path}")
-    paths.check_create(path, user)
     paths.makedirs_as(path, user)
     return entry_info(path)
 
@@ -239,8 +262,6 @@ def _make_dir(path: str, user: User) -> pb.EntryInfo:
 def _move(source: str, destination: str, user: User) -> pb.EntryInfo:
     if not os.path.lexists(source):
         raise NotFound(f"path not found: {source}")
-    paths.check_write(os.path.dirname(source) or "/", user)
-    paths.check_create(destination, user)
     paths.makedirs_as(os.path.dirname(destination), user)
     try:
         os.rename(source, destination)
@@ -256,16 +277,19 @@ def _move(source: str, destination: str, user: User) -> pb.EntryInfo:
     return entry_info(destination)
 
 
-def _remove(path: str, user: User) -> None:
-    """Upstream envd's Remove is `os.RemoveAll`: a path that is not there is already removed."""
-    paths.check_traverse(path, user)
+def _remove(path: str) -> None:
+    """Upstream envd's Remove is `os.RemoveAll`: a path that is not there is already removed,
+    and a symlink is removed itself, never what it points to."""
     if not os.path.lexists(path):
         return
-    paths.check_write(os.path.dirname(path) or "/", user)
-    try:
-        if os.path.isdir(path) and not os.path.islink(path):
-            shutil.rmtree(path)
-        else:
-            os.unlink(path)
-    except FileNotFoundError:
-        return  # removed meanwhile
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path, onerror=_unless_vanished)
+        return
+    with contextlib.suppress(FileNotFoundError):  # removed meanwhile
+        os.unlink(path)
+
+
+def _unless_vanished(function: Any, path: str, exc_info: Any) -> None:
+    # Something that another process removed meanwhile needs no removing; anything else fails.
+    if not isinstance(exc_info[1], FileNotFoundError):
+        raise exc_info[1]

@@ -98,7 +98,8 @@ class DirWatcher:
         if not os.path.isdir(path):
             raise InvalidArgument(f"path {path} is not a directory")
         if not allow_network_mounts and filesystem_type(path) in NETWORK_FILESYSTEMS:
-            raise FailedPrecondition(
+            # invalid_argument, as upstream: the SDK raises InvalidArgumentException for it.
+            raise InvalidArgument(
                 f"{path} is on a network filesystem; watching it needs allow_network_mounts"
             )
         self.root = path
