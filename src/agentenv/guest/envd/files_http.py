@@ -23,7 +23,7 @@ from python_multipart.multipart import MultipartParser, parse_options_header
 from starlette.requests import Request
 from starlette.responses import FileResponse, JSONResponse, Response, StreamingResponse
 
-from . import paths
+from . import disposition, paths
 from .entries import read_metadata, replace_metadata, validate_metadata
 from .errors import EnvdFault, InvalidArgument, NotFound, ResourceExhausted
 from .users import User
@@ -39,7 +39,8 @@ DOWNLOAD_PREFETCH = 1024 * 1024
 
 
 def error_response(exc: EnvdFault) -> JSONResponse:
-    return JSONResponse({"code": exc.status, "message": exc.message}, status_code=exc.status)
+    message = disposition.printable(exc.message)
+    return JSONResponse({"code": exc.status, "message": message}, status_code=exc.status)
 
 
 def _stat_for_download(path: str) -> os.stat_result:
@@ -58,19 +59,23 @@ async def download(request: Request, user: User, workdir: str | None = None) -> 
         raise InvalidArgument("query parameter 'path' is required")
     path = paths.resolve(raw, user, workdir)
     st = await asyncio.to_thread(_stat_for_download, path)
+    # The name a browser saves it under, as upstream sends it (RFC 5987 when not ASCII).
+    headers = {"content-disposition": disposition.inline(os.path.basename(path))}
     if request.headers.get("range") and stat.S_ISREG(st.st_mode) and st.st_size > 0:
-        return FileResponse(path, media_type="application/octet-stream", stat_result=st)
+        return FileResponse(
+            path, media_type="application/octet-stream", stat_result=st, headers=headers
+        )
     fd = await asyncio.to_thread(_open_for_reading, path)
     try:
         st = os.fstat(fd)
         if stat.S_ISREG(st.st_mode) and st.st_size > 0:
-            return OpenFileResponse(fd, length=st.st_size)
+            return OpenFileResponse(fd, length=st.st_size, headers=headers)
         # procfs/sysfs files say 0 bytes and have content; devices and pipes have no size.
         head = await asyncio.to_thread(_read_up_to, fd, DOWNLOAD_PREFETCH)
         if len(head) < DOWNLOAD_PREFETCH:
             os.close(fd)
-            return Response(head, media_type="application/octet-stream")
-        return OpenFileResponse(fd, length=None, head=head)
+            return Response(head, media_type="application/octet-stream", headers=headers)
+        return OpenFileResponse(fd, length=None, head=head, headers=headers)
     except BaseException:
         with contextlib.suppress(OSError):
             os.close(fd)
@@ -104,11 +109,20 @@ class OpenFileResponse(StreamingResponse):
     `head`, chunked.
     """
 
-    def __init__(self, fd: int, *, length: int | None, head: bytes = b"") -> None:
+    def __init__(
+        self,
+        fd: int,
+        *,
+        length: int | None,
+        head: bytes = b"",
+        headers: dict[str, str] | None = None,
+    ) -> None:
         self.fd = fd
         self.length = length
         self.head = head
-        headers = {"content-length": str(length)} if length is not None else None
+        headers = dict(headers or {})
+        if length is not None:
+            headers["content-length"] = str(length)
         super().__init__(self._chunks(), headers=headers, media_type="application/octet-stream")
 
     async def _chunks(self) -> AsyncIterator[bytes]:
@@ -229,7 +243,11 @@ def _metadata(request: Request) -> dict[str, str]:
 
 
 def _written(path: str) -> dict[str, Any]:
-    info: dict[str, Any] = {"name": os.path.basename(path), "type": "file", "path": path}
+    info: dict[str, Any] = {
+        "name": disposition.printable(os.path.basename(path)),
+        "type": "file",
+        "path": disposition.printable(path),
+    }
     # What the file now carries, read back as upstream does: not claimed if it was not stored.
     stored = read_metadata(path)
     if stored:
@@ -272,7 +290,8 @@ async def upload(request: Request, user: User, workdir: str | None = None) -> Re
         boundary = options.get(b"boundary")
         if not boundary:
             raise InvalidArgument("multipart upload without a boundary")
-        written = await _upload_multipart(request, user, boundary, raw_path, metadata, workdir)
+        destinations = _Destinations(user, workdir, raw_path)
+        written = await _upload_multipart(request, user, boundary, destinations, metadata)
     else:
         if not raw_path:
             raise InvalidArgument("query parameter 'path' is required for a raw upload")
@@ -291,9 +310,36 @@ async def upload(request: Request, user: User, workdir: str | None = None) -> Re
     return JSONResponse(written)
 
 
+class _Destinations:
+    """Where each file of a multipart upload goes, as upstream decides it.
+
+    The `path` query parameter, when given, is the destination of every `file` part; otherwise
+    each part's filename is its path. Two parts for one destination are refused (after the
+    first is written, as upstream): silently keeping only the last would lose data.
+    """
+
+    def __init__(self, user: User, workdir: str | None, raw_path: str | None) -> None:
+        self.user = user
+        self.workdir = workdir
+        self.raw_path = raw_path
+        self.used: list[str] = []
+
+    def next(self, filename: str | None) -> str:
+        target = self.raw_path if self.raw_path is not None else filename
+        if target is None:
+            raise InvalidArgument("multipart part has no filename and no 'path' was given")
+        path = paths.resolve(target, self.user, self.workdir)
+        if path in self.used:
+            raise InvalidArgument(
+                f"more than one file of this upload goes to {path}; only the first was written"
+            )
+        self.used.append(path)
+        return path
+
+
 @dataclass
 class _PartState:
-    headers: dict[str, str] = field(default_factory=dict)
+    headers: dict[str, bytes] = field(default_factory=dict)
     header_field: bytearray = field(default_factory=bytearray)
     header_value: bytearray = field(default_factory=bytearray)
     ops: list[tuple[str, Any]] = field(default_factory=list)
@@ -303,9 +349,8 @@ async def _upload_multipart(
     request: Request,
     user: User,
     boundary: bytes,
-    raw_path: str | None,
+    destinations: _Destinations,
     metadata: dict[str, str],
-    workdir: str | None,
 ) -> list[dict[str, Any]]:
     part = _PartState()
 
@@ -316,14 +361,14 @@ async def _upload_multipart(
         part.header_value += data[start:end]
 
     def on_header_end() -> None:
-        part.headers[part.header_field.decode("latin-1").lower()] = part.header_value.decode()
+        # Values stay bytes: a filename may be raw UTF-8 (httpx, browsers) or anything else.
+        part.headers[part.header_field.decode("latin-1").lower()] = bytes(part.header_value)
         part.header_field.clear()
         part.header_value.clear()
 
     def on_headers_finished() -> None:
-        _, params = parse_options_header(part.headers.get("content-disposition", ""))
-        filename = params.get(b"filename")
-        part.ops.append(("open", filename.decode() if filename else None))
+        params = disposition.params(part.headers.get("content-disposition", b""))
+        part.ops.append(("open", (params.get("name"), params.get("filename"))))
         part.headers = {}
 
     def on_part_data(data: bytes, start: int, end: int) -> None:
@@ -345,7 +390,6 @@ async def _upload_multipart(
     )
     written: list[dict[str, Any]] = []
     sink: FileSink | None = None
-    used_path = False
     try:
         async for chunk in _body(request):
             try:
@@ -355,15 +399,11 @@ async def _upload_multipart(
             ops, part.ops = part.ops, []
             for op, arg in ops:
                 if op == "open":
-                    if raw_path and not used_path:
-                        target, used_path = raw_path, True
-                    elif arg:
-                        target = arg
-                    else:
-                        raise InvalidArgument(
-                            "multipart part has no filename and no 'path' was given"
-                        )
-                    sink = FileSink(paths.resolve(target, user, workdir), user, metadata)
+                    field_name, filename = arg
+                    # Only `file` fields are files, as upstream: other form fields are skipped.
+                    if field_name != "file":
+                        continue
+                    sink = FileSink(destinations.next(filename), user, metadata)
                     await sink.open()
                 elif op == "data" and sink is not None:
                     await sink.write(arg)
