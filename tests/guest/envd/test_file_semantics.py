@@ -323,3 +323,27 @@ async def test_watch_with_a_filename_in_every_script(
         await asyncio.sleep(0.05)
     await fs_client.remove_watcher(pb.RemoveWatcherRequest(watcher_id=created.watcher_id))
     assert "Ελληνικά.txt" in names
+
+
+async def test_a_name_that_is_not_utf8_is_shown_not_fatal(
+    fs_client: FilesystemClient, scratch: Path
+) -> None:
+    # Upstream fails the whole listing over such a name; we show it with U+FFFD instead.
+    created = await fs_client.create_watcher(pb.CreateWatcherRequest(path=str(scratch)))
+    Path(os.fsdecode(bytes(scratch) + b"/caf\xe9.txt")).write_text("x")
+    (scratch / "ok.txt").write_text("y")
+    listed = (await fs_client.list_dir(pb.ListDirRequest(path=str(scratch)))).entries
+    assert sorted(entry.name for entry in listed) == ["caf\ufffd.txt", "ok.txt"]
+    names: set[str] = set()
+    for _ in range(100):
+        events = (
+            await fs_client.get_watcher_events(
+                pb.GetWatcherEventsRequest(watcher_id=created.watcher_id)
+            )
+        ).events
+        names |= {event.name for event in events}
+        if "ok.txt" in names:
+            break
+        await asyncio.sleep(0.05)
+    await fs_client.remove_watcher(pb.RemoveWatcherRequest(watcher_id=created.watcher_id))
+    assert {"caf\ufffd.txt", "ok.txt"} <= names

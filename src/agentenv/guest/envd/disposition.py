@@ -7,7 +7,7 @@ quoted `filename="…"` (what httpx and browsers send), `filename*=charset'lang'
 `filename*0*=…; filename*1=…` continuations. An extended value wins over the plain one.
 
 Bytes that are not UTF-8 are kept with `surrogateescape`, so the file is created under exactly
-the bytes the client sent; `printable` turns such a name back into text for JSON answers.
+the bytes the client sent; `entries.printable` turns such a name into text for JSON answers.
 """
 
 from __future__ import annotations
@@ -142,11 +142,6 @@ def _join_pieces(numbered: dict[int, tuple[str, bool]]) -> str | None:
         out.append(value)
         index += 1
     return "".join(out) if out else None
-
-
-def printable(text: str) -> str:
-    """`text` with bytes that were not UTF-8 shown as U+FFFD, for JSON answers."""
-    return text.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
 
 
 def inline(filename: str) -> str:

@@ -18,6 +18,15 @@ from .users import group_name, user_name
 XATTR_PREFIX = "user.e2b."
 
 
+def printable(text: str) -> str:
+    """`text` with bytes that were not UTF-8 (kept by os.fsdecode) shown as U+FFFD.
+
+    File names are bytes; JSON and protobuf strings must be UTF-8. Upstream fails a whole
+    listing (or watch) over one such name; we show the name, altered, and keep the rest.
+    """
+    return text.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+
+
 def read_metadata(path: str) -> dict[str, str]:
     """The metadata of `path`, read through a symlink as upstream does (a link has no xattrs)."""
     found: dict[str, str] = {}
@@ -156,16 +165,16 @@ def entry_info(path: str, st: os.stat_result | None = None) -> pb.EntryInfo:
         mode = target_st.st_mode & 0o777 if target_st else 0
     seconds, nanos = divmod(st.st_mtime_ns, 1_000_000_000)
     return pb.EntryInfo(
-        name=os.path.basename(path) or path,
+        name=printable(os.path.basename(path) or path),
         type=kind,
-        path=path,
+        path=printable(path),
         size=st.st_size,
         mode=mode,
         permissions=permissions_string(st.st_mode),
         owner=user_name(st.st_uid),
         group=group_name(st.st_gid),
         modified_time=Timestamp(seconds=seconds, nanos=nanos),
-        symlink_target=target,
+        symlink_target=None if target is None else printable(target),
         metadata=read_metadata(path),
         is_symlink=is_link,
     )

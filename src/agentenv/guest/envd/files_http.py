@@ -24,7 +24,7 @@ from starlette.requests import Request
 from starlette.responses import FileResponse, JSONResponse, Response, StreamingResponse
 
 from . import disposition, paths
-from .entries import read_metadata, replace_metadata, validate_metadata
+from .entries import printable, read_metadata, replace_metadata, validate_metadata
 from .errors import EnvdFault, InvalidArgument, NotFound, ResourceExhausted
 from .users import User
 
@@ -39,7 +39,7 @@ DOWNLOAD_PREFETCH = 1024 * 1024
 
 
 def error_response(exc: EnvdFault) -> JSONResponse:
-    message = disposition.printable(exc.message)
+    message = printable(exc.message)
     return JSONResponse({"code": exc.status, "message": message}, status_code=exc.status)
 
 
@@ -244,9 +244,9 @@ def _metadata(request: Request) -> dict[str, str]:
 
 def _written(path: str) -> dict[str, Any]:
     info: dict[str, Any] = {
-        "name": disposition.printable(os.path.basename(path)),
+        "name": printable(os.path.basename(path)),
         "type": "file",
-        "path": disposition.printable(path),
+        "path": printable(path),
     }
     # What the file now carries, read back as upstream does: not claimed if it was not stored.
     stored = read_metadata(path)

@@ -16,7 +16,7 @@ from typing import Any, Literal
 from protobuf import Oneof
 
 from . import paths
-from .entries import entry_info
+from .entries import entry_info, printable
 from .errors import (
     AlreadyExists,
     FailedPrecondition,
@@ -52,7 +52,8 @@ def _to_event(watcher: DirWatcher, event: FsEvent, include_entry: bool) -> pb.Fi
             entry = entry_info(os.path.normpath(os.path.join(watcher.root, event.name)))
         except NotFound:
             entry = None
-    return pb.FilesystemEvent(name=event.name, type=_EVENT_TYPES[event.kind], entry=entry)
+    name = printable(event.name)  # a name that is not UTF-8 must not poison the watcher
+    return pb.FilesystemEvent(name=name, type=_EVENT_TYPES[event.kind], entry=entry)
 
 
 class PolledWatcher:
