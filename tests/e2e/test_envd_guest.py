@@ -17,9 +17,7 @@ from typing import Any
 
 import httpx
 import pytest
-from connectrpc.code import Code
 from connectrpc.codec import proto_json_codec
-from connectrpc.errors import ConnectError
 from protobuf import Oneof
 
 from agentenv.config import Settings
@@ -231,9 +229,10 @@ async def test_envd_in_guest(sandbox: SandboxHandle, tmp_path: Path) -> None:
         } <= seen
         await files.remove_watcher(fpb.RemoveWatcherRequest(watcher_id=wid))
 
-        with pytest.raises(ConnectError) as err:
-            await files.list_dir(fpb.ListDirRequest(path="/root"), headers=basic("user"))
-        assert err.value.code == Code.PERMISSION_DENIED
+        # As upstream envd: file operations run as root whoever asks (the user names only
+        # where `~` is and who owns what is made), so the default user lists /root.
+        listed = await files.list_dir(fpb.ListDirRequest(path="/root"), headers=basic("user"))
+        assert all(e.path.startswith("/root/") for e in listed.entries)
 
     # Secure mode, last: from here on every call needs the token.
     async with EnvdClient(url, timeout=120) as client:

@@ -49,15 +49,8 @@ def prepare_home(home: Path, *, seeded: bool = True) -> Path:
 
 def ensure_seed(seed: Path) -> Path:
     """The seed data dir at ``seed``, built once (under a lock file, so concurrent test
-    workers build it once between them): `base` and its default-shape snapshot."""
-    import asyncio
-    import concurrent.futures
-    from dataclasses import replace
-
-    from agentenv.config import Settings
-    from agentenv.snapshot import ensure_template_snapshot
-    from agentenv.template.rootfs import ensure_base
-
+    workers build it once between them) by `aenv setup`: `base` and its default-shape
+    template snapshot, from the artifact cache."""
     done = seed / ".seeded"
     if done.exists():
         return seed
@@ -65,14 +58,16 @@ def ensure_seed(seed: Path) -> Path:
     with (seed.parent / f".{seed.name}.lock").open("a+") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not done.exists():
-            settings = replace(Settings.from_env(), home=seed)
-            ensure_base(settings, None)
-            build = ensure_template_snapshot(
-                settings, "base", settings.default_memory_mb, settings.default_cpu
+            env = {k: v for k, v in os.environ.items() if k != SEED_ENV}
+            env["AGENTENV_HOME"] = str(seed)
+            subprocess.run(
+                [sys.executable, "-m", "agentenv.cli", "setup", "--skip-packages"],
+                env=env,
+                check=True,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                timeout=900,
             )
-            # Callers may be inside an event loop (async fixtures): the build gets its own.
-            with concurrent.futures.ThreadPoolExecutor(1) as pool:
-                pool.submit(asyncio.run, build).result()
             done.touch()
     return seed
 
