@@ -278,9 +278,9 @@ def _module_of(nodeid: str) -> str:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Every module is one xdist group (its module-scoped servers are made once, on one
-    worker), and the longest modules come first. Every worker sorts the same way, so their
-    collections agree."""
+    """The longest modules first (`scripts/test` runs with `--dist loadfile`, so a module runs
+    whole on one worker and its module-scoped servers are made once). Every worker sorts the
+    same way, so their collections agree."""
     known: dict[str, float] = json.loads(MODULE_TIMES.read_text()) if MODULE_TIMES.exists() else {}
     order = {m: i for i, m in enumerate(dict.fromkeys(_module_of(i.nodeid) for i in items))}
 
@@ -289,9 +289,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return (-known.get(module, UNKNOWN_MODULE_S), order[module])
 
     items.sort(key=cost)
-    for item in items:
-        if item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(_module_of(item.nodeid)))
 
 
 # Seconds per module of this run, from every phase's report (under xdist the controller gets
