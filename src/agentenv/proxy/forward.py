@@ -28,7 +28,7 @@ from agentenv.control.metrics import Metrics
 from agentenv.control.store import SandboxRecord, SandboxState
 from agentenv.gateway.client import GatewayDialer, TunnelError
 from agentenv.proxy.routing import ENVD_PORT, ROUTING_HEADERS, TRAFFIC_TOKEN_HEADER, Sandbox
-from agentenv.proxy.wire import Receive, Scope, Send, send_json
+from agentenv.proxy.wire import Receive, Scope, Send, abort_response, send_json
 
 log = logging.getLogger("agentenv.proxy")
 
@@ -356,11 +356,27 @@ class SandboxProxy:
             self._metrics.proxy_bytes.labels("up").inc(sent())
         self._metrics.proxy_requests.labels("ok").inc()
         try:
-            await _unless_cut(self._relay_response(response, receive, send), cut)
+            out_headers = [
+                (k, v)
+                for k, v in response.headers.raw
+                if k.decode("latin-1").lower() not in _HOP_BY_HOP
+            ]
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": response.status_code,
+                    "headers": out_headers,
+                }
+            )
+            await _unless_cut(self._relay_body(response, receive, send), cut)
         except (_SandboxGone, httpx.TransportError) as exc:
-            # Paused, killed or dead in the middle of a response: end it here. A stream
-            # protocol (Connect) sees no end message and reports the cut; a sized body
-            # comes up short.
+            # Paused, killed or dead in the middle of a response. As E2B's proxy, which
+            # resets its connections to a sandbox that stops and aborts the responses that
+            # were using them: the client's connection is dropped with the body unfinished,
+            # never ended cleanly. The SDKs take a dropped stream as "maybe gone", probe
+            # `/health` (the 502 "was not found" of a sandbox no longer running) and raise
+            # their "killed" error; a clean end would read as a Connect stream that lost
+            # its end message ("Command ended without an end event", "missing EndStream").
             log.info(
                 "sandbox %s port %d: response cut (%s)",
                 rec.id,
@@ -368,21 +384,11 @@ class SandboxProxy:
                 "sandbox released" if isinstance(exc, _SandboxGone) else repr(exc),
                 extra={"sandbox_id": rec.id},
             )
-            with contextlib.suppress(Exception):
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
+            abort_response()
         finally:
             await response.aclose()
 
-    async def _relay_response(self, response: httpx.Response, receive: Receive, send: Send) -> None:
-        out_headers = [
-            (k, v)
-            for k, v in response.headers.raw
-            if k.decode("latin-1").lower() not in _HOP_BY_HOP
-        ]
-        await send(
-            {"type": "http.response.start", "status": response.status_code, "headers": out_headers}
-        )
-
+    async def _relay_body(self, response: httpx.Response, receive: Receive, send: Send) -> None:
         async def pump() -> None:
             async for chunk in response.aiter_raw():
                 self._metrics.proxy_bytes.labels("down").inc(len(chunk))

@@ -1,0 +1,194 @@
+"""A sandbox killed while one of its envd streams is open: the proxy drops the client's
+connection (E2B's proxy resets it), so the official SDK raises its "killed" error.
+
+No VM: a loopback server stands in for envd (a `Start` stream that sends its start event and
+then stays open, and `/health`), the proxy serves through uvicorn next to a stub of the
+connect route, and the kill is what the manager does: the record leaves RUNNING, then
+`SandboxProxy.drop`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import struct
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import pytest
+import uvicorn
+from e2b import Sandbox
+from e2b.exceptions import SandboxNotRunningException
+
+from agentenv.control.metrics import Metrics
+from agentenv.control.store import SandboxRecord, SandboxState
+from agentenv.proxy.forward import SandboxProxy
+from agentenv.proxy.routing import ENVD_PORT
+from agentenv.proxy.routing import Sandbox as Target
+
+SANDBOX_ID = "icutstream0000000000"
+PID = 7
+# Every step here is local and takes milliseconds; the bound only turns a hang into a failure.
+STEP_S = 20.0
+# How long the stand-in envd keeps a stream open when nobody cuts it.
+OPEN_S = 60.0
+
+
+def _envelope(flags: int, message: dict[str, Any]) -> bytes:
+    data = json.dumps(message).encode()
+    return struct.pack(">BI", flags, len(data)) + data
+
+
+async def _envd(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    """`Start` answers its start event and then nothing (a `sleep 60`); `/health` is 204."""
+    if scope["type"] != "http":
+        return
+    if scope["path"] == "/health":
+        await send({"type": "http.response.start", "status": 204, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+        return
+    while (await receive()).get("more_body"):
+        pass
+    headers = [(b"content-type", b"application/connect+json")]
+    await send({"type": "http.response.start", "status": 200, "headers": headers})
+    start = _envelope(0, {"event": {"start": {"pid": PID}}})
+    await send({"type": "http.response.body", "body": start, "more_body": True})
+    # Open until the proxy goes away (its pool closed by the drop) or OPEN_S.
+    try:
+        async with asyncio.timeout(OPEN_S):
+            while (await receive())["type"] != "http.disconnect":
+                pass
+    except TimeoutError:
+        end = _envelope(0, {"event": {"end": {"exitCode": 0, "exited": True}}})
+        await send({"type": "http.response.body", "body": end + _envelope(2, {})})
+
+
+async def _serve(app: Any) -> tuple[uvicorn.Server, asyncio.Task[None], int]:
+    config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off")
+    server = uvicorn.Server(config)
+    task = asyncio.create_task(server.serve())
+    async with asyncio.timeout(STEP_S):
+        while not server.started:  # noqa: ASYNC110
+            await asyncio.sleep(0.02)
+    return server, task, server.servers[0].sockets[0].getsockname()[1]
+
+
+@dataclass
+class Setup:
+    url: str
+    records: dict[str, SandboxRecord]
+    proxy: SandboxProxy
+
+    async def kill(self) -> None:
+        """The manager's kill as the proxy sees it: not running any more, then released."""
+        rec = self.records[SANDBOX_ID]
+        self.records[SANDBOX_ID] = dataclasses.replace(rec, state=SandboxState.GONE)
+        await self.proxy.drop(SANDBOX_ID)
+
+
+@pytest.fixture
+async def setup() -> AsyncIterator[Setup]:
+    envd, envd_task, envd_port = await _serve(_envd)
+    now = time.time()
+    rec = SandboxRecord(
+        id=SANDBOX_ID, template="base", alias="base", state=SandboxState.RUNNING,
+        started_at=now, end_at=now + 600, cpu=1, memory_mb=512, disk_mb=1024,
+        envd_version="0.6.4", address="127.0.0.1",
+    )  # fmt: skip
+    records = {SANDBOX_ID: rec}
+
+    async def resolve(sandbox_id: str) -> SandboxRecord | None:
+        return records.get(sandbox_id)
+
+    proxy = SandboxProxy(resolve, Metrics())
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        headers = {k.decode(): v.decode() for k, v in scope["headers"]}
+        if "e2b-sandbox-id" in headers:
+            # envd's port is the stand-in's.
+            port = int(headers.get("e2b-sandbox-port", ENVD_PORT))
+            target = Target(headers["e2b-sandbox-id"], envd_port if port == ENVD_PORT else port,
+                            scope["path"])  # fmt: skip
+            await proxy.http(scope, receive, send, target)
+            return
+        # The control plane's connect, all the SDK asks of it here.
+        body = json.dumps({"templateID": "base", "sandboxID": SANDBOX_ID, "clientID": "test",
+                           "envdVersion": "0.6.4"}).encode()  # fmt: skip
+        while (await receive()).get("more_body"):
+            pass
+        hdrs = [(b"content-type", b"application/json")]
+        await send({"type": "http.response.start", "status": 200, "headers": hdrs})
+        await send({"type": "http.response.body", "body": body})
+
+    front, front_task, front_port = await _serve(app)
+    try:
+        yield Setup(f"http://127.0.0.1:{front_port}", records, proxy)
+    finally:
+        await proxy.close()
+        for server, task in ((front, front_task), (envd, envd_task)):
+            server.should_exit = True
+            await task
+
+
+def _start_body() -> bytes:
+    return _envelope(0, {"process": {"cmd": "/bin/bash", "args": ["-l", "-c", "sleep 60"]}})
+
+
+async def test_a_killed_sandbox_drops_the_open_stream_and_health_says_not_found(
+    setup: Setup,
+) -> None:
+    headers = {
+        "e2b-sandbox-id": SANDBOX_ID,
+        "e2b-sandbox-port": str(ENVD_PORT),
+        "content-type": "application/connect+json",
+        "connect-protocol-version": "1",
+    }
+    async with httpx.AsyncClient(base_url=setup.url, timeout=STEP_S) as client:
+        async with client.stream(
+            "POST", "/process.Process/Start", content=_start_body(), headers=headers
+        ) as resp:
+            assert resp.status_code == 200
+            chunks = resp.aiter_raw()
+            got = await anext(chunks)
+            assert b'"start"' in got
+            await setup.kill()
+            # Not a clean end (that reads as a stream without its end message): the
+            # connection goes with the chunked body unfinished.
+            with pytest.raises(httpx.RemoteProtocolError):
+                async with asyncio.timeout(STEP_S):
+                    async for _ in chunks:
+                        pass
+        health = await client.get("/health", headers=headers)
+        assert health.status_code == 502
+        assert "was not found" in health.json()["message"]
+
+
+async def test_sdk_command_on_a_killed_sandbox_raises_the_killed_error(setup: Setup) -> None:
+    """What E2B's suites check (`test_kill_sandbox_while_command_is_running`, JS
+    `sandboxKilledDuringRun`): `wait()` raises the SDK's not-running error, whose message
+    says the sandbox was killed while the request was in flight."""
+    opts: dict[str, Any] = {
+        "api_key": "e2b_" + "0" * 40,
+        "api_url": setup.url,
+        "sandbox_url": setup.url,
+        "request_timeout": STEP_S,
+    }
+
+    def start() -> Any:
+        sbx = Sandbox.connect(SANDBOX_ID, **opts)
+        return sbx.commands.run("sleep 60", background=True)
+
+    async with asyncio.timeout(STEP_S):
+        handle = await asyncio.to_thread(start)
+    assert handle.pid == PID
+    await setup.kill()
+    async with asyncio.timeout(STEP_S):
+        with pytest.raises(SandboxNotRunningException) as caught:
+            await asyncio.to_thread(handle.wait)
+    assert "sandbox was killed or reached its end of life" in str(caught.value)
