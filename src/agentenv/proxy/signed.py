@@ -60,6 +60,12 @@ class SignedUrls:
         path = params.get("path", "")
         user = params.get("username", "")
         expiration = params.get("signature_expiration", "")
+        if expiration:
+            # envd hashes the number as it parsed, as upstream's does.
+            try:
+                expiration = str(int(expiration))
+            except ValueError:
+                return None
 
         # The hash state after `path:op:user:` is shared by every candidate.
         head = hashlib.sha256(f"{path}:{op}:{user}:".encode())

@@ -318,7 +318,9 @@ async def test_secure_mode(fresh_envd: EnvdProc, tmp_path: Path) -> None:
                 "signature_expiration": expiration,
             },
         )
-        assert wrong_op.status_code == 401
+        assert wrong_op.json() == {"code": 401, "message": "invalid signature"}
+        # Upstream envd's messages and order (`validateSigning`): the signature first, then
+        # its expiry; what E2B's suites compare whole.
         expired = _sign(target, "read", "root", token, 1000)
         old = await http.get(
             "/files",
@@ -330,6 +332,24 @@ async def test_secure_mode(fresh_envd: EnvdProc, tmp_path: Path) -> None:
             },
         )
         assert old.status_code == 401
+        assert old.json() == {"code": 401, "message": "signature is already expired"}
+        forged = await http.get(
+            "/files",
+            params={"path": target, "signature": expired, "signature_expiration": 1000},
+        )
+        assert forged.json() == {"code": 401, "message": "invalid signature"}
+        bare = await http.get("/files", params={"path": target})
+        assert bare.json() == {"code": 401, "message": "missing signature query parameter"}
+        # A token in the header decides alone, even beside a good signature.
+        mismatch = await http.get(
+            "/files",
+            params={"path": target, "username": "root", "signature": read_sig},
+            headers={"x-access-token": "not-" + token},
+        )
+        assert mismatch.json() == {
+            "code": 401,
+            "message": "access token present in header but does not match",
+        }
 
     async with EnvdClient(fresh_envd.url) as client:
         with pytest.raises(EnvdError) as err:

@@ -240,18 +240,24 @@ class Envd:
         return await files_http.upload(request, user, self.state.default_workdir)
 
     def _check_files_auth(self, request: Request) -> None:
+        """Upstream envd's order and messages (`validateSigning`, packages/envd/internal/api/
+        auth.go): a token in the header decides alone; else the signature must be there and
+        match; only a matching one is then checked for expiry."""
         if not self.state.access_token:
             return
-        if self.state.token_ok(request.headers.get("x-access-token")):
-            return
+        given = request.headers.get("x-access-token")
+        if given:
+            if self.state.token_ok(given):
+                return
+            raise Unauthenticated("access token present in header but does not match")
         signature = request.query_params.get("signature")
-        if not signature:
-            raise Unauthenticated("missing or invalid access token")
+        if signature is None:
+            raise Unauthenticated("missing signature query parameter")
         expiration = request.query_params.get("signature_expiration")
-        if expiration:
+        expires_at = None
+        if expiration is not None:
             try:
-                if int(expiration) < time.time():
-                    raise Unauthenticated("signature expired")
+                expires_at = int(expiration)
             except ValueError:
                 raise Unauthenticated("invalid signature_expiration") from None
         op = "read" if request.method == "GET" else "write"
@@ -260,10 +266,13 @@ class Envd:
             op,
             request.query_params.get("username", ""),
             self.state.access_token,
-            expiration,
+            # As upstream, the number as it parsed (a leading zero or sign is not hashed).
+            str(expires_at) if expires_at is not None else None,
         )
         if not hmac.compare_digest(expected.encode(), signature.encode()):
             raise Unauthenticated("invalid signature")
+        if expires_at is not None and expires_at < time.time():
+            raise Unauthenticated("signature is already expired")
 
 
 async def _guarded(handler: Callable[[Request], Awaitable[Response]], request: Request) -> Response:
