@@ -181,7 +181,8 @@ def test_v1_create_honours_secure_false_and_timeout_expiry_kills(
     resp = api.post("/sandboxes", json={"templateID": "base", "secure": False, "timeout": 1})
     assert resp.status_code == 201, resp.text
     body = resp.json()
-    assert body["envdAccessToken"] is None
+    # Left out, as upstream leaves out a token the sandbox does not have.
+    assert "envdAccessToken" not in body and "trafficAccessToken" not in body
     sid = str(body["sandboxID"])
     lines: list[str] = []
     deadline = time.monotonic() + 10

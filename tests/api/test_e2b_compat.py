@@ -274,6 +274,46 @@ def test_template_alias_lookup(server: ServerProcess, api: httpx.Client) -> None
     _error(api.get("/templates/aliases/x", headers={"X-API-Key": "e2b_" + "0" * 40}), 401)
 
 
+# -- connect to a sandbox without tokens ----------------------------------------------------
+
+
+def test_connect_to_a_sandbox_without_tokens_leaves_them_out(
+    server: ServerProcess, api: httpx.Client
+) -> None:
+    """A sandbox without tokens (a v1 create with `secure: false`, public traffic): connect
+    answers 200 with the tokens left out, as upstream's API (`omitempty` on its Sandbox), and
+    the SDK connects without one (E2B's `test_connect_normalizes_unset_tokens`). No VM: a
+    running row, which connect only reads and extends."""
+    sid = "i" + secrets.token_hex(4) + "notokens00"
+    now = time.time()
+    row = SandboxRecord(
+        id=sid,
+        template="base",
+        alias="base",
+        state=RowState.RUNNING,
+        started_at=now,
+        end_at=now + 600,
+        cpu=1,
+        memory_mb=512,
+        disk_mb=1024,
+        envd_version="0.6.4",
+    )
+    on_store(db_path(server), lambda store: store.insert(row))
+    try:
+        for path in (f"/sandboxes/{sid}/connect", f"/v2/sandboxes/{sid}/connect"):
+            resp = api.post(path, json={"timeout": 60})
+            assert resp.status_code == 200, resp.text
+            body = resp.json()
+            assert body["sandboxID"] == sid and body["envdVersion"] == "0.6.4"
+            assert not {"envdAccessToken", "trafficAccessToken"} & set(body), body
+        sbx = Sandbox.connect(sid, **sdk_opts(server))  # type: ignore[arg-type]
+        assert sbx._envd_access_token is None and sbx.traffic_access_token is None
+        assert "x-access-token" not in {k.lower() for k in sbx.connection_config.sandbox_headers}
+        assert "signature" not in sbx.download_url("test.txt")
+    finally:
+        assert api.delete(f"/sandboxes/{sid}").status_code == 204
+
+
 # -- 2 + 3 + 4 on a real sandbox --------------------------------------------------------------
 
 # As root, in the background once the command has answered: SIGSTOP the guest's envd (found

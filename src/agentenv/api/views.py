@@ -59,7 +59,11 @@ def user_sandbox(rec: SandboxRecord) -> bool:
 
 
 def sandbox(rec: SandboxRecord, domain: str | None) -> dict[str, Any]:
-    return {
+    """E2B's Sandbox (create, connect, resume, fork). As upstream's API (its generated
+    `api.Sandbox` marks them `omitempty`), a token or domain the sandbox does not have is
+    left out, not sent as null: the SDKs then keep no token (no `X-Access-Token`, unsigned
+    file URLs), which is what they do for E2B's own unsecured sandboxes."""
+    body: dict[str, Any] = {
         "templateID": rec.template,
         "sandboxID": rec.id,
         "clientID": CLIENT_ID,
@@ -69,6 +73,7 @@ def sandbox(rec: SandboxRecord, domain: str | None) -> dict[str, Any]:
         "domain": domain,
         "alias": rec.alias,
     }
+    return {k: v for k, v in body.items() if v is not None}
 
 
 def listed(rec: SandboxRecord) -> dict[str, Any]:
