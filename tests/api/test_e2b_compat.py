@@ -149,13 +149,24 @@ def test_ingress_options_are_checked_as_e2b_checks_them(
     for network in (
         {"maskRequestHost": "bad host/${PORT}"},
         {"maskRequestHost": "ünicode.example.com"},
-        {"maskRequestHost": ""},
         {"httpsPorts": [0]},
         {"httpsPorts": [49983]},
     ):
         body = {"templateID": "base", "network": network}
         message = _error(api.post("/v2/sandboxes", json=body), 400)
         assert f"network.{next(iter(network))}" in message, message
+    # What upstream's check lets through passes ours (an empty mask is no mask there too;
+    # so is an empty port), and so does `${PORT}` in the host, which its IDNA check refuses:
+    # the create goes on to the template lookup (a 404 here, so no sandbox is made).
+    for mask in (
+        "",
+        "localhost:${PORT}",
+        "${PORT}-app.example.com",
+        "example.com:",
+        "Host.Example",
+    ):
+        body = {"templateID": "no-such-template", "network": {"maskRequestHost": mask}}
+        _error(api.post("/v2/sandboxes", json=body), 404)
     assert api.get("/v2/sandboxes").json() == []
 
 

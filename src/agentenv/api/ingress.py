@@ -13,9 +13,12 @@ class BadIngress(ValueError):
 
 def check_ingress(network: dict[str, object]) -> None:
     mask = network.get("maskRequestHost")
-    if mask is not None:
-        # E2B takes a host with an optional port, ASCII only; "${PORT}" may stand anywhere.
-        sample = str(mask).replace(MASK_PORT_PLACEHOLDER, "1")
+    if mask:
+        # E2B takes a host with an optional port, ASCII only (`validateNetworkConfig`:
+        # net.SplitHostPort, then IDNA); "${PORT}" may stand anywhere here. As there, an
+        # empty value is no mask (its proxy masks only with a non-empty one) and so is an
+        # empty port after the colon.
+        sample = str(mask).replace(MASK_PORT_PLACEHOLDER, "1").removesuffix(":")
         if not valid_authority(sample):
             raise BadIngress(
                 f"network.maskRequestHost {mask!r} is not a valid host[:port] "
