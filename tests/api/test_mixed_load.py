@@ -15,8 +15,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+from connectrpc.errors import ConnectError
 from e2b import Sandbox
 from e2b.exceptions import NotFoundException, SandboxException, SandboxNotRunningException
+from pyqwest import ReadError, StreamError
 
 from agentenv.api.devserver import ServerProcess
 
@@ -49,10 +51,12 @@ def _exec(sandbox_id: str) -> tuple[int, str]:
         return 410, ""
     except SandboxException as exc:
         return 500, f"{type(exc).__name__}: {exc}"
-    except Exception as exc:
-        # Another caller paused or killed it while the command ran: the proxy ended the
-        # stream, and the SDK says so.
-        if "without an end event" in str(exc):
+    except ConnectError as exc:
+        # Another caller paused or killed it while the command ran: the proxy dropped the
+        # stream (as E2B's), the SDK's health probe found the sandbox gone and raised
+        # SandboxNotRunningException above; this is the same cut when another caller had
+        # already resumed it by the time of that probe (the SDK re-raises the transport error).
+        if isinstance(exc.__cause__, (OSError, ReadError, StreamError)):
             return 410, ""
         raise
     return (200, "") if out.stdout.strip() == "alive" else (500, out.stdout)
