@@ -338,6 +338,10 @@ async def test_secure_mode(fresh_envd: EnvdProc, tmp_path: Path) -> None:
             params={"path": target, "signature": expired, "signature_expiration": 1000},
         )
         assert forged.json() == {"code": 401, "message": "invalid signature"}
+        unparsable = await http.get(
+            "/files", params={"path": target, "signature": read_sig, "signature_expiration": "x"}
+        )
+        assert unparsable.status_code == 400
         bare = await http.get("/files", params={"path": target})
         assert bare.json() == {"code": 401, "message": "missing signature query parameter"}
         # A token in the header decides alone, even beside a good signature.

@@ -259,7 +259,10 @@ class Envd:
             try:
                 expires_at = int(expiration)
             except ValueError:
-                raise Unauthenticated("invalid signature_expiration") from None
+                # Upstream's parameter binding refuses it with a 400 before any auth check.
+                raise InvalidArgument(
+                    f"Invalid format for parameter signature_expiration: {expiration!r}"
+                ) from None
         op = "read" if request.method == "GET" else "write"
         expected = _signature(
             request.query_params.get("path", ""),
