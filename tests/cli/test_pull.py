@@ -11,7 +11,7 @@ import pytest
 
 from agentenv.api.devserver import free_port
 from agentenv.cli.build import default_name
-from agentenv.cli.client import ClientError
+from agentenv.cli.connection import ClientError
 
 AENV = [sys.executable, "-m", "agentenv.cli"]
 

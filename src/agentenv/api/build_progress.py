@@ -13,20 +13,16 @@ its log lines stay).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 
-if TYPE_CHECKING:
-    from agentenv.api.templates import TemplateBuilds
+from agentenv.api.auth import api_key
+from agentenv.api.templates import TemplateBuilds
 
 
 def mount_build_progress(app: FastAPI, builds: TemplateBuilds) -> None:
     @app.get("/templates/{template_id}/builds/{build_id}/progress", tags=["templates"])
     async def build_progress(template_id: str, build_id: str, request: Request) -> Response:
-        from agentenv.api.control import api_key
-
         key = await api_key(
             request, request.headers.get("x-api-key"), request.headers.get("authorization")
         )

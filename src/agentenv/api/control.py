@@ -18,13 +18,15 @@ from datetime import datetime
 from typing import Annotated, Any
 from urllib.parse import parse_qsl, unquote
 
-from fastapi import Depends, FastAPI, Header, Query, Request, Response
+from fastapi import FastAPI, Header, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from agentenv.api import views
+from agentenv.api.auth import ApiError, Auth
+from agentenv.api.build_progress import mount_build_progress
 from agentenv.api.ingress import BadIngress, check_ingress
 from agentenv.api.keys import KeyRing
 from agentenv.api.models import (
@@ -67,13 +69,6 @@ MAX_PAGE = 100
 IDEMPOTENCY_TTL_S = 24 * 3600
 
 
-class ApiError(Exception):
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-
-
 @dataclass
 class ControlContext:
     manager: SandboxManager
@@ -81,26 +76,6 @@ class ControlContext:
     templates: TemplateSource
     domain: str | None = None
     _idem_locks: dict[tuple[str, str], asyncio.Lock] = field(default_factory=dict)
-
-
-async def api_key(
-    request: Request,
-    x_api_key: Annotated[str | None, Header()] = None,
-    authorization: Annotated[str | None, Header()] = None,
-) -> ApiKey:
-    secret = x_api_key
-    if not secret and authorization and authorization.lower().startswith("bearer "):
-        secret = authorization[7:].strip()
-    if not secret:
-        raise ApiError(401, "missing API key: send it in the X-API-Key header")
-    ctx: ControlContext = request.app.state.ctx
-    key = await ctx.keys.verify(secret)
-    if key is None:
-        raise ApiError(401, "invalid API key")
-    return key
-
-
-Auth = Annotated[ApiKey, Depends(api_key)]
 
 
 def error(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -120,6 +95,7 @@ def build_control_app(ctx: ControlContext) -> FastAPI:
     mgr = ctx.manager
     # First, so `DELETE /templates/tags` is not taken for a template id.
     builds = mount_templates(app, ctx)
+    mount_build_progress(app, builds)
     built = builds.built
     tenancy = builds.tenancy
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import uvicorn
 
 from agentenv.api.app import AgentenvApp
-from agentenv.api.control import api_key
+from agentenv.api.auth import api_key
 from agentenv.api.keys import KeyRing, key_file
 from agentenv.api.logs import configure as configure_logs
 from agentenv.api.nodes import mount_nodes
@@ -19,10 +19,11 @@ from agentenv.config import ConfigError, Settings
 from agentenv.contract.errors import SandboxNotFound
 from agentenv.contract.nodes import NodeDirectory
 from agentenv.contract.runtime import Runtime, TemplateSource
+from agentenv.control.backend import open_store
 from agentenv.control.metrics import Metrics
 from agentenv.control.ownership import Replicas
 from agentenv.control.sandboxes import SandboxManager
-from agentenv.control.store import SandboxState, Store, open_store
+from agentenv.control.store import SandboxState, Store
 from agentenv.gateway.client import GatewayDialer
 
 DEFAULT_HOST = "127.0.0.1"

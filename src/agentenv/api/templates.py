@@ -25,7 +25,7 @@ from fastapi import FastAPI, Query, Request, Response
 from fastapi.responses import JSONResponse
 
 from agentenv.api import views
-from agentenv.api.build_progress import mount_build_progress
+from agentenv.api.auth import api_key
 from agentenv.api.tenancy import Tenancy, template_team
 from agentenv.build.builder import Builder, template_record
 from agentenv.build.spec import SpecError, parse
@@ -287,8 +287,6 @@ def mount_templates(app: FastAPI, ctx: Any) -> TemplateBuilds:
         return body
 
     async def auth(request: Request) -> Any:
-        from agentenv.api.control import api_key
-
         return await api_key(
             request,
             request.headers.get("x-api-key"),
@@ -641,5 +639,4 @@ def mount_templates(app: FastAPI, ctx: Any) -> TemplateBuilds:
         await state.update_template(base, remove)
         return Response(status_code=204)
 
-    mount_build_progress(app, builds)
     return builds

@@ -5,6 +5,7 @@
 and uploaded exactly as the SDK does; the SDK is an optional dependency (`pip install e2b`).
 `aenv pull` needs no SDK: a build with `fromImage` and no steps, two API calls. Both then
 follow the build (`cli.follow`): the log, and progress bars while an image is pulled.
+The commands are plain functions; `cli.client` registers them on its apps.
 """
 
 from __future__ import annotations
@@ -18,15 +19,8 @@ from typing import Annotated, Any
 
 import typer
 
-from agentenv.cli.client import (
-    ClientError,
-    _api,
-    _guard,
-    client_app,
-    err,
-    resolve_target,
-    template_app,
-)
+from agentenv.cli.connection import Api, ClientError, _api, _guard, err, resolve_target
+from agentenv.cli.follow import follow_build, format_entry
 
 FOLLOW_DEADLINE_S = 6 * 3600.0
 POLL_S = 0.5
@@ -34,12 +28,9 @@ _NAME_BAD = re.compile(r"[^a-z0-9._-]+")
 
 
 def _print_entry(entry: dict[str, Any]) -> None:
-    from agentenv.cli.follow import format_entry
-
     typer.echo(format_entry(entry))
 
 
-@template_app.command("logs")
 def template_logs(
     name: str,
     build: str = typer.Option(None, "--build", help="Build id (default: the newest build)."),
@@ -82,7 +73,6 @@ def template_logs(
     _guard(run)
 
 
-@client_app.command("build")
 def build(
     context: Annotated[
         Path, typer.Argument(help="Build context (COPY/ADD sources are read here).")
@@ -105,8 +95,6 @@ def build(
         dockerfile = file or context / "Dockerfile"
         if not dockerfile.is_file():
             raise ClientError(f"no Dockerfile at {dockerfile}")
-        from agentenv.cli.client import Api
-        from agentenv.cli.follow import follow_build
 
         target = resolve_target()
         os.environ["E2B_API_URL"] = target.url
@@ -148,7 +136,6 @@ def default_name(ref: str) -> str:
     return name
 
 
-@client_app.command("pull")
 def pull(
     ref: Annotated[
         str,
@@ -195,8 +182,6 @@ def pull(
     """Make a template from an OCI image (pulled by the server), with progress bars."""
 
     def run() -> None:
-        from agentenv.cli.client import Api
-        from agentenv.cli.follow import follow_build
 
         secret = password
         if password_stdin:

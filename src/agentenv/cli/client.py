@@ -19,15 +19,26 @@ import termios
 import time
 import tty
 from collections.abc import Awaitable, Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, NoReturn, TypeVar
+from typing import Annotated, Any, TypeVar
 
 import httpx
 import typer
 from rich.console import Console
 from rich.table import Table
 
+from agentenv.cli import build
+from agentenv.cli.connection import (
+    DEFAULT_URL,
+    Api,
+    ClientError,
+    Target,
+    _api,
+    _fail,
+    _guard,
+    config_path,
+    err,
+)
 from agentenv.config import ENVD_PORT, Settings
 from agentenv.guest.envd.client import encode_envelope, iter_envelopes
 
@@ -42,92 +53,8 @@ client_app.add_typer(template_app, name="template")
 client_app.add_typer(keys_app, name="keys")
 client_app.add_typer(teams_app, name="teams")
 
-err = Console(stderr=True, soft_wrap=True)
-DEFAULT_URL = "http://127.0.0.1:8000"
 _END_STREAM = 0x02
 T = TypeVar("T")
-
-
-class ClientError(Exception):
-    """A failure to report to the user as one line."""
-
-
-def config_path() -> Path:
-    base = Path(os.environ.get("XDG_CONFIG_HOME") or Path.home() / ".config")
-    return base / "agentenv" / "client.json"
-
-
-def _fail(message: str, code: int = 1) -> NoReturn:
-    err.print(f"[red]error:[/red] {message}", highlight=False, markup=True)
-    raise typer.Exit(code)
-
-
-def _guard(fn: Callable[[], T]) -> T:
-    try:
-        return fn()
-    except ClientError as exc:
-        _fail(str(exc))
-    except httpx.TransportError as exc:
-        _fail(f"cannot reach the agentenv server: {exc or type(exc).__name__}")
-
-
-@dataclass
-class Target:
-    url: str
-    api_key: str
-
-
-def resolve_target() -> Target:
-    """Server URL and key: env vars, then `aenv auth`'s file, then the local server's key."""
-    saved: dict[str, str] = {}
-    with contextlib.suppress(OSError, ValueError):
-        saved = json.loads(config_path().read_text())
-    url = (
-        os.environ.get("AGENTENV_URL")
-        or os.environ.get("E2B_API_URL")
-        or saved.get("url")
-        or DEFAULT_URL
-    )
-    key = (
-        os.environ.get("AGENTENV_API_KEY") or os.environ.get("E2B_API_KEY") or saved.get("api_key")
-    )
-    if not key:
-        with contextlib.suppress(OSError):
-            from agentenv.api.keys import key_file
-
-            key = key_file(Settings.from_env().home).read_text().strip()
-    if not key:
-        raise ClientError("no API key: run `aenv auth --url URL --key KEY` or set E2B_API_KEY")
-    return Target(url.rstrip("/"), key)
-
-
-class Api:
-    def __init__(self, target: Target) -> None:
-        self.target = target
-        self.http = httpx.Client(
-            base_url=target.url,
-            headers={"X-API-Key": target.api_key},
-            timeout=httpx.Timeout(30.0, read=300.0),
-            trust_env=False,
-        )
-
-    def call(self, method: str, path: str, **kw: Any) -> httpx.Response:
-        resp = self.http.request(method, path, **kw)
-        if resp.status_code >= 400:
-            try:
-                message = resp.json().get("message", resp.text)
-            except ValueError:
-                message = resp.text or resp.reason_phrase
-            raise ClientError(f"{message} (HTTP {resp.status_code})")
-        return resp
-
-    def sandbox(self, sandbox_id: str) -> dict[str, Any]:
-        body: dict[str, Any] = self.call("GET", f"/sandboxes/{sandbox_id}").json()
-        return body
-
-
-def _api() -> Api:
-    return Api(resolve_target())
 
 
 def _emit(rows: list[dict[str, Any]], columns: list[tuple[str, str]]) -> None:
@@ -442,7 +369,7 @@ def _keyring_run(fn: Callable[[Any], Awaitable[T]]) -> T:
     opened for this one call and closed after it."""
     from agentenv.api.keys import KeyRing
     from agentenv.api.server import db_path
-    from agentenv.control.store import open_store
+    from agentenv.control.backend import open_store
 
     settings = Settings.from_env()
     path = db_path(settings)
@@ -776,8 +703,9 @@ async def _shell(target: Target, sandbox_id: str, token: str | None) -> int:
                 await asyncio.gather(*tasks, return_exceptions=True)
 
 
-# `aenv build` and `aenv template logs` register themselves on the apps above.
-from agentenv.cli import build as _build  # noqa: E402, F401
+template_app.command("logs")(build.template_logs)
+client_app.command("build")(build.build)
+client_app.command("pull")(build.pull)
 
 if __name__ == "__main__":
     client_app()

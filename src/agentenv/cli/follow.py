@@ -23,7 +23,7 @@ from rich.progress import (
     TransferSpeedColumn,
 )
 
-from agentenv.cli.client import Api, ClientError
+from agentenv.cli.connection import Api, ClientError
 
 FOLLOW_DEADLINE_S = 6 * 3600.0
 POLL_S = 0.3

@@ -101,7 +101,7 @@ def kernel_build() -> None:
     """Compile the minimal microVM kernel from Debian's linux-source (about 10 minutes on 2
     cores). Once built it is preferred over Debian's cloud kernel."""
     from agentenv.cli.progress import step_progress
-    from agentenv.template.kernel import build_custom
+    from agentenv.template.kernel_build import build_custom
 
     settings = Settings.from_env()
     with step_progress(console) as progress:

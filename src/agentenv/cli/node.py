@@ -12,7 +12,8 @@ from typing import Any
 
 import typer
 
-from agentenv.cli.client import ClientError, _api, _emit, _guard
+from agentenv.cli.client import _emit
+from agentenv.cli.connection import ClientError, _api, _guard
 
 node_app = typer.Typer(
     help="Run this host's node agent (no subcommand), or list and cordon the server's nodes.",

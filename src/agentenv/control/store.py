@@ -23,10 +23,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
-
-if TYPE_CHECKING:
-    from agentenv.config import Settings
+from typing import Any, Protocol
 
 
 class SandboxState(StrEnum):
@@ -640,19 +637,6 @@ class SqliteStore:
 
     async def expire_idempotency(self, older_than: float) -> None:
         self._db.execute("DELETE FROM idempotency WHERE created_at < ?", (older_than,))
-
-
-def open_store(settings: Settings, db: Path) -> Store:
-    """The store this server's settings name: etcd when `AGENTENV_ETCD` lists members (shared
-    by every control-plane replica), else the SQLite file `db` (the single-node default).
-    Nothing connects yet: the etcd client opens its channels on the first call, in the event
-    loop that makes it, so this may run before the server's loop starts."""
-    if settings.etcd_endpoints:
-        from agentenv.cluster.etcd import Etcd
-        from agentenv.control.etcd_store import EtcdStore
-
-        return EtcdStore(Etcd.from_settings(settings))
-    return SqliteStore(db)
 
 
 _JSON_COLUMNS = {"metadata", "env_vars", "network"}
