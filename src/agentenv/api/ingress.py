@@ -3,8 +3,8 @@
 
 from __future__ import annotations
 
+from agentenv.config import ENVD_PORT
 from agentenv.proxy.forward import MASK_PORT_PLACEHOLDER, valid_authority
-from agentenv.proxy.routing import ENVD_PORT
 
 
 class BadIngress(ValueError):

@@ -1,5 +1,6 @@
-"""envd runs in the guest from a tools layer holding only the stdlib, `agentenv.guest.envd` and
-requirements.txt; anything else it imports would be missing there."""
+"""envd runs in the guest from a tools layer holding only the stdlib, `agentenv.guest`,
+`agentenv.config` (stdlib only: the settings and `ENVD_PORT`) and requirements.txt; anything else
+it imports would be missing there."""
 
 from __future__ import annotations
 
@@ -57,7 +58,8 @@ def test_envd_imports_only_stdlib_requirements_and_itself() -> None:
             foreign.add(f"{module} (from {sorted(dists) or 'nowhere'})")
     assert not foreign, f"envd imports packages missing from requirements.txt: {sorted(foreign)}"
     own = {m for m in loaded if m.startswith("agentenv.")}
-    outside = {m for m in own if not m.startswith("agentenv.guest.envd") and m != "agentenv.guest"}
+    packed = {"agentenv.guest", "agentenv.config"}  # also in the tools layer (agentenv_sources)
+    outside = {m for m in own if not m.startswith("agentenv.guest.envd") and m not in packed}
     assert not outside, f"envd imports other agentenv packages: {sorted(outside)}"
 
 

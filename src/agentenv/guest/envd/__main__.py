@@ -8,7 +8,9 @@ import sys
 import types
 from pathlib import Path
 
-from . import ENVD_PORT, ENVD_VERSION
+from agentenv.config import ENVD_PORT
+
+from . import ENVD_VERSION
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

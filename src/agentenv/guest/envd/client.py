@@ -20,8 +20,6 @@ from typing import Any, NamedTuple
 
 import httpx
 
-ENVD_PORT = 49983
-
 _END_STREAM = 0x02
 _HEADER = struct.Struct(">BI")
 
