@@ -216,20 +216,6 @@ async def test_upload_resumes_after_sigkill(store: ObjectStore, tmp_path: Path) 
     )
 
 
-async def test_abort_stale_uploads(store: ObjectStore, tmp_path: Path) -> None:
-    src = tmp_path / "abandoned"
-    want = _write(src, 3 * PART, seed=9)
-    _kill_after_parts(_start_child(store, src), 1)
-    rec = json.loads(next((store.state_dir / "uploads").glob("*.json")).read_text())
-    assert await store.list_parts(want, rec["upload_id"])
-    assert await store.abort_stale_uploads(older_than_s=3600) == 0
-    assert await store.abort_stale_uploads(older_than_s=0) >= 1
-    assert not list((store.state_dir / "uploads").glob("*.json"))
-    # The next put starts over (the old upload is gone) and completes.
-    assert await store.put_file(src) == want
-    assert store.stats.multipart_started == 1
-
-
 async def test_corrupt_object_fails_cleanly(store: ObjectStore, tmp_path: Path) -> None:
     src = tmp_path / "orig"
     _write(src, 200_000, seed=1)

@@ -15,7 +15,6 @@ from agentenv.template.artifacts import (
     ensure_all,
     guest_args,
     kernel_cmdline,
-    prune_cache,
 )
 from agentenv.template.errors import BuildError
 
@@ -70,30 +69,3 @@ def test_second_ensure_all_is_a_cache_hit(settings: Settings) -> None:
     assert again == first
     assert time.monotonic() - t0 < 10
     assert not [s for s in steps if "build" in s or "download" in s or "install" in s]
-
-
-def test_prune_cache_keeps_what_the_current_set_uses(settings: Settings, tmp_path: Path) -> None:
-    import json
-    import os
-
-    cache = tmp_path / "cache"
-    names = ["kernel-debian-new", "kernel-debian-old", "initramfs-new", "tools-new",
-             "tools-old", "pyruntime-new", "pyruntime-old", "pydeps-new", "kernel-custom-x",
-             "rootfs-base-x"]  # fmt: skip
-    past = time.time() - 7200
-    for name in names:
-        (cache / name).mkdir(parents=True)
-        inputs = {"runtime": "pyruntime-new", "pydeps": "pydeps-new"} if name == "tools-new" else {}
-        (cache / name / "inputs.json").write_text(json.dumps(inputs))
-        os.utime(cache / name / "inputs.json", (past, past))
-    current = GuestArtifacts(
-        cache / "kernel-debian-new" / "vmlinux",
-        cache / "initramfs-new" / "initramfs.cpio",
-        cache / "tools-new" / "tools.ext4",
-        "debian-cloud",
-    )
-    removed = prune_cache(replace(settings, cache=cache), current)
-    assert sorted(p.name for p in removed) == ["kernel-debian-old", "pyruntime-old", "tools-old"]
-    assert sorted(p.name for p in cache.iterdir() if not p.name.startswith(".")) == sorted(
-        set(names) - {"kernel-debian-old", "pyruntime-old", "tools-old"}
-    )

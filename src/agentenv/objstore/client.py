@@ -623,36 +623,6 @@ class ObjectStore:
             )
         await asyncio.to_thread(record_path.unlink, True)
 
-    async def abort_stale_uploads(self, older_than_s: float = 24 * 3600.0) -> int:
-        """Abort multipart uploads of blobs started more than `older_than_s` ago (their
-        uploader died and never came back) and drop local records that old. Returns how many
-        uploads were aborted."""
-        cutoff = time.time() - older_than_s
-
-        def listing() -> list[tuple[str, str]]:
-            out: list[tuple[str, str]] = []
-            kwargs: dict[str, Any] = {"Bucket": self.bucket, "Prefix": BLOB_PREFIX}
-            for _ in range(1000):  # pages of up to 1000 uploads
-                page = self._client.list_multipart_uploads(**kwargs)
-                for up in page.get("Uploads", []):
-                    if up["Initiated"].timestamp() < cutoff:
-                        out.append((up["Key"], up["UploadId"]))
-                if not page.get("IsTruncated"):
-                    break
-                kwargs["KeyMarker"] = page.get("NextKeyMarker", "")
-                kwargs["UploadIdMarker"] = page.get("NextUploadIdMarker", "")
-            return out
-
-        stale = await self._call("list uploads", BLOB_PREFIX, listing)
-        for key, upload_id in stale:
-            await self._abort(key, upload_id)
-        records = self.state_dir / "uploads"
-        for path in await asyncio.to_thread(lambda: list(records.glob("*.json"))):
-            with contextlib.suppress(OSError, ValueError):
-                if json.loads(path.read_text()).get("started_at", 0) < cutoff:
-                    path.unlink()
-        return len(stale)
-
     # -- downloads ---------------------------------------------------------------------------
 
     async def get_file(self, digest: str, dest: Path, *, mode: int = 0o644) -> None:

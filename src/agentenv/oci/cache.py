@@ -44,22 +44,11 @@ from agentenv.storage.layers import LayerStore
 
 CHAIN_HOLDER = "oci-chain:"
 PULL_HOLDER = "pull:"
-DEFAULT_CAP_MB = 20 * 1024
 _pull_ids = itertools.count()
 
 
 def oci_dir(settings: Settings) -> Path:
     return settings.home / "oci"
-
-
-def cap_bytes_from_env() -> int:
-    """``AGENTENV_OCI_CACHE_MB`` (default 20 GiB): the size `collect` keeps the cache under."""
-    raw = os.environ.get("AGENTENV_OCI_CACHE_MB", "")
-    try:
-        mb = int(raw) if raw else DEFAULT_CAP_MB
-    except ValueError:
-        raise CacheError(f"AGENTENV_OCI_CACHE_MB={raw!r} is not a number") from None
-    return mb * 1024 * 1024
 
 
 @dataclass(frozen=True)

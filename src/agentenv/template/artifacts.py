@@ -7,12 +7,10 @@ cache > Debian's cloud kernel with our initramfs.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from agentenv.config import Settings
-from agentenv.template.cache import INPUTS_FILE, ArtifactCache
 from agentenv.template.errors import BuildError
 from agentenv.template.initramfs import ensure_initramfs
 from agentenv.template.kernel import ensure_debian_kernel, find_custom
@@ -66,25 +64,6 @@ def ensure_all(settings: Settings, progress: ProgressFn | None = None) -> GuestA
     kernel = ensure_debian_kernel(settings, progress)
     initramfs = ensure_initramfs(settings, kernel, progress)
     return GuestArtifacts(kernel.vmlinux, initramfs, tools, "debian-cloud", [])
-
-
-def prune_cache(
-    settings: Settings, current: GuestArtifacts, min_age_s: float = 3600.0
-) -> list[Path]:
-    """Remove cached artifacts the current set does not use (superseded builds).
-
-    Kept: the current kernel, initramfs and tools image (and the runtime/deps they came from),
-    every custom kernel, and base rootfs builds (the catalog may still point at them).
-    """
-    cache = ArtifactCache(settings.cache)
-    keep = {current.kernel.parent, current.tools_image.parent}
-    if current.initramfs is not None:
-        keep.add(current.initramfs.parent)
-    inputs = json.loads((current.tools_image.parent / INPUTS_FILE).read_text())
-    keep |= {settings.cache / inputs["runtime"], settings.cache / inputs["pydeps"]}
-    keep |= {p for p in settings.cache.glob("kernel-custom-*")}
-    keep |= {p for p in settings.cache.glob("rootfs-*")}
-    return cache.prune(keep, min_age_s)
 
 
 def user_kernel(settings: Settings, tools: Path) -> GuestArtifacts:

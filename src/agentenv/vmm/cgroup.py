@@ -121,13 +121,6 @@ class Cgroup:
                 out.update(int(x) for x in f.read_text().split())
         return out
 
-    def memory_usage(self) -> int | None:
-        for d in self.dirs:
-            for name in ("memory.current", "memory.usage_in_bytes"):
-                with contextlib.suppress(FileNotFoundError):
-                    return int((d / name).read_text())
-        return None
-
     def remove(self) -> None:
         """Remove the directories; the kernel refuses while a task is still inside, so wait a
         moment for an exiting process to leave."""

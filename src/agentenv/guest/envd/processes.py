@@ -234,10 +234,6 @@ class ManagedProcess:
         self._master_writer_fd: int | None = None
         self._supervisor: asyncio.Task[None] | None = None
 
-    @property
-    def is_pty(self) -> bool:
-        return self.master_fd is not None
-
     def start_io(self, on_exit: Callable[[ManagedProcess], None], timeout_s: float | None) -> None:
         loop = asyncio.get_running_loop()
         for reader in self._readers:
