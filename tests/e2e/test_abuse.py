@@ -39,6 +39,8 @@ SCALE = abuse.SUITE
 # neighbour (envd not answering for a second, or an exec stuck behind the abuser).
 RATIO_BOUND = 3.0
 ABSOLUTE_SLACK_S = 1.0
+# What a busy abuser's QEMU gets of a core at the least, against ~0.05 for an idle guest.
+ABUSER_BUSY_CORES = 0.2
 # A kill of a wrecked guest is still a SIGKILL of its QEMU plus cleanup.
 KILL_BOUND_S = 30.0
 # The server buffers nothing per byte of a guest's output it forwards (unread or not).
@@ -164,8 +166,10 @@ def test_abusive_neighbour_is_contained(
     detail = result.detail
     window = result.measured_s + abuse.RAMP_S
     if name in ("fork_bomb", "cpu_busy"):
-        # Its QEMU used at least half a core (its quota is one: cpu.max = vCPUs).
-        assert detail["abuser_cpu_s"] >= 0.5 * result.measured_s, detail
+        # Its QEMU was busy: an idle guest's QEMU under TCG uses ~0.05 of a core, a busy one
+        # up to its quota (one core: cpu.max = vCPUs) or what the host's other load leaves
+        # it (the suite runs two workers on two cores: 0.35 of a core was seen).
+        assert detail["abuser_cpu_s"] >= ABUSER_BUSY_CORES * result.measured_s, detail
     if name == "memory_hog":
         assert detail["abuser_max_rss_mb"] >= 0.75 * settings.default_memory_mb, detail
     if name == "disk_fill":

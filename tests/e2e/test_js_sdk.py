@@ -13,25 +13,22 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator
-from dataclasses import replace
 
 import httpx
 import pytest
 from jsrun import JsEnv, js_workdir, node
 
-from agentenv.api.devserver import ServerProcess
-from agentenv.config import Settings
+from agentenv.api.devserver import ServerProcess, prepare_home
 
 pytestmark = pytest.mark.vm
 
 
 @pytest.fixture(scope="module")
 def js(tmp_path_factory: pytest.TempPathFactory) -> Iterator[JsEnv]:
-    from agentenv.template.rootfs import ensure_base
 
     work = js_workdir(tmp_path_factory.mktemp("js-sdk"))
     home = tmp_path_factory.mktemp("js-home")
-    ensure_base(replace(Settings.from_env(), home=home), None)
+    prepare_home(home)
     srv = ServerProcess(home, domain="sbx.test", ready_timeout_s=180).start()
     try:
         yield JsEnv(srv, work, uuid.uuid4().hex[:12])

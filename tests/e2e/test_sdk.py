@@ -19,14 +19,12 @@ import json
 import os
 import subprocess
 import sys
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from agentenv.api.devserver import ServerProcess
-from agentenv.config import Settings
+from agentenv.api.devserver import ServerProcess, prepare_home
 
 pytestmark = pytest.mark.vm
 
@@ -68,10 +66,9 @@ def sdk_venv(version: str) -> Path:
 
 @pytest.fixture(scope="module")
 def vm_server(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    from agentenv.template.rootfs import ensure_base
 
     home = tmp_path_factory.mktemp("sdk-home")
-    ensure_base(replace(Settings.from_env(), home=home), None)
+    prepare_home(home)
     srv = ServerProcess(home, domain="sbx.test", ready_timeout_s=180).start()
     try:
         yield srv

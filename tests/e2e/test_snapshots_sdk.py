@@ -7,14 +7,12 @@ import json
 import os
 import subprocess
 import sys
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from agentenv.api.devserver import ServerProcess
-from agentenv.config import Settings
+from agentenv.api.devserver import ServerProcess, prepare_home
 
 pytestmark = pytest.mark.vm
 
@@ -47,11 +45,10 @@ def run_leg(server: ServerProcess, leg: str, out: Path, state: Path) -> dict[str
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    from agentenv.template.rootfs import ensure_base
 
     home = tmp_path_factory.mktemp("sdk-snap-home")
     work = tmp_path_factory.mktemp("sdk-snap")
-    ensure_base(replace(Settings.from_env(), home=home), None)
+    prepare_home(home)
     state = work / "held.json"
     srv = ServerProcess(home, domain="sbx.test", ready_timeout_s=180).start()
     try:

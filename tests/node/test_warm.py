@@ -166,8 +166,9 @@ async def test_entries_of_a_deleted_template_and_of_idle_shapes_are_dropped(
     copy = replace(base, name="warm-copy")
     catalog.put(copy)
     shape = Shape("warm-copy", 1, MEM)
-    # Default watermarks (on by default); a short check period so the test need not wait.
-    node = Node(settings)
+    # The product's default watermarks (the suite turns pools off in its environment); a
+    # short check period so the test need not wait.
+    node = Node(replace(settings, warm_low=Settings.warm_low, warm_high=Settings.warm_high))
     assert (node.warm.low, node.warm.high) == (1, 2)
     node.warm.check_s = 0.2
     await node.start()
