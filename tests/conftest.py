@@ -230,6 +230,8 @@ def pytest_sessionstart(session: pytest.Session) -> None:
         session.config.stash[_BEFORE] = (_run_resources(_run_root(session.config)), _orphan_table())
 
 
+# First: the tmp_path plugin removes a passed run's temp root (and the slot markers in it).
+@pytest.hookimpl(tryfirst=True)
 def pytest_sessionfinish(session: pytest.Session) -> None:
     """The per-test check only sees what a test's own process made; servers and node agents
     run as subprocesses and make their own slots and VMs. Once every worker is done, nothing
