@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import time
 from collections.abc import Iterator
@@ -76,6 +77,29 @@ def _descendant_qemus(home: Path) -> set[str]:
         if ppid == me or str(home) in cmd:
             found.add(f"{entry} {cmd[:120]}")
     return found
+
+
+# Temp dirs that fixtures wider than a module make in a worker's basetemp (the session data
+# dir, the OCI registries, a package's etcd): they outlive the module that first asked.
+_WIDER_THAN_A_MODULE = ("agentenv-home", "registries", "etcd")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def module_temp_dirs(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[None]:
+    """What a module's fixtures made in the temp dir (data dirs with VM disks and RAM files,
+    built images) goes when the module ends, unless one of its tests failed: a run's peak
+    disk is then one module's, not the sum of all."""
+    base = tmp_path_factory.getbasetemp()
+    before = set(os.listdir(base))
+    failed = request.session.testsfailed
+    yield
+    if request.session.testsfailed != failed:
+        return
+    for name in set(os.listdir(base)) - before:
+        if not name.startswith(_WIDER_THAN_A_MODULE):
+            shutil.rmtree(base / name, ignore_errors=True)
 
 
 def _snapshot(home: Path) -> dict[str, set[str]]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import subprocess
 import sys
 import time
@@ -197,8 +198,12 @@ async def test_guest_reaches_beyond_the_node_but_not_the_node(node: Node, tmp_pa
         finally:
             await node.delete(sb.id)
     await node.close()
-    # With the last slot gone, host forwarding is back to what it was.
-    assert nft.IP_FORWARD.read_text().strip() == forwarding_before
+    # With the last slot on the host gone, host forwarding is back to what it was; while
+    # another process's slot lives on (the suite's other worker, another server), it stays
+    # on, as that slot needs it.
+    others = [n for n in os.listdir("/sys/class/net") if n.startswith(nft.HOST_PREFIX)]
+    want = "1" if others else forwarding_before
+    assert nft.IP_FORWARD.read_text().strip() == want, others
 
 
 CONNECT_TIMED = (
