@@ -18,7 +18,12 @@ from datetime import UTC, datetime, timedelta
 import httpx
 import pytest
 from e2b import Sandbox, SandboxQuery, SandboxState, Template
-from e2b.exceptions import SandboxException, SandboxNotFoundException, ServiceBusyException
+from e2b.exceptions import (
+    SandboxException,
+    SandboxNotFoundException,
+    ServiceBusyException,
+    TimeoutException,
+)
 
 from agentenv.api.devserver import ServerProcess
 from agentenv.api.keys import KeyRing, hash_key
@@ -378,7 +383,16 @@ def test_paused_sandbox_pause_body_and_metrics_range_through_the_sdk(
 
         # envd stops answering: a strict pause is refused (503) and the sandbox runs on.
         sbx.commands.run(FREEZE_ENVD, user="root")
-        time.sleep(2)
+        # The freeze runs in the background (the command has to return first): under TCG and
+        # a second test worker it can take seconds, so wait until /health stops answering.
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                sbx.is_running(request_timeout=1)
+            except TimeoutException:
+                break
+            assert time.monotonic() < deadline, "envd still answers 60 s after the freeze"
+            time.sleep(0.2)
         with pytest.raises(ServiceBusyException, match="does not answer"):
             sbx.pause(strict=True)
         assert state() == "running"
