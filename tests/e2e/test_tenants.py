@@ -134,8 +134,9 @@ def test_two_teams(server: ServerProcess, ring: KeyRing) -> None:
         with pytest.raises(NotFoundException):
             Sandbox.get_info(theirs.sandbox_id, **a_opts)
         asyncio.run(ring.set_limits("bravo", max_sandboxes=1, creates_per_minute=0))
+        # retries=0: the SDK would wait out Retry-After three times (~90 s) before raising.
         with pytest.raises(RateLimitException, match="concurrent sandboxes"):
-            Sandbox.create("base", **b_opts)
+            Sandbox.create("base", retries=0, **b_opts)
         over = http.post("/v2/sandboxes", json={"templateID": "base"}, headers={"X-API-Key": key_b})
         assert over.status_code == 429 and 1 <= int(over.headers["retry-after"]) <= 30
         assert Sandbox.kill(theirs.sandbox_id, **b_opts) is True
