@@ -1,0 +1,311 @@
+"""The code-interpreter server (guest port 49999), run as the guest runs it, without a VM.
+
+One server per module: a subprocess of the dev venv's python started as
+`python -m interpreter` from src/agentenv/guest (the standalone package the template copies),
+with real ipykernel/bash_kernel kernels and a fake envd on loopback for `GET /envs`. Every stream
+is parsed with the official SDK's own `parse_output`/`Execution`/`Context`, so a field the SDK
+could not read fails here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from e2b_code_interpreter.charts import ChartType
+from e2b_code_interpreter.models import Context, Execution, parse_output
+
+PACKAGE_PARENT = Path(__file__).parents[3] / "src" / "agentenv" / "guest"
+TOKEN = "token-123"
+SANDBOX_ENVS = {"SANDBOX_VAR": "from-envd", "SHARED": "sandbox-value"}
+
+
+class FakeEnvd(BaseHTTPRequestHandler):
+    """envd's `GET /envs`; remembers the access tokens it was asked with."""
+
+    tokens: list[str | None] = []
+
+    def do_GET(self) -> None:
+        FakeEnvd.tokens.append(self.headers.get("X-Access-Token"))
+        body = json.dumps(SANDBOX_ENVS).encode()
+        self.send_response(200 if self.path == "/envs" else 404)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("interpreter")
+
+
+@pytest.fixture(scope="module")
+def base_url(workdir: Path) -> Iterator[str]:
+    envd = ThreadingHTTPServer(("127.0.0.1", 0), FakeEnvd)
+    threading.Thread(target=envd.serve_forever, daemon=True).start()
+    port = _free_port()
+    home = workdir / "home"
+    home.mkdir()
+    log = (workdir / "server.log").open("wb")
+    env = dict(os.environ, PYTHONPATH="", SHARED="kernel-start-value")
+    env.pop("SANDBOX_VAR", None)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "interpreter",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--envd-url",
+            f"http://127.0.0.1:{envd.server_address[1]}",
+            "--cwd",
+            str(home),
+            "--keepalive",
+            "0.5",
+            "--start-timeout",
+            "60",
+        ],
+        cwd=PACKAGE_PARENT,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            assert proc.poll() is None, (workdir / "server.log").read_text()
+            try:
+                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "server not healthy in 90 s"
+            time.sleep(0.1)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+        envd.shutdown()
+        log.close()
+
+
+def run(
+    url: str,
+    code: str,
+    *,
+    context_id: str | None = None,
+    language: str | None = None,
+    env_vars: dict[str, str] | None = None,
+    lines: list[dict[str, Any]] | None = None,
+) -> Execution:
+    """`POST /execute` as the SDK sends it, parsed with the SDK's own parser."""
+    execution = Execution()
+    body = {"code": code, "context_id": context_id, "language": language, "env_vars": env_vars}
+    with httpx.stream(
+        "POST", f"{url}/execute", json=body, headers={"X-Access-Token": TOKEN}, timeout=60
+    ) as response:
+        assert response.status_code == 200, response.read()
+        for line in response.iter_lines():
+            if lines is not None:
+                lines.append(json.loads(line))
+            parse_output(execution, line)
+    return execution
+
+
+def test_output_result_and_count(base_url: str) -> None:
+    lines: list[dict[str, Any]] = []
+    ex = run(
+        base_url, "import sys\nprint('out')\nprint('err', file=sys.stderr)\n1 + 1", lines=lines
+    )
+    assert ex.logs.stdout == ["out\n"]
+    assert ex.logs.stderr == ["err\n"]
+    assert ex.text == "2"
+    assert ex.error is None
+    assert isinstance(ex.execution_count, int) and ex.execution_count >= 1
+    assert lines[-1] == {"type": "end_of_execution"}
+    assert all(isinstance(x.get("timestamp"), str) for x in lines if x["type"] == "stdout")
+    # A str result loses its quotes, as upstream's server strips them.
+    assert run(base_url, "'abc'").text == "abc"
+
+
+def test_error_with_traceback(base_url: str) -> None:
+    ex = run(base_url, "undefined_name_xyz")
+    assert ex.error is not None
+    assert ex.error.name == "NameError"
+    assert "undefined_name_xyz" in ex.error.value
+    assert "NameError" in ex.error.traceback and "\x1b[" not in ex.error.traceback
+    assert ex.results == []
+
+
+def test_env_vars_applied_then_restored(base_url: str) -> None:
+    code = (
+        "import os\n(os.environ.get('SANDBOX_VAR'), os.environ.get('SHARED'), os.environ.get('X'))"
+    )
+    ex = run(base_url, code, env_vars={"X": "it's $x", "SHARED": "request"})
+    assert ex.text == "('from-envd', 'request', \"it's $x\")"
+    assert TOKEN in FakeEnvd.tokens
+    # After the request: X unset, SHARED back to the sandbox's value (envd), not the request's.
+    assert run(base_url, code).text == "('from-envd', 'sandbox-value', None)"
+
+
+def test_matplotlib_chart_and_png(base_url: str) -> None:
+    ex = run(
+        base_url,
+        "import matplotlib.pyplot as plt\n"
+        "plt.plot([1, 2, 3], [1, 4, 9])\nplt.title('squares')\nplt.show()\n"
+        "fig = plt.figure()\nplt.bar(['a', 'b'], [3, 5])\nfig",
+    )
+    assert ex.error is None, ex.error
+    shown = [r for r in ex.results if r.chart is not None and r.chart.type == ChartType.LINE]
+    assert len(shown) == 1 and shown[0].png and not shown[0].is_main_result
+    assert shown[0].chart is not None and shown[0].chart.title == "squares"
+    main = [r for r in ex.results if r.is_main_result]
+    assert len(main) == 1 and main[0].png
+    assert main[0].chart is not None and main[0].chart.type == ChartType.BAR
+
+
+def test_contexts_cwd_bash_restart_delete(base_url: str, workdir: Path) -> None:
+    cwd = workdir / "ctx"
+    cwd.mkdir()
+    created = httpx.post(f"{base_url}/contexts", json={"cwd": str(cwd)}, timeout=60)
+    assert created.status_code == 200, created.text
+    ctx = Context.from_json(created.json())
+    assert (ctx.language, ctx.cwd) == ("python", str(cwd))
+    listed = [Context.from_json(c) for c in httpx.get(f"{base_url}/contexts").json()]
+    assert ctx.id in {c.id for c in listed}
+    assert run(base_url, "import os\nos.getcwd()", context_id=ctx.id).text == str(cwd)
+    # State lives per context.
+    run(base_url, "kept = 41", context_id=ctx.id)
+    assert run(base_url, "kept + 1", context_id=ctx.id).text == "42"
+    assert run(base_url, "kept").error is not None
+    # Restart: same id, fresh state, same cwd.
+    assert httpx.post(f"{base_url}/contexts/{ctx.id}/restart", timeout=60).status_code == 200
+    assert run(base_url, "kept", context_id=ctx.id).error is not None
+    assert run(base_url, "import os\nos.getcwd()", context_id=ctx.id).text == str(cwd)
+    # Delete: gone from the list, execute there is a 404.
+    assert httpx.delete(f"{base_url}/contexts/{ctx.id}", timeout=60).status_code == 200
+    assert ctx.id not in {c["id"] for c in httpx.get(f"{base_url}/contexts").json()}
+    gone = httpx.post(f"{base_url}/execute", json={"code": "1", "context_id": ctx.id})
+    assert gone.status_code == 404 and ctx.id in gone.json()["message"]
+
+    bash = run(base_url, "echo hi-$X; pwd", language="bash", env_vars={"X": "a b"})
+    assert bash.logs.stdout and "".join(bash.logs.stdout).split() == [
+        "hi-a",
+        "b",
+        str(workdir / "home"),
+    ]
+    assert "".join(run(base_url, "echo [$X]", language="bash").logs.stdout).strip() == "[]"
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status"),
+    [
+        ("/execute", {"code": "1", "context_id": "x", "language": "python"}, 400),
+        ("/execute", {"code": "1", "context_id": "no-such-context"}, 404),
+        ("/execute", {"code": "1", "language": "cobol"}, 400),
+        ("/execute", {"code": 1}, 400),
+        ("/execute", {"code": "1", "env_vars": {"BAD-NAME": "1"}}, 400),
+        ("/contexts", {"language": "cobol"}, 400),
+        ("/contexts", {"cwd": "/no/such/dir"}, 400),
+    ],
+)
+def test_bad_requests(base_url: str, path: str, body: dict[str, Any], status: int) -> None:
+    response = httpx.post(f"{base_url}{path}", json=body, timeout=30)
+    assert response.status_code == status
+    assert response.json()["code"] == status and response.json()["message"]
+
+
+def test_unknown_context_routes(base_url: str) -> None:
+    for response in (
+        httpx.delete(f"{base_url}/contexts/nope"),
+        httpx.post(f"{base_url}/contexts/nope/restart"),
+    ):
+        assert response.status_code == 404 and response.json()["code"] == 404
+
+
+def test_one_execution_at_a_time(base_url: str, workdir: Path) -> None:
+    flag = workdir / "go"
+    done: list[str] = []
+    first_started = threading.Event()
+
+    def first() -> None:
+        code = (
+            "import os, time\nprint('first-start', flush=True)\n"
+            f"while not os.path.exists({str(flag)!r}):\n    time.sleep(0.05)\n'first'"
+        )
+        with httpx.stream(
+            "POST", f"{base_url}/execute", json={"code": code}, timeout=60
+        ) as response:
+            ex = Execution()
+            for line in response.iter_lines():
+                if '"first-start' in line:
+                    first_started.set()
+                parse_output(ex, line)
+        done.append(ex.text or "")
+
+    thread = threading.Thread(target=first)
+    thread.start()
+    assert first_started.wait(60)
+    second: list[str] = []
+    other = threading.Thread(target=lambda: second.append(run(base_url, "'second'").text or ""))
+    other.start()
+    flag.touch()
+    thread.join(60)
+    other.join(60)
+    assert done == ["first"] and second == ["second"]
+
+
+def test_keepalive_during_silence(base_url: str) -> None:
+    lines: list[dict[str, Any]] = []
+    ex = run(base_url, "import time\ntime.sleep(1.5)\n'awake'", lines=lines)
+    assert ex.text == "awake"
+    assert {"type": "keepalive"} in lines
+
+
+def test_disconnect_interrupts_kernel(base_url: str) -> None:
+    code = "import time\nprint('sleeping', flush=True)\ntime.sleep(600)"
+    with httpx.stream("POST", f"{base_url}/execute", json={"code": code}, timeout=60) as resp:
+        for line in resp.iter_lines():
+            if "sleeping" in line:
+                break
+    # Without the interrupt this would wait for the 600 s sleep and time out.
+    assert run(base_url, "'next'").text == "next"
+
+
+def test_dead_kernel_is_replaced(base_url: str) -> None:
+    created = httpx.post(f"{base_url}/contexts", json={}, timeout=60).json()
+    ex = run(base_url, "import os\nos._exit(1)", context_id=created["id"])
+    assert ex.error is not None and ex.error.name == "ContextRestarting"
+    assert run(base_url, "'alive'", context_id=created["id"]).text == "alive"
+    httpx.delete(f"{base_url}/contexts/{created['id']}", timeout=60)
