@@ -195,6 +195,28 @@ def test_matplotlib_chart_and_png(base_url: str) -> None:
     assert main[0].chart is not None and main[0].chart.type == ChartType.BAR
 
 
+def test_chart_kinds(base_url: str) -> None:
+    ex = run(
+        base_url,
+        "import matplotlib.pyplot as plt\n"
+        "plt.scatter([1, 2, 3], [3, 1, 2]); plt.show()\n"
+        "plt.pie([1, 2, 3], labels=['a', 'b', 'c']); plt.show()\n"
+        "plt.boxplot([[85, 90, 78, 92], [95, 89, 76, 91, 84]], tick_labels=['a', 'b'],\n"
+        "            patch_artist=True)\n"
+        "plt.show()\n"
+        "fig, (a, b) = plt.subplots(1, 2); a.plot([1, 2], [2, 1]); b.bar(['x'], [1]); plt.show()",
+    )
+    assert ex.error is None, ex.error
+    kinds = [r.chart.type for r in ex.results if r.chart is not None]
+    assert kinds == [
+        ChartType.SCATTER,
+        ChartType.PIE,
+        ChartType.BOX_AND_WHISKER,
+        ChartType.SUPERCHART,
+    ]
+    assert all(r.png for r in ex.results)
+
+
 def test_contexts_cwd_bash_restart_delete(base_url: str, workdir: Path) -> None:
     cwd = workdir / "ctx"
     cwd.mkdir()

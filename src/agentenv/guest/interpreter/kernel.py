@@ -278,9 +278,14 @@ class Kernel:
                 with contextlib.suppress(Exception):
                     await self._tail
                 self._tail = None
-            await self._apply_sandbox_envs(token)
-            await self._run_silent(envs.set_snippet(self.language, dict(env_vars)))
-            msg_id, pending = self._send(code, silent=False)
+            try:
+                await self._apply_sandbox_envs(token)
+                await self._run_silent(envs.set_snippet(self.language, dict(env_vars)))
+                msg_id, pending = self._send(code, silent=False)
+            except KernelGone as exc:
+                yield messages.error_line("ContextUnavailable", str(exc), "")
+                yield messages.END
+                return
             finished = False
             try:
                 while True:
