@@ -9,6 +9,7 @@ could not read fails here.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -62,53 +63,26 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("interpreter")
 
 
-@pytest.fixture(scope="module")
-def base_url(workdir: Path) -> Iterator[str]:
-    envd = ThreadingHTTPServer(("127.0.0.1", 0), FakeEnvd)
-    threading.Thread(target=envd.serve_forever, daemon=True).start()
+@contextlib.contextmanager
+def serve(
+    workdir: Path, name: str, args: list[str]
+) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
+    """`python -m interpreter` on a free loopback port, as the guest runs it; stopped after."""
     port = _free_port()
-    home = workdir / "home"
-    home.mkdir()
-    log = (workdir / "server.log").open("wb")
+    log = (workdir / f"{name}.log").open("wb")
     env = dict(os.environ, PYTHONPATH="", SHARED="kernel-start-value")
     env.pop("SANDBOX_VAR", None)
+    command = [sys.executable, "-m", "interpreter", "--host", "127.0.0.1", "--port", str(port)]
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "interpreter",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--envd-url",
-            f"http://127.0.0.1:{envd.server_address[1]}",
-            "--cwd",
-            str(home),
-            "--keepalive",
-            "0.5",
-            "--start-timeout",
-            "60",
-        ],
+        command + args,
         cwd=PACKAGE_PARENT,
         env=env,
         stdout=log,
         stderr=subprocess.STDOUT,
         start_new_session=True,
     )
-    url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 90
-        while True:
-            assert proc.poll() is None, (workdir / "server.log").read_text()
-            try:
-                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "server not healthy in 90 s"
-            time.sleep(0.1)
-        yield url
+        yield proc, f"http://127.0.0.1:{port}"
     finally:
         proc.terminate()
         try:
@@ -116,8 +90,50 @@ def base_url(workdir: Path) -> Iterator[str]:
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(10)
-        envd.shutdown()
         log.close()
+
+
+def wait_health(proc: subprocess.Popen[bytes], url: str, want: int) -> httpx.Response:
+    """Poll `/health` until it answers `want` (90 s deadline)."""
+    deadline = time.monotonic() + 90
+    while True:
+        assert proc.poll() is None, f"server exited {proc.returncode}"
+        try:
+            response = httpx.get(f"{url}/health", timeout=5)
+            if response.status_code == want:
+                return response
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, f"/health did not answer {want} in 90 s"
+        time.sleep(0.1)
+
+
+@pytest.fixture(scope="module")
+def base_url(workdir: Path) -> Iterator[str]:
+    envd = ThreadingHTTPServer(("127.0.0.1", 0), FakeEnvd)
+    threading.Thread(target=envd.serve_forever, daemon=True).start()
+    home = workdir / "home"
+    home.mkdir()
+    args = ["--envd-url", f"http://127.0.0.1:{envd.server_address[1]}", "--cwd", str(home)]
+    args += ["--keepalive", "0.5", "--start-timeout", "60"]
+    try:
+        with serve(workdir, "server", args) as (proc, url):
+            wait_health(proc, url, 200)
+            yield url
+    finally:
+        envd.shutdown()
+
+
+def test_health_reports_failed_defaults(workdir: Path) -> None:
+    # A default language with no kernel: /health never says 200 and tells why; work is refused.
+    with serve(workdir, "bad-defaults", ["--default-languages", "cobol"]) as (proc, url):
+        deadline = time.monotonic() + 60
+        response = wait_health(proc, url, 503)
+        while "cobol" not in response.json()["message"]:
+            assert time.monotonic() < deadline, response.json()
+            response = wait_health(proc, url, 503)
+        refused = httpx.post(f"{url}/execute", json={"code": "1"}, timeout=30)
+        assert refused.status_code == 503 and "cobol" in refused.json()["message"]
 
 
 def run(
