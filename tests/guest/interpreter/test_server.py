@@ -25,6 +25,8 @@ from typing import Any
 
 import httpx
 import pytest
+from e2b import ConnectionConfig, NotFoundException, TimeoutException
+from e2b_code_interpreter import Sandbox
 from e2b_code_interpreter.charts import ChartType
 from e2b_code_interpreter.models import Context, Execution, parse_output
 
@@ -347,3 +349,53 @@ def test_dead_kernel_is_replaced(base_url: str) -> None:
     assert ex.error is not None and ex.error.name == "ContextRestarting"
     assert run(base_url, "'alive'", context_id=created["id"]).text == "alive"
     httpx.delete(f"{base_url}/contexts/{created['id']}", timeout=60)
+
+
+class LocalSandbox(Sandbox):
+    """The SDK's own `Sandbox` (its transport, parsing and errors) aimed at the local server.
+
+    Only the URL is ours; the SDK's private fields are set as its constructor would (no control
+    plane needed). Pinned to e2b 2.63 / e2b-code-interpreter 2.11.5 (pyproject dev extras).
+    """
+
+    url = ""
+
+    @property
+    def _jupyter_url(self) -> str:
+        return self.url
+
+    @classmethod
+    def at(cls, url: str) -> LocalSandbox:
+        sandbox = object.__new__(cls)
+        sandbox.url = url
+        sandbox._SandboxBase__sandbox_id = "local"  # type: ignore[attr-defined]
+        sandbox._SandboxBase__envd_access_token = TOKEN  # type: ignore[attr-defined]
+        sandbox._SandboxBase__traffic_access_token = None  # type: ignore[attr-defined]
+        sandbox._SandboxBase__connection_config = ConnectionConfig(  # type: ignore[attr-defined]
+            api_key="unused", request_timeout=60
+        )
+        return sandbox
+
+
+def test_official_sdk_calls(base_url: str, workdir: Path) -> None:
+    sbx = LocalSandbox.at(base_url)
+    seen: list[str] = []
+    ex = sbx.run_code("print('via sdk')\n6 * 7", on_stdout=lambda m: seen.append(m.line))
+    assert ex.text == "42" and seen == ["via sdk\n"]
+    ex = sbx.run_code("import os; os.environ['E']", envs={"E": "v"})
+    assert ex.text == "v"
+    # The SDK's timeout drops the connection; the server interrupts, the next run goes through.
+    with pytest.raises(TimeoutException):
+        sbx.run_code("while True: pass", timeout=1)
+    assert sbx.run_code("'after timeout'").text == "after timeout"
+
+    cwd = workdir / "sdk-ctx"
+    cwd.mkdir()
+    ctx = sbx.create_code_context(cwd=str(cwd))
+    assert (ctx.language, ctx.cwd) == ("python", str(cwd))
+    assert ctx.id in {c.id for c in sbx.list_code_contexts()}
+    assert sbx.run_code("import os; os.getcwd()", context=ctx).text == str(cwd)
+    sbx.restart_code_context(ctx)
+    sbx.remove_code_context(ctx)
+    with pytest.raises(NotFoundException):
+        sbx.run_code("1", context=ctx)
