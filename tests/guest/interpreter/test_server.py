@@ -235,6 +235,18 @@ def test_chart_kinds(base_url: str) -> None:
     assert all(r.png for r in ex.results)
 
 
+def test_dataframe_result(base_url: str) -> None:
+    ex = run(
+        base_url,
+        "import pandas as pd\n"
+        "pd.DataFrame({'a': [1, 2], 't': pd.to_datetime(['2026-01-01', '2026-01-02'])})",
+    )
+    assert ex.error is None, ex.error
+    main = ex.results[0]
+    assert main.is_main_result and main.html and "<table" in main.html
+    assert main.data == {"a": [1, 2], "t": ["2026-01-01T00:00:00", "2026-01-02T00:00:00"]}
+
+
 def test_contexts_cwd_bash_restart_delete(base_url: str, workdir: Path) -> None:
     cwd = workdir / "ctx"
     cwd.mkdir()
