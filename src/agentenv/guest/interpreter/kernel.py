@@ -278,26 +278,29 @@ class Kernel:
                 with contextlib.suppress(Exception):
                     await self._tail
                 self._tail = None
-            try:
-                await self._apply_sandbox_envs(token)
-                await self._run_silent(envs.set_snippet(self.language, dict(env_vars)))
-                msg_id, pending = self._send(code, silent=False)
-            except KernelGone as exc:
-                yield messages.error_line("ContextUnavailable", str(exc), "")
-                yield messages.END
-                return
+            msg_id: str | None = None
+            pending: _Pending | None = None
             finished = False
             try:
+                try:
+                    await self._apply_sandbox_envs(token)
+                    await self._run_silent(envs.set_snippet(self.language, dict(env_vars)))
+                    msg_id, pending = self._send(code, silent=False)
+                except KernelGone as exc:
+                    finished = True
+                    yield messages.error_line("ContextUnavailable", str(exc), "")
+                    yield messages.END
+                    return
                 while True:
                     try:
                         line = await asyncio.wait_for(pending.queue.get(), self._settings.keepalive)
                     except TimeoutError:
                         if not await self.alive():
+                            finished = True
                             yield messages.error_line(
                                 "ContextRestarting", "Context was restarted", ""
                             )
                             await self._revive()
-                            finished = True
                             break
                         yield messages.KEEPALIVE
                         continue
@@ -307,20 +310,22 @@ class Kernel:
                         break
                     yield line
             finally:
-                if not finished:
+                if not finished and msg_id is not None:
                     log.warning("execution %s abandoned, interrupting kernel %s", msg_id, self.id)
                     await asyncio.shield(self.interrupt())
+                # Also when cancelled before the code was sent: the env snippet may have run.
                 self._tail = asyncio.create_task(self._after(msg_id, pending, list(env_vars)))
 
-    async def _after(self, msg_id: str, pending: _Pending, keys: list[str]) -> None:
+    async def _after(self, msg_id: str | None, pending: _Pending | None, keys: list[str]) -> None:
         """Wait for the cell to finish (it may have been interrupted), then restore env vars."""
-        try:
-            await asyncio.wait_for(pending.done.wait(), self._settings.snippet_timeout)
-        except TimeoutError:
-            log.error("execution %s did not finish after interrupt", msg_id)
-        finally:
-            self._pending.pop(msg_id, None)
-        if keys:
+        if msg_id is not None and pending is not None:
+            try:
+                await asyncio.wait_for(pending.done.wait(), self._settings.snippet_timeout)
+            except TimeoutError:
+                log.error("execution %s did not finish after interrupt", msg_id)
+            finally:
+                self._pending.pop(msg_id, None)
+        if keys and self._kc is not None:
             values = envs.restore_values(keys, self._sandbox_envs or {}, self._start_env)
             await self._run_silent(envs.set_snippet(self.language, values))
 
