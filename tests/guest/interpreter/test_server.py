@@ -72,7 +72,9 @@ def serve(
     """`python -m interpreter` on a free loopback port, as the guest runs it; stopped after."""
     port = _free_port()
     log = (workdir / f"{name}.log").open("wb")
-    env = dict(os.environ, PYTHONPATH="", SHARED="kernel-start-value")
+    tmp = workdir / f"{name}-tmp"
+    tmp.mkdir()
+    env = dict(os.environ, PYTHONPATH="", SHARED="kernel-start-value", TMPDIR=str(tmp))
     env.pop("SANDBOX_VAR", None)
     command = [sys.executable, "-m", "interpreter", "--host", "127.0.0.1", "--port", str(port)]
     proc = subprocess.Popen(
@@ -93,6 +95,8 @@ def serve(
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(10)
         log.close()
+    # A clean stop leaves nothing: kernels shut down, their runtime dir removed.
+    assert list(tmp.iterdir()) == []
 
 
 def wait_health(proc: subprocess.Popen[bytes], url: str, want: int) -> httpx.Response:

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
-import tempfile
 
 import uvicorn
 
@@ -31,13 +29,10 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    runtime = tempfile.mkdtemp(prefix="code-interpreter-")
-    os.chmod(runtime, 0o700)
     settings = Settings(
         envd_url=args.envd_url,
         keepalive=args.keepalive,
         start_timeout=args.start_timeout,
-        runtime_dir=runtime,
         default_cwd=args.cwd,
     )
     languages = [lang.strip() for lang in args.default_languages.split(",") if lang.strip()]

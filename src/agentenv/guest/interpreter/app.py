@@ -12,6 +12,8 @@ import asyncio
 import contextlib
 import json
 import logging
+import shutil
+import tempfile
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -91,8 +93,13 @@ class Server:
         self.ready = asyncio.Event()
         self.startup_error: str | None = None
         self._startup: asyncio.Task[None] | None = None
+        self._runtime = ""
 
     async def start(self) -> None:
+        # Kernels' connection files (ports, HMAC key) go to a private dir, removed at stop:
+        # uvicorn re-raises SIGTERM after the lifespan ends, so this is the last code that runs.
+        if not self.settings.runtime_dir:
+            self.settings.runtime_dir = self._runtime = tempfile.mkdtemp(prefix="code-interpreter-")
         self._startup = asyncio.create_task(self._start_defaults())
 
     async def _start_defaults(self) -> None:
@@ -111,6 +118,8 @@ class Server:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._startup
         await self.contexts.close()
+        if self._runtime:
+            shutil.rmtree(self._runtime, ignore_errors=True)
 
     async def wait_ready(self) -> Response | None:
         """None once the defaults are up; an error response if they failed or take too long."""

@@ -40,7 +40,7 @@ class Settings:
     start_timeout: float = 120.0
     envd_timeout: float = 5.0
     snippet_timeout: float = 30.0
-    runtime_dir: str = "/tmp"
+    runtime_dir: str = ""  # the server makes (and removes) a private one
     default_cwd: str = "/home/user"
 
 
