@@ -183,7 +183,16 @@ class Kernel:
     async def _read(self, kc: AsyncKernelClient, iopub: bool) -> None:
         """Route every message of one channel to the execution it answers."""
         while True:
-            msg: dict[str, Any] = await (kc.get_iopub_msg() if iopub else kc.get_shell_msg())
+            try:
+                msg: dict[str, Any] = await (kc.get_iopub_msg() if iopub else kc.get_shell_msg())
+            except Exception:
+                # A message that fails to parse or verify must not end the routing of the rest.
+                log.exception(
+                    "bad message on %s of kernel %s", "iopub" if iopub else "shell", self.id
+                )
+                if not kc.channels_running:
+                    return
+                continue
             parent = msg.get("parent_header", {}).get("msg_id")
             pending = self._pending.get(parent) if parent else None
             if pending is None or pending.done.is_set():
