@@ -38,6 +38,11 @@ def _env_path(name: str, default: Path) -> Path:
     return Path(raw).expanduser() if raw else default
 
 
+def default_cache() -> Path:
+    """The shared build cache: `AGENTENV_CACHE`, else ~/.cache/agentenv."""
+    return _env_path("AGENTENV_CACHE", Path.home() / ".cache" / "agentenv")
+
+
 def _env_int(name: str, default: int) -> int:
     raw = os.environ.get(name)
     if raw is None or raw == "":
@@ -409,7 +414,7 @@ class Settings:
             )
         return cls(
             home=_env_path("AGENTENV_HOME", Path("/var/lib/agentenv")),
-            cache=_env_path("AGENTENV_CACHE", Path.home() / ".cache" / "agentenv"),
+            cache=default_cache(),
             etcd_endpoints=_etcd_endpoints(),
             etcd_prefix=etcd_prefix,
             node_ttl_s=node_ttl,

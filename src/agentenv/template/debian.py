@@ -8,18 +8,19 @@ from pathlib import Path
 
 from agentenv.template.commands import run
 from agentenv.template.errors import BuildError
+from agentenv.template.hostfacts import APT_STATE, DPKG_STATE, remembered
 
 
 def installed_versions(packages: list[str]) -> dict[str, str | None]:
     """Installed version of each package, None where it is not (fully) installed."""
-    proc = subprocess.run(
-        ["dpkg-query", "-W", "-f=${Package}\t${db:Status-Abbrev}\t${Version}\n", *packages],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
+    argv = ["dpkg-query", "-W", "-f=${Package}\t${db:Status-Abbrev}\t${Version}\n", *packages]
+
+    def query() -> str:
+        # Exit 1 names packages dpkg does not know: the others are still listed.
+        return subprocess.run(argv, capture_output=True, text=True, check=False).stdout
+
     found: dict[str, str | None] = dict.fromkeys(packages)
-    for line in proc.stdout.splitlines():
+    for line in remembered(argv, DPKG_STATE, query).splitlines():
         name, status, version = ([*line.split("\t"), "", ""])[:3]
         name = name.split(":")[0]
         if name in found and status.startswith("ii"):
@@ -32,7 +33,8 @@ def installed_version(package: str) -> str | None:
 
 
 def candidate_version(package: str) -> str | None:
-    out = run(["apt-cache", "policy", package])
+    argv = ["apt-cache", "policy", package]
+    out = remembered(argv, APT_STATE, lambda: run(argv))
     m = re.search(r"^\s*Candidate:\s*(\S+)", out, re.M)
     if m is None or m.group(1) == "(none)":
         return None
@@ -48,7 +50,8 @@ def require_candidate(package: str) -> str:
 
 def kernel_image_package(meta: str, version: str) -> str:
     """The versioned linux-image-* package a metapackage version depends on."""
-    out = run(["apt-cache", "show", f"{meta}={version}"])
+    argv = ["apt-cache", "show", f"{meta}={version}"]
+    out = remembered(argv, APT_STATE, lambda: run(argv))
     m = re.search(r"^Depends:.*?\b(linux-image-[0-9][^\s,(]*)", out, re.M)
     if m is None:
         raise BuildError(f"{meta} {version} does not depend on a linux-image package")

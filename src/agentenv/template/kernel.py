@@ -19,6 +19,7 @@ from agentenv.config import Settings
 from agentenv.template import debian
 from agentenv.template.cache import ArtifactCache, digest_files
 from agentenv.template.errors import BuildError
+from agentenv.template.hostfacts import tool_version
 from agentenv.template.progress import ProgressFn, report
 
 DEBIAN_KERNEL_META = "linux-image-cloud-amd64"
@@ -173,11 +174,7 @@ def _single(paths: list[Path], what: str) -> Path:
 
 
 def _compiler_version() -> str:
-    try:
-        out = subprocess.run(["gcc", "--version"], capture_output=True, text=True, check=False)
-    except FileNotFoundError:
-        return "none"
-    return out.stdout.splitlines()[0] if out.stdout else "none"
+    return tool_version("gcc") or "none"
 
 
 def custom_kernel_inputs(source_version: str) -> dict[str, str]:

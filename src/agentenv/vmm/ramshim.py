@@ -11,12 +11,12 @@ into a no-op; QEMU's own madvise that follows drops the clone's private copies.
 from __future__ import annotations
 
 import shutil
-import subprocess
 from pathlib import Path
 
 from agentenv.template.cache import ArtifactCache, digest_files
 from agentenv.template.commands import run
 from agentenv.template.errors import BuildError
+from agentenv.template.hostfacts import tool_version
 from agentenv.template.progress import ProgressFn, report
 
 SOURCE = Path(__file__).parent / "files" / "ramshim.c"
@@ -28,11 +28,7 @@ CC = "cc"
 
 
 def compiler_version(cc: str = CC) -> str:
-    try:
-        out = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False)
-    except OSError:
-        return ""
-    return out.stdout.splitlines()[0] if out.returncode == 0 and out.stdout else ""
+    return tool_version(cc) or ""
 
 
 def shim_inputs(cc: str = CC) -> dict[str, str]:
