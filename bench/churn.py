@@ -196,9 +196,15 @@ def _busy_retry(c: Counters, what: Callable[[], Any]) -> Any:
     raise AssertionError("unreachable")
 
 
-def cycle(i: int, opts: dict[str, Any], c: Counters) -> None:
-    """One create → run → kill, with a pause + connect every PAUSE_EVERY-th cycle and a
-    fork every FORK_EVERY-th (both happen in the warm-up)."""
+def cycle(
+    i: int,
+    opts: dict[str, Any],
+    c: Counters,
+    pause_every: int = PAUSE_EVERY,
+    fork_every: int = FORK_EVERY,
+) -> None:
+    """One create → run → kill, with a pause + connect every `pause_every`-th cycle and a
+    fork every `fork_every`-th (both happen in the warm-up)."""
     t0 = time.perf_counter()
     s = _busy_retry(
         c, lambda: Sandbox.create(template="base", timeout=600, request_timeout=300, **opts)
@@ -207,7 +213,7 @@ def cycle(i: int, opts: dict[str, Any], c: Counters) -> None:
         out = s.commands.run(f"echo churn-{i}").stdout
         if out != f"churn-{i}\n":
             raise AssertionError(f"cycle {i}: commands.run said {out!r}")
-        if i % PAUSE_EVERY == PAUSE_EVERY - 1:
+        if i % pause_every == pause_every - 1:
             s.files.write("/home/user/churn", str(i))
             if _busy_retry(c, s.pause) is not True:
                 raise AssertionError(f"cycle {i}: pause did not pause")
@@ -219,7 +225,7 @@ def cycle(i: int, opts: dict[str, Any], c: Counters) -> None:
                 raise AssertionError(f"cycle {i}: after resume the file says {got!r}")
             with c.lock:
                 c.pauses += 1
-        if i % FORK_EVERY == FORK_EVERY - 1:
+        if i % fork_every == fork_every - 1:
             kids = _busy_retry(c, lambda: s.fork(count=FORK_CHILDREN, timeout=600))
             try:
                 bad = [k for k in kids if isinstance(k, Exception)]
@@ -241,12 +247,20 @@ def cycle(i: int, opts: dict[str, Any], c: Counters) -> None:
         c.cycle_s.append(time.perf_counter() - t0)
 
 
-def run_cycles(first: int, last: int, workers: int, opts: dict[str, Any], c: Counters) -> None:
+def run_cycles(
+    first: int,
+    last: int,
+    workers: int,
+    opts: dict[str, Any],
+    c: Counters,
+    pause_every: int = PAUSE_EVERY,
+    fork_every: int = FORK_EVERY,
+) -> None:
     """Cycles [first, last) on `workers` threads; a failed cycle is recorded, not raised."""
 
     def one(i: int) -> None:
         try:
-            cycle(i, opts, c)
+            cycle(i, opts, c, pause_every, fork_every)
         except Exception as exc:
             with c.lock:
                 c.errors.append(f"cycle {i}: {type(exc).__name__}: {exc}")
@@ -297,6 +311,8 @@ def churn(
     workers: int = 4,
     samples: int = 4,
     progress: Callable[[str], None] = print,
+    pause_every: int = PAUSE_EVERY,
+    fork_every: int = FORK_EVERY,
 ) -> ChurnReport:
     """Run `cycles` cycles; sample after the warm-up and after each of `samples` equal
     chunks of the rest, each time with the workers drained and the server settled."""
@@ -309,7 +325,7 @@ def churn(
     c = Counters()
     warmup = max(1, round(cycles * WARMUP_FRACTION))
     t0 = time.monotonic()
-    run_cycles(0, warmup, workers, opts, c)
+    run_cycles(0, warmup, workers, opts, c, pause_every, fork_every)
     taken = [settle(server, warmup)]
     progress(f"warm-up: {warmup} cycles in {time.monotonic() - t0:.1f}s  {taken[0]}")
     rest = cycles - warmup
@@ -317,7 +333,7 @@ def churn(
     for lo, hi in itertools.pairwise(bounds):
         if hi <= lo:
             continue
-        run_cycles(lo, hi, workers, opts, c)
+        run_cycles(lo, hi, workers, opts, c, pause_every, fork_every)
         taken.append(settle(server, hi))
         progress(f"{hi}/{cycles} cycles, {time.monotonic() - t0:.1f}s, errors {len(c.errors)}")
     return ChurnReport(cycles, workers, time.monotonic() - t0, taken, c)
