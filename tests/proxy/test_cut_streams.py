@@ -1,5 +1,6 @@
-"""A sandbox killed while one of its envd streams is open: the proxy drops the client's
-connection (E2B's proxy resets it), so the official SDK raises its "killed" error.
+"""A sandbox killed while one of its envd streams or a WebSocket to it is open: the proxy
+drops the client's connection (E2B's proxy resets it), so the official SDKs (Python, and JS
+run by node) raise their "killed" error and a WebSocket client sees no close frame.
 
 No VM: a loopback server stands in for envd (a `Start` stream that sends its start event and
 then stays open, and `/health`), the proxy serves through uvicorn next to a stub of the
@@ -10,9 +11,13 @@ connect route, and the kill is what the manager does: the record leaves RUNNING,
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
+import os
+import shutil
 import struct
+import sys
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -21,8 +26,10 @@ from typing import Any
 import httpx
 import pytest
 import uvicorn
+import websockets
 from e2b import Sandbox
 from e2b.exceptions import SandboxNotRunningException
+from e2e.jsdeps import JS_DIR, ensure_js_sdk
 
 from agentenv.control.metrics import Metrics
 from agentenv.control.store import SandboxRecord, SandboxState
@@ -44,7 +51,17 @@ def _envelope(flags: int, message: dict[str, Any]) -> bytes:
 
 
 async def _envd(scope: dict[str, Any], receive: Any, send: Any) -> None:
-    """`Start` answers its start event and then nothing (a `sleep 60`); `/health` is 204."""
+    """`Start` answers its start event and then nothing (a `sleep 60`); `/health` is 204; a
+    WebSocket is accepted, greeted with `hello` and then left open."""
+    if scope["type"] == "websocket":
+        await receive()
+        await send({"type": "websocket.accept"})
+        await send({"type": "websocket.send", "text": "hello"})
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(OPEN_S):
+                while (await receive())["type"] != "websocket.disconnect":
+                    pass
+        return
     if scope["type"] != "http":
         return
     if scope["path"] == "/health":
@@ -68,7 +85,15 @@ async def _envd(scope: dict[str, Any], receive: Any, send: Any) -> None:
 
 
 async def _serve(app: Any) -> tuple[uvicorn.Server, asyncio.Task[None], int]:
-    config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off")
+    # The server's own WebSocket implementation (api/server.py).
+    config = uvicorn.Config(
+        app,
+        host="127.0.0.1",
+        port=0,
+        log_level="warning",
+        lifespan="off",
+        ws="websockets-sansio",
+    )
     server = uvicorn.Server(config)
     task = asyncio.create_task(server.serve())
     async with asyncio.timeout(STEP_S):
@@ -107,6 +132,9 @@ async def setup() -> AsyncIterator[Setup]:
     proxy = SandboxProxy(resolve, Metrics())
 
     async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "websocket":
+            await proxy.websocket(scope, receive, send, Target(SANDBOX_ID, envd_port, "/"))
+            return
         if scope["type"] != "http":
             return
         headers = {k.decode(): v.decode() for k, v in scope["headers"]}
@@ -192,3 +220,69 @@ async def test_sdk_command_on_a_killed_sandbox_raises_the_killed_error(setup: Se
         with pytest.raises(SandboxNotRunningException) as caught:
             await asyncio.to_thread(handle.wait)
     assert "sandbox was killed or reached its end of life" in str(caught.value)
+
+
+async def test_a_killed_sandbox_drops_an_open_websocket_without_a_close_frame(
+    setup: Setup,
+) -> None:
+    """E2B's proxy resets the connections of a sandbox that stops, so a proxied WebSocket
+    ends with no close frame (an abnormal closure, 1006), not a close the app could take for
+    the guest's (1000) or a server error (1011)."""
+    url = setup.url.replace("http://", "ws://") + "/"
+    async with asyncio.timeout(STEP_S):
+        ws = await websockets.connect(url, open_timeout=STEP_S, close_timeout=1)
+    try:
+        async with asyncio.timeout(STEP_S):
+            assert await ws.recv() == "hello"
+        await setup.kill()
+        with pytest.raises(websockets.ConnectionClosedError) as caught:
+            async with asyncio.timeout(STEP_S):
+                await ws.recv()
+        assert caught.value.rcvd is None, caught.value.rcvd
+        assert ws.close_code == 1006
+    finally:
+        await ws.close()
+
+
+async def test_js_sdk_command_on_a_killed_sandbox_raises_the_killed_error(
+    setup: Setup, tmp_path: Any
+) -> None:
+    """The JS SDK (npm `e2b`, node) on the same cut: `wait()` rejects with its TimeoutError
+    saying the sandbox was killed (tests/e2e/js/cut_stream.mjs)."""
+    modules = await asyncio.to_thread(ensure_js_sdk)
+    for name in ("lib.mjs", "cut_stream.mjs", "package.json"):
+        shutil.copy2(JS_DIR / name, tmp_path / name)
+    (tmp_path / "node_modules").symlink_to(modules)
+    env = {
+        **os.environ,
+        "E2B_API_URL": setup.url,
+        "E2B_SANDBOX_URL": setup.url,
+        "E2B_API_KEY": "e2b_" + "0" * 40,
+    }
+    proc = await asyncio.create_subprocess_exec(
+        "node", "cut_stream.mjs", "killed_while_running", SANDBOX_ID,
+        cwd=tmp_path, env=env, stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+    )  # fmt: skip
+    assert proc.stdout is not None
+    out: list[str] = []
+    try:
+        # Node's start and the SDK's import take a few seconds on a busy machine.
+        async with asyncio.timeout(STEP_S * 3):
+            while not out or not out[-1].startswith("STARTED"):
+                line = await proc.stdout.readline()
+                assert line, "node ended before the command started:\n" + "".join(out)
+                out.append(line.decode())
+            assert out[-1].strip() == f"STARTED pid={PID}"
+            await setup.kill()
+            rest = await proc.stdout.read()
+            out.append(rest.decode())
+            code = await proc.wait()
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    text = "".join(out)
+    print(text, file=sys.stderr)
+    assert code == 0, text
+    assert "OK killed_while_running" in text, text

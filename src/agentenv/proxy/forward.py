@@ -508,8 +508,19 @@ class SandboxProxy:
                     try:
                         await _unless_cut(self._ws_pump(upstream, receive, send), cut)
                     except _SandboxGone:
-                        with contextlib.suppress(Exception):
-                            await send({"type": "websocket.close", "code": 1011})
+                        # As E2B's proxy, which resets its connections to a sandbox that
+                        # stops: no close frame, the client's connection is dropped (returning
+                        # without a close makes uvicorn close the socket), so the client
+                        # sees an abnormal closure (1006), never a clean or server-error end.
+                        log.info(
+                            "sandbox %s port %d: WebSocket cut (sandbox released)",
+                            rec.id,
+                            target.port,
+                            extra={"sandbox_id": rec.id},
+                        )
+                        # The guest is gone: no closing handshake to wait out with it.
+                        upstream.transport.abort()
+                        return
         finally:
             await _cancel(relay)
 
