@@ -16,6 +16,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 from e2b import AsyncSandbox, FilesystemEventType, Sandbox
 from e2b.exceptions import InvalidArgumentException, TimeoutException
@@ -327,3 +328,57 @@ def test_write_creates_missing_parents_for_the_user(
     # A path through a file is a bad request, not a crash.
     with pytest.raises(InvalidArgumentException):
         sbx.files.write(f"{scratch}/x/1.txt/under-a-file.txt", "no")
+
+
+# Names that are not ASCII, and ASCII that means something in a URL or a query.
+ODD_DIR = "目录 ñ 🚀"
+ODD_NAME = "文件 é+&#?%20=;ü.txt"
+
+
+def test_non_ascii_names_through_every_sdk_route(
+    sbx: Sandbox, scratch: Path, user_home: Path
+) -> None:
+    """The same odd names in query parameters (`GET`/`POST /files?path=`, the SDK's download
+    and upload URLs), RPC paths (make_dir, list, get_info, rename, remove), a watch's events
+    and a command's cwd, args and env: each arrives as written, none is doubly decoded."""
+    base = f"{scratch}/{ODD_DIR}"
+    assert sbx.files.make_dir(base) is True
+    watcher = sbx.files.watch_dir(base)
+    try:
+        info = sbx.files.write(f"{base}/{ODD_NAME}", "é 🚀")
+        assert (info.name, info.path) == (ODD_NAME, f"{base}/{ODD_NAME}")
+        assert (Path(base) / ODD_NAME).read_text() == "é 🚀"
+        events: list[tuple[str, FilesystemEventType]] = []
+        deadline = time.monotonic() + 10
+        while not any(t == FilesystemEventType.WRITE for _, t in events):
+            assert time.monotonic() < deadline, events
+            events += [(e.name, e.type) for e in watcher.get_new_events()]
+            time.sleep(0.05)
+        assert (ODD_NAME, FilesystemEventType.CREATE) in events
+    finally:
+        watcher.stop()
+    assert sbx.files.read(f"{base}/{ODD_NAME}") == "é 🚀"
+    assert [e.name for e in sbx.files.list(base)] == [ODD_NAME]
+    assert sbx.files.get_info(f"{base}/{ODD_NAME}").path == f"{base}/{ODD_NAME}"
+    assert sbx.files.exists(f"{base}/{ODD_NAME}")
+    # Relative to the user's home, as upstream resolves a relative path.
+    rel = f"{base}/{ODD_NAME}".removeprefix(f"{user_home}/")
+    assert sbx.files.read(rel) == "é 🚀"
+
+    with httpx.Client(timeout=30) as http:
+        got = http.get(sbx.download_url(f"{base}/{ODD_NAME}"))
+        assert got.status_code == 200, got.text
+        assert got.content == "é 🚀".encode()
+        up = http.post(
+            sbx.upload_url(f"{base}/上传 ü.bin"), files={"file": ("ignored", b"\x00\xff")}
+        )
+        assert up.status_code == 200, up.text
+        assert up.json()[0]["path"] == f"{base}/上传 ü.bin"
+    assert (Path(base) / "上传 ü.bin").read_bytes() == b"\x00\xff"
+
+    result = sbx.commands.run(f"ls; echo \"$ODD\" '{ODD_DIR}'", cwd=base, envs={"ODD": "ñ 🚀"})
+    assert result.stdout.splitlines() == [*sorted([ODD_NAME, "上传 ü.bin"]), f"ñ 🚀 {ODD_DIR}"]
+    moved = sbx.files.rename(f"{base}/{ODD_NAME}", f"{base}/ünï 😀.txt")
+    assert (moved.name, moved.path) == ("ünï 😀.txt", f"{base}/ünï 😀.txt")
+    sbx.files.remove(base)
+    assert not sbx.files.exists(base)
