@@ -27,12 +27,13 @@ import os
 import re
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 from agentenv import hostdeps
 from agentenv.config import Settings
 from agentenv.template import debian
-from agentenv.template.cache import digest_files
+from agentenv.template.cache import ArtifactCache, digest_files
 from agentenv.template.catalog import Template
 from agentenv.template.commands import run
 from agentenv.template.errors import BuildError
@@ -48,6 +49,8 @@ from agentenv.template.rootfs import (
 )
 
 DOCKER_NAME = "docker"
+CACHE_KIND = "rootfs-docker"
+IMAGE = "docker.qcow2"
 SUITE = "trixie"
 PACKAGES = [
     *BASE_PACKAGES,
@@ -103,14 +106,30 @@ def ensure_docker(settings: Settings, progress: ProgressFn | None = None) -> Tem
     """The ``docker`` template, built (~3 min, network to the Debian mirror) and registered
     if it is not already current; a cache hit only registers it."""
     inputs = docker_inputs()
+    return ensure_rootfs_template(
+        settings, DOCKER_NAME, inputs, _builder(settings, inputs, progress), CACHE_KIND,
+        IMAGE, progress,
+    )  # fmt: skip
 
+
+def ensure_docker_image(settings: Settings, progress: ProgressFn | None = None) -> Path:
+    """The template's image in the artifact cache (built on a miss), registered nowhere: what
+    the test runner builds ahead while it lints (scripts/test)."""
+    inputs = docker_inputs()
+    path, _ = ArtifactCache(settings.cache).ensure(
+        CACHE_KIND, inputs, _builder(settings, inputs, progress)
+    )
+    return path / IMAGE
+
+
+def _builder(
+    settings: Settings, inputs: dict[str, str], progress: ProgressFn | None
+) -> Callable[[Path], None]:
     def build(out: Path) -> None:
         hostdeps.ensure_host_packages(progress, extra=HOST_PACKAGES)
         build_docker_image(settings, inputs, out, progress)
 
-    return ensure_rootfs_template(
-        settings, DOCKER_NAME, inputs, build, "rootfs-docker", "docker.qcow2", progress
-    )
+    return build
 
 
 def build_docker_image(
@@ -150,7 +169,7 @@ def build_docker_image(
         run(["mkfs.ext4", "-q", "-F", "-L", "rootfs", "-d", tree, raw, f"{size_mb}M"], timeout=1800)
         shutil.rmtree(tree)
         report(progress, "converting to qcow2")
-        run(["qemu-img", "convert", "-O", "qcow2", raw, out / "docker.qcow2"], timeout=1800)
+        run(["qemu-img", "convert", "-O", "qcow2", raw, out / IMAGE], timeout=1800)
         (out / "size_mb").write_text(f"{size_mb}\n")
         (out / "kernel-release").write_text(release + "\n")
 
