@@ -59,6 +59,21 @@ def test_host_and_path_routing(client: httpx.Client, guest: Guest) -> None:
     assert by_path.status_code == 200 and by_path.json()["path"] == "/c/d?e=f"
 
 
+def test_escaped_and_non_ascii_paths_reach_the_app_as_sent(
+    client: httpx.Client, guest: Guest
+) -> None:
+    """Percent-escapes are passed on as the client wrote them (as E2B's proxy does): a
+    decoded `%2F` would split a segment, `%3F` and `%23` would start a query or fragment."""
+    sid = guest.sandbox.sandbox_id
+    for raw in ("/files/a%2Fb%3Fc%23d%25e%20f", "/caf%C3%A9/%E6%96%87?q=%E2%9C%93&r=a%2Bb"):
+        by_header = client.get(raw, headers=guest.headers())
+        assert by_header.status_code == 200, by_header.text
+        assert by_header.json()["path"] == raw
+        by_path = client.get(f"/proxy/{sid}/{guest.http_port}{raw}")
+        assert by_path.status_code == 200, by_path.text
+        assert by_path.json()["path"] == raw
+
+
 def test_streamed_response_arrives_chunk_by_chunk(client: httpx.Client, guest: Guest) -> None:
     arrivals: list[float] = []
     started = time.monotonic()

@@ -17,6 +17,7 @@ import secrets
 import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any, TypeVar
+from urllib.parse import unquote
 
 import httpx
 from websockets.asyncio.client import ClientConnection
@@ -109,6 +110,28 @@ def _https_port(rec: SandboxRecord, port: int) -> bool:
 
 
 T = TypeVar("T")
+
+
+def raw_target_path(scope: Scope, path: str) -> str:
+    """`path` (the decoded path routing chose to send upstream: the request's, or what
+    follows a `/proxy/{id}/{port}` prefix) as the client wrote it, percent-escapes kept.
+
+    Forwarding the decoded form would change what the app receives: `%2F` would become a
+    path separator, `%3F` and `%23` would start a query and a fragment. E2B's proxy (Go's
+    reverse proxy) passes the escaped path on as sent. The raw form is the tail of the raw
+    request path that decodes to `path`; without one (no raw path, or a rewritten one) the
+    decoded path goes, as before."""
+    raw = scope.get("raw_path")
+    if not raw:
+        return path
+    text = raw.decode("utf-8", "replace")
+    start = text.find("/")
+    while start != -1:
+        tail = text[start:]
+        if unquote(tail) == path:
+            return tail
+        start = text.find("/", start + 1)
+    return path
 
 
 class _ClientGone(Exception):
@@ -287,7 +310,7 @@ class SandboxProxy:
         has_body = "content-length" in headers or "chunked" in headers.get("transfer-encoding", "")
         query = scope.get("query_string", b"")
         scheme = "https" if _https_port(rec, target.port) else "http"
-        url = f"{scheme}://{rec.address}:{target.port}{target.path}"
+        url = f"{scheme}://{rec.address}:{target.port}{raw_target_path(scope, target.path)}"
         if query:
             url += "?" + query.decode("latin-1")
         sent_up = 0
@@ -442,7 +465,7 @@ class SandboxProxy:
         # passes on); the socket goes to the slot address whatever it says.
         host, forwarded_host = upstream_host(rec, target.port, headers.get("host", ""))
         authority = host if valid_authority(host) else f"{rec.address}:{target.port}"
-        url = f"{'wss' if https else 'ws'}://{authority}{target.path}"
+        url = f"{'wss' if https else 'ws'}://{authority}{raw_target_path(scope, target.path)}"
         if query:
             url += "?" + query.decode("latin-1")
         extra = [
