@@ -122,7 +122,7 @@ def raw_target_path(scope: Scope, path: str) -> str:
     request path that decodes to `path`; without one (no raw path, or a rewritten one) the
     decoded path goes, as before."""
     raw = scope.get("raw_path")
-    if not raw:
+    if not isinstance(raw, bytes) or not raw:
         return path
     text = raw.decode("utf-8", "replace")
     start = text.find("/")
