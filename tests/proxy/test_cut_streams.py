@@ -1,6 +1,8 @@
-"""A sandbox killed while one of its envd streams or a WebSocket to it is open: the proxy
-drops the client's connection (E2B's proxy resets it), so the official SDKs (Python, and JS
-run by node) raise their "killed" error and a WebSocket client sees no close frame.
+"""A sandbox killed while one of its envd streams or a WebSocket to it is open, as E2B's
+proxy answers it: a Connect stream cut between frames ends with an `unavailable` error frame
+("the connection to sandbox ... ended before the stream completed"), one cut mid-frame and
+any other body has its connection dropped, a WebSocket is dropped without a close frame. The
+official Python SDK raises its "killed" error; the JS SDK (node) its TimeoutError.
 
 No VM: a loopback server stands in for envd (a `Start` stream that sends its start event and
 then stays open, and `/health`), the proxy serves through uvicorn next to a stub of the
@@ -33,7 +35,7 @@ from e2e.jsdeps import JS_DIR, ensure_js_sdk
 
 from agentenv.control.metrics import Metrics
 from agentenv.control.store import SandboxRecord, SandboxState
-from agentenv.proxy.forward import SandboxProxy
+from agentenv.proxy.forward import EnvelopeTracker, SandboxProxy
 from agentenv.proxy.routing import ENVD_PORT
 from agentenv.proxy.routing import Sandbox as Target
 
@@ -43,6 +45,8 @@ PID = 7
 STEP_S = 20.0
 # How long the stand-in envd keeps a stream open when nobody cuts it.
 OPEN_S = 60.0
+# A command the stand-in answers with its start event and half of the next frame.
+HALF_FRAME = "sleep 61"
 
 
 def _envelope(flags: int, message: dict[str, Any]) -> bytes:
@@ -68,11 +72,18 @@ async def _envd(scope: dict[str, Any], receive: Any, send: Any) -> None:
         await send({"type": "http.response.start", "status": 204, "headers": []})
         await send({"type": "http.response.body", "body": b""})
         return
-    while (await receive()).get("more_body"):
-        pass
+    request = b""
+    while True:
+        msg = await receive()
+        request += msg.get("body", b"")
+        if not msg.get("more_body"):
+            break
     headers = [(b"content-type", b"application/connect+json")]
     await send({"type": "http.response.start", "status": 200, "headers": headers})
     start = _envelope(0, {"event": {"start": {"pid": PID}}})
+    if HALF_FRAME.encode() in request:
+        # The start event and the first bytes of the next frame: cut mid-frame.
+        start += _envelope(0, {"event": {"data": {"stdout": "aGk="}}})[:7]
     await send({"type": "http.response.body", "body": start, "more_body": True})
     # Open until the proxy goes away (its pool closed by the drop) or OPEN_S.
     try:
@@ -164,13 +175,45 @@ async def setup() -> AsyncIterator[Setup]:
             await task
 
 
-def _start_body() -> bytes:
-    return _envelope(0, {"process": {"cmd": "/bin/bash", "args": ["-l", "-c", "sleep 60"]}})
+def _start_body(command: str = "sleep 60") -> bytes:
+    return _envelope(0, {"process": {"cmd": "/bin/bash", "args": ["-l", "-c", command]}})
 
 
-async def test_a_killed_sandbox_drops_the_open_stream_and_health_says_not_found(
-    setup: Setup,
-) -> None:
+def _frames(data: bytes) -> list[tuple[int, bytes]]:
+    out = []
+    while data:
+        flags, size = struct.unpack(">BI", data[:5])
+        assert len(data) >= 5 + size, f"cut frame: {data!r}"
+        out.append((flags, data[5 : 5 + size]))
+        data = data[5 + size :]
+    return out
+
+
+def test_envelope_tracker_finds_frame_boundaries() -> None:
+    one, two = _envelope(0, {"a": 1}), _envelope(0, {})
+    empty = b"\x00\x00\x00\x00\x00"
+    for writes, boundary in [
+        ([], True),
+        ([one], True),
+        ([one + two], True),
+        ([empty], True),
+        ([one[:3]], False),
+        ([one[:5]], False),
+        ([one[:7]], False),
+        ([one[:3], one[3:]], True),
+        ([one, two[:6]], False),
+        ([one[:2], one[2:] + two[:1], two[1:]], True),
+    ]:
+        tracker = EnvelopeTracker()
+        for chunk in writes:
+            tracker.advance(chunk)
+        assert tracker.at_boundary is boundary, writes
+
+
+async def test_a_killed_sandbox_ends_the_open_stream_with_unavailable(setup: Setup) -> None:
+    """As E2B's proxy: a Connect stream cut between frames gets an end-of-stream frame with
+    an `unavailable` error naming the sandbox (what the SDKs' "killed" handling expects),
+    and `/health` answers the 502 "was not found" they probe with."""
     headers = {
         "e2b-sandbox-id": SANDBOX_ID,
         "e2b-sandbox-port": str(ENVD_PORT),
@@ -186,15 +229,47 @@ async def test_a_killed_sandbox_drops_the_open_stream_and_health_says_not_found(
             got = await anext(chunks)
             assert b'"start"' in got
             await setup.kill()
-            # Not a clean end (that reads as a stream without its end message): the
-            # connection goes with the chunked body unfinished.
-            with pytest.raises(httpx.RemoteProtocolError):
-                async with asyncio.timeout(STEP_S):
-                    async for _ in chunks:
-                        pass
+            rest = b""
+            async with asyncio.timeout(STEP_S):
+                async for chunk in chunks:
+                    rest += chunk
+        frames = _frames(rest)
+        assert [flags for flags, _ in frames] == [2], frames
+        error = json.loads(frames[0][1])["error"]
+        assert error == {
+            "code": "unavailable",
+            "message": f"the connection to sandbox {SANDBOX_ID} ended before the stream completed",
+        }
         health = await client.get("/health", headers=headers)
         assert health.status_code == 502
         assert "was not found" in health.json()["message"]
+
+
+async def test_a_stream_cut_mid_frame_is_dropped(setup: Setup) -> None:
+    """A frame cannot be finished without inventing bytes: the connection is dropped with
+    the chunked body unfinished (a clean end would read as a stream without its end)."""
+    headers = {
+        "e2b-sandbox-id": SANDBOX_ID,
+        "e2b-sandbox-port": str(ENVD_PORT),
+        "content-type": "application/connect+json",
+        "connect-protocol-version": "1",
+    }
+    body = _start_body(HALF_FRAME)
+    async with (
+        httpx.AsyncClient(base_url=setup.url, timeout=STEP_S) as client,
+        client.stream("POST", "/process.Process/Start", content=body, headers=headers) as resp,
+    ):
+        assert resp.status_code == 200
+        chunks = resp.aiter_raw()
+        got = b""
+        async with asyncio.timeout(STEP_S):
+            while len(got) < len(_envelope(0, {"event": {"start": {"pid": PID}}})) + 7:
+                got += await anext(chunks)
+        await setup.kill()
+        with pytest.raises(httpx.RemoteProtocolError):
+            async with asyncio.timeout(STEP_S):
+                async for _ in chunks:
+                    pass
 
 
 async def test_sdk_command_on_a_killed_sandbox_raises_the_killed_error(setup: Setup) -> None:

@@ -134,6 +134,46 @@ def raw_target_path(scope: Scope, path: str) -> str:
     return path
 
 
+# A Connect streaming response (`application/connect+json`, `+proto`): 5-byte-prefixed frames.
+_CONNECT_STREAM = "application/connect+"
+_END_STREAM_FLAG = 0b10
+
+
+class EnvelopeTracker:
+    """Where a relayed Connect stream stands in its framing (a 1-byte flag, a 4-byte
+    big-endian length, the payload), so a cut stream can be closed at a frame boundary."""
+
+    def __init__(self) -> None:
+        self._prefix = bytearray()
+        self._remaining = 0
+
+    def advance(self, data: bytes) -> None:
+        view = memoryview(data)
+        while view:
+            if len(self._prefix) < 5:
+                take = 5 - len(self._prefix)
+                self._prefix += view[:take]
+                view = view[take:]
+                if len(self._prefix) == 5:
+                    self._remaining = int.from_bytes(self._prefix[1:5], "big")
+            else:
+                step = min(len(view), self._remaining)
+                self._remaining -= step
+                view = view[step:]
+            if len(self._prefix) == 5 and self._remaining == 0:
+                self._prefix.clear()
+
+    @property
+    def at_boundary(self) -> bool:
+        return not self._prefix and self._remaining == 0
+
+
+def connect_end_stream_error(message: str) -> bytes:
+    """A Connect end-of-stream frame carrying an `unavailable` error."""
+    body = json.dumps({"error": {"code": "unavailable", "message": message}}).encode()
+    return bytes([_END_STREAM_FLAG]) + len(body).to_bytes(4, "big") + body
+
+
 class _ClientGone(Exception):
     """The downstream client disconnected while we were relaying its request body."""
 
@@ -378,6 +418,10 @@ class SandboxProxy:
         finally:
             self._metrics.proxy_bytes.labels("up").inc(sent())
         self._metrics.proxy_requests.labels("ok").inc()
+        connect_stream = response.status_code == 200 and response.headers.get(
+            "content-type", ""
+        ).startswith(_CONNECT_STREAM)
+        frames = EnvelopeTracker() if connect_stream else None
         try:
             out_headers = [
                 (k, v)
@@ -391,15 +435,16 @@ class SandboxProxy:
                     "headers": out_headers,
                 }
             )
-            await _unless_cut(self._relay_body(response, receive, send), cut)
+            await _unless_cut(self._relay_body(response, receive, send, frames), cut)
         except (_SandboxGone, httpx.TransportError) as exc:
             # Paused, killed or dead in the middle of a response. As E2B's proxy, which
-            # resets its connections to a sandbox that stops and aborts the responses that
-            # were using them: the client's connection is dropped with the body unfinished,
-            # never ended cleanly. The SDKs take a dropped stream as "maybe gone", probe
-            # `/health` (the 502 "was not found" of a sandbox no longer running) and raise
-            # their "killed" error; a clean end would read as a Connect stream that lost
-            # its end message ("Command ended without an end event", "missing EndStream").
+            # resets its connections to a sandbox that stops: a Connect stream cut between
+            # two frames is ended with an `unavailable` error frame (the SDKs probe
+            # `/health`, get the 502 "was not found" of a sandbox no longer running, and
+            # raise their "killed" error); any other body, or a stream cut mid-frame, has
+            # the client's connection dropped with the body unfinished, never ended cleanly
+            # (a clean end would read as a complete body, or as a Connect stream that lost
+            # its end message: "Command ended without an end event").
             log.info(
                 "sandbox %s port %d: response cut (%s)",
                 rec.id,
@@ -407,15 +452,29 @@ class SandboxProxy:
                 "sandbox released" if isinstance(exc, _SandboxGone) else repr(exc),
                 extra={"sandbox_id": rec.id},
             )
+            if frames is not None and frames.at_boundary:
+                message = f"the connection to sandbox {rec.id} ended before the stream completed"
+                end = connect_end_stream_error(message)
+                with contextlib.suppress(Exception):
+                    await send({"type": "http.response.body", "body": end, "more_body": False})
+                return
             abort_response()
         finally:
             await response.aclose()
 
-    async def _relay_body(self, response: httpx.Response, receive: Receive, send: Send) -> None:
+    async def _relay_body(
+        self,
+        response: httpx.Response,
+        receive: Receive,
+        send: Send,
+        frames: EnvelopeTracker | None = None,
+    ) -> None:
         async def pump() -> None:
             async for chunk in response.aiter_raw():
                 self._metrics.proxy_bytes.labels("down").inc(len(chunk))
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                if frames is not None:
+                    frames.advance(chunk)
             await send({"type": "http.response.body", "body": b"", "more_body": False})
 
         async def watch_disconnect() -> None:
