@@ -15,6 +15,7 @@ import httpx
 import pytest
 from api.conftest import REQUEST_TIMEOUT_S
 from e2b import FilesystemEventType, FileType, Sandbox
+from e2b.exceptions import SandboxNotRunningException
 from e2b.sandbox.filesystem.filesystem import WriteEntry
 from jsrun import JsEnv, js_workdir, node
 
@@ -140,3 +141,23 @@ def test_non_ascii_names_through_the_server(server: ServerProcess, tmp_path: Pat
         node(js, "nonascii.mjs", "non_ascii", sbx.sandbox_id)
     finally:
         sbx.kill()
+
+
+def test_a_kill_while_a_command_streams_raises_the_killed_error(server: ServerProcess) -> None:
+    """The real chain (proxy, node, guest): killing the sandbox under an open `Start` stream
+    ends it with the proxy's `unavailable` frame; the SDK probes `/health`, gets the 502 of a
+    sandbox that is gone and raises SandboxNotRunningException saying it was killed."""
+    sbx = Sandbox.create(template="base", timeout=600, request_timeout=RT)
+    try:
+        handle = sbx.commands.run("echo started; sleep 600", background=True, timeout=0)
+        deadline = time.monotonic() + 60
+        while "sbx" not in sbx.commands.run("pgrep -f 'sleep 60[0]' && echo sbx || true").stdout:
+            assert time.monotonic() < deadline, "the command never started"
+            time.sleep(0.2)
+        assert Sandbox.kill(sbx.sandbox_id, request_timeout=RT) is True
+        with pytest.raises(SandboxNotRunningException) as caught:
+            handle.wait()
+        assert "killed or reached its end of life" in str(caught.value)
+        assert "ended before the stream completed" in str(caught.value)
+    finally:
+        Sandbox.kill(sbx.sandbox_id, request_timeout=RT)
