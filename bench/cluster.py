@@ -245,7 +245,7 @@ async def direct_create(remote: RemoteRuntime) -> tuple[float, float]:
     placement = await remote.create(spec)
     created = time.perf_counter() - t0
     t1 = time.perf_counter()
-    await remote.delete(placement.runtime_id)
+    await remote.delete(placement.sandbox_id)
     return created, time.perf_counter() - t1
 
 

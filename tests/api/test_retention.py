@@ -77,7 +77,7 @@ def _pause(api: httpx.Client, sid: str) -> None:
 def _runtime_id(server: ServerProcess, sid: str) -> str:
     rec = on_store(db_path(server), lambda store: store.get(sid))
     assert rec is not None
-    return rec.runtime_id or rec.id
+    return rec.id
 
 
 def _layers(server: ServerProcess) -> LayerStore:

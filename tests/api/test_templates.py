@@ -48,7 +48,7 @@ class NoVMs:
     async def snapshots(self) -> list[SnapshotInfo]:
         return self.listed
 
-    async def host_memory(self, runtime_id: str) -> None:
+    async def host_memory(self, sandbox_id: str) -> None:
         return None
 
 
@@ -101,7 +101,7 @@ def sandbox(
         disk_mb=1024,
         envd_version="0.6.4",
         metadata=metadata or {},
-        runtime_id="rt-" + uuid.uuid4().hex[:8],
+        envd_url="http://envd.test",
     )
     # Called from sync tests (the app runs in the TestClient's own loop).
     asyncio.run(store.insert(rec))

@@ -59,14 +59,14 @@ class PaperRuntime:
     async def create(self, spec: SandboxSpec) -> Placement:
         return self._place(spec.sandbox_id)
 
-    async def update_egress(self, runtime_id: str, egress: Egress) -> None:
+    async def update_egress(self, sandbox_id: str, egress: Egress) -> None:
         pass
 
-    async def delete(self, runtime_id: str) -> None:
-        self.held.pop(runtime_id, None)
+    async def delete(self, sandbox_id: str) -> None:
+        self.held.pop(sandbox_id, None)
 
-    async def pause(self, runtime_id: str, **_: object) -> None:
-        self.held[runtime_id] = "paused"
+    async def pause(self, sandbox_id: str, **_: object) -> None:
+        self.held[sandbox_id] = "paused"
 
     async def resume(self, spec: SandboxSpec, *, memory: bool = True) -> Placement:
         self.held[spec.sandbox_id] = "running"
@@ -75,23 +75,23 @@ class PaperRuntime:
     async def init_guest(self, spec: SandboxSpec) -> None:
         pass
 
-    async def guest_metrics(self, runtime_id: str, envd_token: str | None) -> dict[str, Any] | None:
-        if self.held.get(runtime_id) != "running":
+    async def guest_metrics(self, sandbox_id: str, envd_token: str | None) -> dict[str, Any] | None:
+        if self.held.get(sandbox_id) != "running":
             return None
         return {"ts": time.time(), "cpu_count": 1, "mem_total": 1}
 
-    async def guest_health(self, runtime_id: str) -> str | None:
+    async def guest_health(self, sandbox_id: str) -> str | None:
         return None
 
-    async def is_alive(self, runtime_id: str) -> bool:
-        return runtime_id in self.held
+    async def is_alive(self, sandbox_id: str) -> bool:
+        return sandbox_id in self.held
 
-    async def find(self, runtime_id: str) -> Found | None:
-        state = self.held.get(runtime_id)
+    async def find(self, sandbox_id: str) -> Found | None:
+        state = self.held.get(sandbox_id)
         if state is None:
             return None
         return (
-            Found("running", Placement(runtime_id, "127.0.0.1", "http://envd.test"))
+            Found("running", Placement(sandbox_id, "127.0.0.1", "http://envd.test"))
             if (state == "running")
             else Found("paused", None)
         )
@@ -99,22 +99,22 @@ class PaperRuntime:
     async def sandbox_ids(self) -> list[str]:
         return list(self.held)
 
-    async def lost_reason(self, runtime_id: str) -> str | None:
+    async def lost_reason(self, sandbox_id: str) -> str | None:
         return None
 
     def watch_lost(self, handler: Callable[[str, str], None]) -> None:
         pass
 
     async def snapshot(
-        self, runtime_id: str, name: str | None, envd_token: str | None, *, memory: bool = True
+        self, sandbox_id: str, name: str | None, envd_token: str | None, *, memory: bool = True
     ) -> SnapshotInfo:
         snap = self.repo.add([name] if name else [])
-        info = SnapshotInfo(snap.id, snap.names, runtime_id, time.time(), 1, 512)
+        info = SnapshotInfo(snap.id, snap.names, sandbox_id, time.time(), 1, 512)
         self.made.append(info)
         return info
 
     async def fork(
-        self, runtime_id: str, children: list[SandboxSpec], envd_token: str | None
+        self, sandbox_id: str, children: list[SandboxSpec], envd_token: str | None
     ) -> list[Placement]:
         return [self._place(c.sandbox_id) for c in children]
 
@@ -127,11 +127,11 @@ class PaperRuntime:
     async def gateway(self, node_id: str) -> str | None:
         return None
 
-    def note_activity(self, runtime_id: str) -> None:
+    def note_activity(self, sandbox_id: str) -> None:
         pass
 
-    async def host_memory(self, runtime_id: str) -> HostMemory | None:
-        if self.held.get(runtime_id) != "running":
+    async def host_memory(self, sandbox_id: str) -> HostMemory | None:
+        if self.held.get(sandbox_id) != "running":
             return None
         return HostMemory(rss=1 << 20, pss=1 << 20, pss_anon=0, pss_file=0, pss_shmem=0)
 

@@ -111,9 +111,9 @@ async def test_creates_spread_over_the_nodes_and_each_lands_once(
     cluster: ClusterRuntime, nodes: list[FakeNode]
 ) -> None:
     placed = [await cluster.create(spec(i)) for i in range(12)]
-    assert [p.runtime_id for p in placed] == [f"sb-{i}" for i in range(12)]
+    assert [p.sandbox_id for p in placed] == [f"sb-{i}" for i in range(12)]
     at = where(nodes)
-    assert sorted(at) == sorted(p.runtime_id for p in placed)
+    assert sorted(at) == sorted(p.sandbox_id for p in placed)
     # Sampled best of K: no node gets them all, every node gets some of twelve.
     assert len(set(at.values())) == 3, at
     assert await cluster.bindings.all() == at
@@ -167,7 +167,7 @@ async def test_a_refusing_node_is_skipped_and_keeps_no_binding(
     nodes[1].runtime.fail = Unavailable("n1 is full", 7)
     # The next create finds room on the one node that does not refuse.
     placed = await cluster.create(spec("y"))
-    assert where(nodes)[placed.runtime_id] == "n2"
+    assert where(nodes)[placed.sandbox_id] == "n2"
     assert await cluster.bindings.all() == {"sb-y": "n2"}
 
 
@@ -313,10 +313,10 @@ async def test_reconciliation_spares_creates_in_flight_moves_and_waits_out_silen
     n0.runtime.lost["sb-moving"] = "gone"
     real_lost_reason = n0.runtime.lost_reason
 
-    async def moved_while_asked(runtime_id: str) -> Any:
-        if runtime_id == "sb-moving":
+    async def moved_while_asked(sandbox_id: str) -> Any:
+        if sandbox_id == "sb-moving":
             assert await cluster.bindings.move("sb-moving", "n0", "n1")
-        return await real_lost_reason(runtime_id)
+        return await real_lost_reason(sandbox_id)
 
     monkeypatch.setattr(n0.runtime, "lost_reason", moved_while_asked)
     # One the node lacks and says nothing about (its data dir was replaced, say).

@@ -125,7 +125,7 @@ def _row(sandbox_id: str, state: SandboxState, replica_id: str | None) -> Sandbo
         envd_version="0.6.4",
         envd_token="tok",
         address="198.18.0.9" if state is not SandboxState.CREATING else None,
-        runtime_id=sandbox_id if state is not SandboxState.CREATING else None,
+        envd_url="http://envd" if state is not SandboxState.CREATING else None,
         replica_id=replica_id,
     )
 

@@ -43,7 +43,7 @@ class RowFlippingRuntime(NodeRuntime):
 
     async def create(self, spec: SandboxSpec) -> Placement:
         placed = await super().create(spec)
-        self.last_pid = self.node.get(placed.runtime_id).pid
+        self.last_pid = self.node.get(placed.sandbox_id).pid
         assert self.store is not None
         await self.store.transition(spec.sandbox_id, SandboxState.CREATING, SandboxState.KILLING)
         return placed
@@ -84,8 +84,7 @@ def _node_runtime(mgr: SandboxManager) -> NodeRuntime:
 
 
 def _qemu_pid(mgr: SandboxManager, rec: SandboxRecord) -> int:
-    assert rec.runtime_id
-    pid = _node_runtime(mgr).node.get(rec.runtime_id).pid
+    pid = _node_runtime(mgr).node.get(rec.id).pid
     assert pid is not None
     return pid
 
@@ -243,7 +242,7 @@ async def test_pause_and_resume_keep_the_guest_running_where_it_was(
     await mgr.kill(rec.id)
     node = _node_runtime(mgr).node
     assert node.list() == []
-    assert not (node.settings.sandboxes_dir / (rec.runtime_id or "")).exists()
+    assert not (node.settings.sandboxes_dir / rec.id).exists()
 
 
 @pytest.mark.vm
@@ -260,7 +259,7 @@ async def test_without_snapshots_pause_rolls_back_and_auto_pause_kills(
             await m.pause(rec.id)
         assert (await m.get(rec.id)).state is SandboxState.RUNNING
         # Still the same live VM, still answering.
-        assert _alive(pid) and await _node_runtime(m).is_alive(rec.runtime_id or "")
+        assert _alive(pid) and await _node_runtime(m).is_alive(rec.id)
         async with httpx.AsyncClient(trust_env=False, timeout=30) as http:
             assert (await http.get(f"{rec.envd_url}/health")).status_code == 204
         with pytest.raises(Conflict):

@@ -5,6 +5,7 @@ migrations of older files, etcd's replicas, leader loss and bounded logs."""
 from __future__ import annotations
 
 import asyncio
+import json
 import sqlite3
 import time
 from pathlib import Path
@@ -83,6 +84,56 @@ async def test_an_older_database_gets_the_new_columns(tmp_path: Path) -> None:
     again = SqliteStore(db)
     assert await again.get("inew") == new
     await again.close()
+
+
+async def test_an_older_database_loses_the_nodes_own_ids(tmp_path: Path) -> None:
+    """A data dir from when the node named sandboxes itself: the column of node ids is
+    dropped (the sandbox id is the node's), the rows and their spawn counts stay."""
+    db = tmp_path / "agentenv.db"
+    with sqlite3.connect(db) as conn:
+        conn.executescript(_OLD_TABLE)
+        conn.execute(
+            "INSERT INTO sandboxes (id, template, alias, state, started_at, end_at, cpu, "
+            "memory_mb, disk_mb, envd_version, metadata, env_vars, auto_pause, auto_resume, "
+            "allow_internet, network, address, envd_url, runtime_id) VALUES ('irun', 'base', "
+            "'base', 'running', 3.0, 9.0, 1, 512, 1024, '0.6.4', '{}', '{}', 0, 0, 1, '{}', "
+            "'10.0.0.2', 'http://10.0.0.2:49983', 'irun')"
+        )
+    store = SqliteStore(db)
+    columns = {row[1] for row in store._db.execute("PRAGMA table_info(sandboxes)")}
+    assert "runtime_id" not in columns and {"envd_url", "node_id", "team_id"} <= columns
+    run = await store.get("irun")
+    assert run is not None and run.state is R and run.envd_url == "http://10.0.0.2:49983"
+    # The paused row never ran here as far as the store knows (no envd_url): no spawn.
+    assert await store.spawns() == {"base": (1, 3.0)}
+    await store.insert(_record("inew", envd_url="http://e"))
+    assert await store.transition("inew", R, G)
+    await store.close()
+    again = SqliteStore(db)
+    assert [r.id for r in await again.select()] == ["iold", "irun", "inew"]
+    await again.close()
+
+
+async def test_an_older_etcd_row_is_read_and_rewritten_without_the_nodes_id(
+    store: Store,
+) -> None:
+    """On etcd, a row written when the node had its own id for the sandbox: read past, and
+    gone from the row after its next write. (On SQLite, the test above.)"""
+    if not isinstance(store, EtcdStore):
+        pytest.skip("etcd rows only")
+    await store.insert(_record("iold", envd_url="http://e", started_at=4.0))
+    key = store._live("iold")
+    kv = await store.etcd.get(key)
+    assert kv is not None
+    old = json.loads(kv.value) | {"runtime_id": "i-node-own-id"}
+    await store.etcd.put(key, json.dumps(old).encode())
+    rec = await store.get("iold")
+    assert rec is not None and rec.envd_url == "http://e"
+    assert await store.spawns() == {"base": (1, 4.0)}
+    assert await store.transition("iold", R, P, address=None)
+    kv = await store.etcd.get(key)
+    assert kv is not None and "runtime_id" not in json.loads(kv.value)
+    assert json.loads(kv.value)["state"] == P.value
 
 
 # -- the contract, on both stores ----------------------------------------------------------
@@ -166,15 +217,12 @@ async def test_select_filters_and_pages(store: Store) -> None:
 
 async def test_live_queries(store: Store) -> None:
     now = time.time()
-    await store.insert(_record("irun", end_at=now - 1, envd_token="t1", runtime_id="r1"))
-    await store.insert(_record("ilater", end_at=now + 100, runtime_id="r2"))
+    await store.insert(_record("irun", end_at=now - 1, envd_token="t1"))
+    await store.insert(_record("ilater", end_at=now + 100))
     await store.insert(_record("ipaused", state=P, end_at=now - 50, envd_token="t3"))
-    await store.insert(_record("igone", state=G, envd_token="t4", runtime_id="r1"))
+    await store.insert(_record("igone", state=G, envd_token="t4"))
     await store.insert(_record("ibuild", metadata={BUILD_METADATA: "b1"}, end_at=now + 5))
     assert sorted(await store.envd_tokens()) == [("ipaused", "t3"), ("irun", "t1")]
-    found = await store.by_runtime_id("r1")
-    assert found is not None and found.id == "irun"
-    assert await store.by_runtime_id("r9") is None
     assert [r.id for r in await store.expired(now)] == ["irun"]
     assert await store.next_deadline() == pytest.approx(now - 1)
     # Build sandboxes are not users' sandboxes: counted apart.
@@ -186,11 +234,11 @@ async def test_live_queries(store: Store) -> None:
 
 
 async def test_spawns_count_started_sandboxes_per_template_and_team(store: Store) -> None:
-    await store.insert(_record("i1", template="a", runtime_id="x", started_at=5.0))
-    await store.insert(_record("i2", template="a", runtime_id="y", started_at=7.0, state=G))
-    await store.insert(_record("i3", template="a", runtime_id=None))  # a failed create
-    await store.insert(_record("i4", template="b", runtime_id="z", started_at=3.0, team_id="t"))
-    await store.insert(_record("i5", template="b", runtime_id="w", metadata={BUILD_METADATA: "1"}))
+    await store.insert(_record("i1", template="a", envd_url="http://x", started_at=5.0))
+    await store.insert(_record("i2", template="a", envd_url="http://y", started_at=7.0, state=G))
+    await store.insert(_record("i3", template="a", envd_url=None))  # a failed create
+    await store.insert(_record("i4", template="b", envd_url="e", started_at=3.0, team_id="t"))
+    await store.insert(_record("i5", template="b", envd_url="e", metadata={BUILD_METADATA: "1"}))
     assert await store.spawns() == {"a": (2, 7.0), "b": (1, 3.0)}
     assert await store.spawns("t") == {"b": (1, 3.0)}
     assert await store.spawns(DEFAULT_TEAM) == {"a": (2, 7.0)}

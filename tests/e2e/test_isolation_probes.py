@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import sqlite3
 import subprocess
 import sys
 import time
@@ -273,15 +272,11 @@ def sandboxes(srv: ServerProcess) -> Iterator[tuple[Any, Any]]:
 
 
 def slot_of(srv: ServerProcess, sandbox_id: str) -> Slot:
-    """The slot a sandbox's VM runs in: the server's database names the VM (`runtime_id`),
-    whose record names its namespace."""
-    db = sqlite3.connect(f"file:{srv.home / 'agentenv.db'}?mode=ro", uri=True, timeout=10)
-    try:
-        row = db.execute("SELECT runtime_id FROM sandboxes WHERE id = ?", (sandbox_id,)).fetchone()
-    finally:
-        db.close()
-    assert row is not None and row[0], f"{sandbox_id} has no VM"
-    rec = json.loads((srv.home / "run" / "vms" / f"{row[0]}.json").read_text())
+    """The slot a sandbox's VM runs in: the VM is named by the sandbox's id, and its record
+    names its namespace."""
+    path = srv.home / "run" / "vms" / f"{sandbox_id}.json"
+    assert path.exists(), f"{sandbox_id} has no VM"
+    rec = json.loads(path.read_text())
     index = int(rec["spec"]["netns"].removeprefix("ae-s"))
     return slot_for(Settings.from_env().network, index)
 

@@ -54,15 +54,15 @@ class MemoryRuntime:
             exc, self.fail = self.fail, None
             raise exc
 
-    def placement(self, runtime_id: str, booted: bool = False) -> Placement:
-        n = sum(map(ord, runtime_id)) % 250 + 1
-        return Placement(runtime_id, f"198.18.0.{n}", f"http://198.18.0.{n}:49983", booted)
+    def placement(self, sandbox_id: str, booted: bool = False) -> Placement:
+        n = sum(map(ord, sandbox_id)) % 250 + 1
+        return Placement(sandbox_id, f"198.18.0.{n}", f"http://198.18.0.{n}:49983", booted)
 
-    def lose(self, runtime_id: str, why: str) -> None:
-        self.held.pop(runtime_id, None)
-        self.lost[runtime_id] = why
+    def lose(self, sandbox_id: str, why: str) -> None:
+        self.held.pop(sandbox_id, None)
+        self.lost[sandbox_id] = why
         for handler in list(self.handlers):
-            handler(runtime_id, why)
+            handler(sandbox_id, why)
 
     async def start(self) -> None:
         self.calls.append(("start", ()))
@@ -94,28 +94,28 @@ class MemoryRuntime:
             task.add_done_callback(self._tasks.discard)
         return self.placement(spec.sandbox_id)
 
-    async def update_egress(self, runtime_id: str, egress: Egress) -> None:
-        self._enter("update_egress", runtime_id, egress)
-        self.held[runtime_id].egress = egress
+    async def update_egress(self, sandbox_id: str, egress: Egress) -> None:
+        self._enter("update_egress", sandbox_id, egress)
+        self.held[sandbox_id].egress = egress
 
-    async def delete(self, runtime_id: str) -> None:
-        self._enter("delete", runtime_id)
-        self.held.pop(runtime_id, None)
+    async def delete(self, sandbox_id: str) -> None:
+        self._enter("delete", sandbox_id)
+        self.held.pop(sandbox_id, None)
 
-    async def forget(self, runtime_id: str) -> None:
-        self._enter("forget", runtime_id)
-        self.held.pop(runtime_id, None)
+    async def forget(self, sandbox_id: str) -> None:
+        self._enter("forget", sandbox_id)
+        self.held.pop(sandbox_id, None)
 
     async def pause(
         self,
-        runtime_id: str,
+        sandbox_id: str,
         *,
         memory: bool = True,
         envd_token: str | None = None,
         strict: bool = True,
     ) -> None:
-        self._enter("pause", runtime_id, memory, envd_token, strict)
-        held = self.held[runtime_id]
+        self._enter("pause", sandbox_id, memory, envd_token, strict)
+        held = self.held[sandbox_id]
         held.state, held.memory = "paused", memory
 
     async def resume(self, spec: SandboxSpec, *, memory: bool = True) -> Placement:
@@ -129,51 +129,51 @@ class MemoryRuntime:
         self._enter("init_guest", spec)
         self.held[spec.sandbox_id].spec = spec
 
-    async def guest_metrics(self, runtime_id: str, envd_token: str | None) -> dict[str, Any] | None:
-        self._enter("guest_metrics", runtime_id, envd_token)
-        if runtime_id == "binary":
+    async def guest_metrics(self, sandbox_id: str, envd_token: str | None) -> dict[str, Any] | None:
+        self._enter("guest_metrics", sandbox_id, envd_token)
+        if sandbox_id == "binary":
             return {"raw": b"\x00"}  # not JSON: the server must say so, not crash
-        if runtime_id not in self.held:
+        if sandbox_id not in self.held:
             return None
         return {"ts": 1_700_000_000, "cpu_pct": 12.5, "mem_used": 104857600, "disks": [{"a": None}]}
 
-    async def guest_health(self, runtime_id: str) -> str | None:
-        self._enter("guest_health", runtime_id)
-        return None if runtime_id in self.held else "envd: connection refused"
+    async def guest_health(self, sandbox_id: str) -> str | None:
+        self._enter("guest_health", sandbox_id)
+        return None if sandbox_id in self.held else "envd: connection refused"
 
-    async def is_alive(self, runtime_id: str) -> bool:
-        self._enter("is_alive", runtime_id)
-        return runtime_id in self.held
+    async def is_alive(self, sandbox_id: str) -> bool:
+        self._enter("is_alive", sandbox_id)
+        return sandbox_id in self.held
 
-    async def find(self, runtime_id: str) -> Found | None:
-        self._enter("find", runtime_id)
-        held = self.held.get(runtime_id)
+    async def find(self, sandbox_id: str) -> Found | None:
+        self._enter("find", sandbox_id)
+        held = self.held.get(sandbox_id)
         if held is None:
             return None
         if held.state == "paused":
             return Found("paused", None, memory=held.memory)
-        return Found("running", self.placement(runtime_id))
+        return Found("running", self.placement(sandbox_id))
 
     async def sandbox_ids(self) -> list[str]:
         self._enter("sandbox_ids")
         return list(self.held)
 
-    async def lost_reason(self, runtime_id: str) -> str | None:
-        self._enter("lost_reason", runtime_id)
-        return self.lost.get(runtime_id)
+    async def lost_reason(self, sandbox_id: str) -> str | None:
+        self._enter("lost_reason", sandbox_id)
+        return self.lost.get(sandbox_id)
 
     def watch_lost(self, handler: Callable[[str, str], None]) -> None:
         self.handlers.append(handler)
 
     async def snapshot(
-        self, runtime_id: str, name: str | None, envd_token: str | None, *, memory: bool = True
+        self, sandbox_id: str, name: str | None, envd_token: str | None, *, memory: bool = True
     ) -> SnapshotInfo:
-        self._enter("snapshot", runtime_id, name, envd_token, memory)
-        held = self.held[runtime_id]
+        self._enter("snapshot", sandbox_id, name, envd_token, memory)
+        held = self.held[sandbox_id]
         info = SnapshotInfo(
             snapshot_id=f"snap-{len(self.snaps) + 1}",
             names=[] if name is None else [name],
-            source=runtime_id,
+            source=sandbox_id,
             created_at=1_700_000_000.25 + len(self.snaps),
             cpu=held.spec.cpu,
             memory_mb=held.spec.memory_mb,
@@ -182,9 +182,9 @@ class MemoryRuntime:
         return info
 
     async def fork(
-        self, runtime_id: str, children: list[SandboxSpec], envd_token: str | None
+        self, sandbox_id: str, children: list[SandboxSpec], envd_token: str | None
     ) -> list[Placement]:
-        self._enter("fork", runtime_id, children, envd_token)
+        self._enter("fork", sandbox_id, children, envd_token)
         for child in children:
             self.held[child.sandbox_id] = Held(child)
         return [self.placement(c.sandbox_id) for c in children]
@@ -225,12 +225,12 @@ class MemoryRuntime:
     async def gateway(self, node_id: str) -> str | None:
         return None
 
-    def note_activity(self, runtime_id: str) -> None:
-        self.activity.append(runtime_id)
+    def note_activity(self, sandbox_id: str) -> None:
+        self.activity.append(sandbox_id)
 
-    async def host_memory(self, runtime_id: str) -> HostMemory | None:
-        self._enter("host_memory", runtime_id)
-        if runtime_id not in self.held:
+    async def host_memory(self, sandbox_id: str) -> HostMemory | None:
+        self._enter("host_memory", sandbox_id)
+        if sandbox_id not in self.held:
             return None
         return HostMemory(
             rss=300 << 20, pss=200 << 20, pss_anon=150 << 20, pss_file=49 << 20, pss_shmem=1 << 20

@@ -366,7 +366,7 @@ async def test_a_bad_egress_target_is_the_callers_error(
 
     assert client._rpc is not None
     req = pb.UpdateEgressRequest(
-        runtime_id="sb-1", egress=pb.Egress(internet=True, deny_out=["not a target!"])
+        sandbox_id="sb-1", egress=pb.Egress(internet=True, deny_out=["not a target!"])
     )
     with pytest.raises(Exception) as info:
         await client._rpc.update_egress(req, headers={"authorization": f"Bearer {TOKEN}"})

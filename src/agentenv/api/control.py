@@ -395,16 +395,13 @@ def build_control_app(ctx: ControlContext) -> FastAPI:
         limit: Annotated[int, Query(ge=1, le=MAX_PAGE)] = MAX_PAGE,
         nextToken: str | None = None,
     ) -> JSONResponse:
-        runtime_id = None
-        if sandboxID is not None:
-            rec = await tenancy.sandbox(sandboxID, key.team_id)
-            runtime_id = (rec.runtime_id or rec.id) if rec is not None else sandboxID
+        # A snapshot's source is the sandbox's id (the node runs it under the API's id).
         rows = [
             s
             for s in sorted(await mgr.snapshots(), key=lambda s: (s.created_at, s.snapshot_id))
             if not (s.names and all(map(is_internal_name, s.names)))
             and await mgr.store.snapshot_owner(s.snapshot_id) == key.team_id
-            and (runtime_id is None or s.source == runtime_id)
+            and (sandboxID is None or s.source == sandboxID)
             and (name is None or name in s.names or name == s.snapshot_id)
         ]
         start = _decode_offset(nextToken) if nextToken else 0

@@ -300,17 +300,17 @@ class ClusterRuntime:
             self._deliver(rid, f"its node {node_id} no longer has it: {why}")
 
     async def _ask(
-        self, client: RemoteRuntime, runtime_id: str, asking: asyncio.Semaphore
+        self, client: RemoteRuntime, sandbox_id: str, asking: asyncio.Semaphore
     ) -> tuple[bool, str | None]:
         """(held, why): the reason the node lost the sandbox when it knows one (its restart
         found the VM gone), asked first: a stale copy in the bucket would make `find` say
         paused. Else whether it holds it after all (running, paused on its disk or in the
         bucket)."""
         async with asking:
-            why = await client.lost_reason(runtime_id)
+            why = await client.lost_reason(sandbox_id)
             if why is not None:
                 return False, why
-            return await client.find(runtime_id) is not None, None
+            return await client.find(sandbox_id) is not None, None
 
     async def _left(self, node_id: str) -> None:
         why = f"its node {node_id} left the cluster (the agent stopped or its lease lapsed)"
@@ -326,34 +326,34 @@ class ClusterRuntime:
         for rid in bound:
             self._deliver(rid, why)
 
-    def _deliver(self, runtime_id: str, why: str) -> None:
+    def _deliver(self, sandbox_id: str, why: str) -> None:
         for handler in list(self._handlers):
             try:
-                handler(runtime_id, why)
+                handler(sandbox_id, why)
             except Exception:
-                log.exception("cluster: lost handler failed for %s", runtime_id)
+                log.exception("cluster: lost handler failed for %s", sandbox_id)
 
     # -- routing -------------------------------------------------------------------------------
 
-    async def _node_of(self, runtime_id: str) -> str | None:
-        node_id = await self.bindings.get(runtime_id)
+    async def _node_of(self, sandbox_id: str) -> str | None:
+        node_id = await self.bindings.get(sandbox_id)
         if node_id is None:
-            self._bound.pop(runtime_id, None)
+            self._bound.pop(sandbox_id, None)
         else:
-            self._bound[runtime_id] = node_id
+            self._bound[sandbox_id] = node_id
         return node_id
 
-    async def _route(self, runtime_id: str) -> tuple[str, RemoteRuntime]:
+    async def _route(self, sandbox_id: str) -> tuple[str, RemoteRuntime]:
         """The client of the live node the sandbox is bound to; `NodeDown` if it is not."""
-        node_id = await self._node_of(runtime_id)
+        node_id = await self._node_of(sandbox_id)
         if node_id is None:
-            raise Unavailable(f"sandbox {runtime_id} is bound to no node", NO_NODE_RETRY_S)
+            raise Unavailable(f"sandbox {sandbox_id} is bound to no node", NO_NODE_RETRY_S)
         client = self._clients.get(node_id)
         if client is None or node_id not in self._live:
             info = await self.membership.get_node(node_id)
             if info is None:
                 raise NodeDown(
-                    f"sandbox {runtime_id} is on node {node_id}, which is not a member of the "
+                    f"sandbox {sandbox_id} is on node {node_id}, which is not a member of the "
                     "cluster now",
                     NO_NODE_RETRY_S,
                 )
@@ -451,34 +451,34 @@ class ClusterRuntime:
 
     # -- the rest of the contract, routed by binding -------------------------------------------
 
-    async def update_egress(self, runtime_id: str, egress: Egress) -> None:
-        _, client = await self._route(runtime_id)
-        await client.update_egress(runtime_id, egress)
+    async def update_egress(self, sandbox_id: str, egress: Egress) -> None:
+        _, client = await self._route(sandbox_id)
+        await client.update_egress(sandbox_id, egress)
 
-    async def delete(self, runtime_id: str) -> None:
-        node_id = await self._node_of(runtime_id)
+    async def delete(self, sandbox_id: str) -> None:
+        node_id = await self._node_of(sandbox_id)
         if node_id is None:
             return
         try:
-            _, client = await self._route(runtime_id)
+            _, client = await self._route(sandbox_id)
         except NodeDown:
             # Gone with its node; if the node comes back, it deletes what nobody is bound to.
             client = None
         if client is not None:
-            await client.delete(runtime_id)
-        await self.bindings.delete(runtime_id, node_id)
-        self._bound.pop(runtime_id, None)
+            await client.delete(sandbox_id)
+        await self.bindings.delete(sandbox_id, node_id)
+        self._bound.pop(sandbox_id, None)
 
     async def pause(
         self,
-        runtime_id: str,
+        sandbox_id: str,
         *,
         memory: bool = True,
         envd_token: str | None = None,
         strict: bool = True,
     ) -> None:
-        _, client = await self._route(runtime_id)
-        await client.pause(runtime_id, memory=memory, envd_token=envd_token, strict=strict)
+        _, client = await self._route(sandbox_id)
+        await client.pause(sandbox_id, memory=memory, envd_token=envd_token, strict=strict)
 
     async def resume(self, spec: SandboxSpec, *, memory: bool = True) -> Placement:
         """On the node that holds it while that node is ready; else (cordoned, drained, or
@@ -528,53 +528,53 @@ class ClusterRuntime:
             NO_NODE_RETRY_S,
         )
 
-    async def _forget_on(self, node_id: str, runtime_id: str) -> None:
+    async def _forget_on(self, node_id: str, sandbox_id: str) -> None:
         client = self._clients.get(node_id)
         if client is None:
             return
         try:
-            await client.forget(runtime_id)
+            await client.forget(sandbox_id)
         except Exception as exc:
-            log.warning("node %s kept its old copy of %s: %s", node_id, runtime_id, exc)
+            log.warning("node %s kept its old copy of %s: %s", node_id, sandbox_id, exc)
 
-    async def forget(self, runtime_id: str) -> None:
-        _, client = await self._route(runtime_id)
-        await client.forget(runtime_id)
+    async def forget(self, sandbox_id: str) -> None:
+        _, client = await self._route(sandbox_id)
+        await client.forget(sandbox_id)
 
     async def init_guest(self, spec: SandboxSpec) -> None:
         _, client = await self._route(spec.sandbox_id)
         await client.init_guest(spec)
 
-    async def guest_metrics(self, runtime_id: str, envd_token: str | None) -> dict[str, Any] | None:
+    async def guest_metrics(self, sandbox_id: str, envd_token: str | None) -> dict[str, Any] | None:
         try:
-            _, client = await self._route(runtime_id)
+            _, client = await self._route(sandbox_id)
         except Unavailable:
             return None
-        return await client.guest_metrics(runtime_id, envd_token)
+        return await client.guest_metrics(sandbox_id, envd_token)
 
-    async def guest_health(self, runtime_id: str) -> str | None:
+    async def guest_health(self, sandbox_id: str) -> str | None:
         try:
-            _, client = await self._route(runtime_id)
+            _, client = await self._route(sandbox_id)
         except Unavailable as exc:
             return str(exc)
         try:
-            return await client.guest_health(runtime_id)
+            return await client.guest_health(sandbox_id)
         except NodeUnreachable as exc:
             return str(exc)
 
-    async def is_alive(self, runtime_id: str) -> bool:
+    async def is_alive(self, sandbox_id: str) -> bool:
         try:
-            _, client = await self._route(runtime_id)
+            _, client = await self._route(sandbox_id)
         except Unavailable:
             return False
-        return await client.is_alive(runtime_id)
+        return await client.is_alive(sandbox_id)
 
-    async def find(self, runtime_id: str) -> Found | None:
+    async def find(self, sandbox_id: str) -> Found | None:
         try:
-            node_id, client = await self._route(runtime_id)
+            node_id, client = await self._route(sandbox_id)
         except Unavailable:
             return None
-        found = await client.find(runtime_id)
+        found = await client.find(sandbox_id)
         if found is None or found.placement is None:
             return found
         return replace(found, placement=replace(found.placement, node_id=node_id))
@@ -583,36 +583,36 @@ class ClusterRuntime:
         lists, _ = await self._ask_live("list its sandboxes", lambda c: c.sandbox_ids())
         return sorted({rid for got in lists for rid in got})
 
-    async def lost_reason(self, runtime_id: str) -> str | None:
-        node_id = await self.bindings.get(runtime_id)
+    async def lost_reason(self, sandbox_id: str) -> str | None:
+        node_id = await self.bindings.get(sandbox_id)
         if node_id is None:
             return None
         try:
-            _, client = await self._route(runtime_id)
+            _, client = await self._route(sandbox_id)
         except NodeDown as exc:
             return str(exc)
-        return await client.lost_reason(runtime_id)
+        return await client.lost_reason(sandbox_id)
 
     def watch_lost(self, handler: Callable[[str, str], None]) -> None:
         self._handlers.append(handler)
 
     async def snapshot(
-        self, runtime_id: str, name: str | None, envd_token: str | None, *, memory: bool = True
+        self, sandbox_id: str, name: str | None, envd_token: str | None, *, memory: bool = True
     ) -> SnapshotInfo:
-        _, client = await self._route(runtime_id)
-        return await client.snapshot(runtime_id, name, envd_token, memory=memory)
+        _, client = await self._route(sandbox_id)
+        return await client.snapshot(sandbox_id, name, envd_token, memory=memory)
 
     async def fork(
-        self, runtime_id: str, children: list[SandboxSpec], envd_token: str | None
+        self, sandbox_id: str, children: list[SandboxSpec], envd_token: str | None
     ) -> list[Placement]:
-        node_id, client = await self._route(runtime_id)
+        node_id, client = await self._route(sandbox_id)
         bound: list[str] = []
         try:
             for child in children:
                 if not await self.bindings.create(child.sandbox_id, node_id):
                     raise BadRequest(f"sandbox id {child.sandbox_id} is already bound to a node")
                 bound.append(child.sandbox_id)
-            placements = await client.fork(runtime_id, children, envd_token)
+            placements = await client.fork(sandbox_id, children, envd_token)
         except BaseException:
             for rid in bound:
                 with contextlib.suppress(Exception):
@@ -704,18 +704,18 @@ class ClusterRuntime:
                 answers.append(answer)
         return answers, failed
 
-    def note_activity(self, runtime_id: str) -> None:
-        node_id = self._bound.get(runtime_id)
+    def note_activity(self, sandbox_id: str) -> None:
+        node_id = self._bound.get(sandbox_id)
         client = self._clients.get(node_id) if node_id is not None else None
         if client is not None:
-            client.note_activity(runtime_id)
+            client.note_activity(sandbox_id)
 
-    async def host_memory(self, runtime_id: str) -> HostMemory | None:
+    async def host_memory(self, sandbox_id: str) -> HostMemory | None:
         try:
-            _, client = await self._route(runtime_id)
+            _, client = await self._route(sandbox_id)
         except Unavailable:
             return None
-        return await client.host_memory(runtime_id)
+        return await client.host_memory(sandbox_id)
 
     # -- NodeDirectory -------------------------------------------------------------------------
 

@@ -59,7 +59,7 @@ class SandboxSpec:
 class Placement:
     """Where a running sandbox can be reached."""
 
-    runtime_id: str
+    sandbox_id: str
     # Host (IP) that forwards every guest port: the slot address for microVMs.
     address: str
     envd_url: str
@@ -106,7 +106,7 @@ class Found:
 class SnapshotInfo:
     snapshot_id: str
     names: list[str]
-    # The sandbox (runtime id) or template it was captured from.
+    # The sandbox (sandbox id) or template it was captured from.
     source: str
     created_at: float
     cpu: int
@@ -134,22 +134,22 @@ class Runtime(Protocol):
         across pause/resume and given to fork children)."""
         ...
 
-    async def update_egress(self, runtime_id: str, egress: Egress) -> None:
+    async def update_egress(self, sandbox_id: str, egress: Egress) -> None:
         """Replace a running or paused sandbox's egress policy (at once while it runs)."""
         ...
 
-    async def delete(self, runtime_id: str) -> None:
+    async def delete(self, sandbox_id: str) -> None:
         """The sandbox goes for good: its VM, its files, and its copy in object storage."""
         ...
 
-    async def forget(self, runtime_id: str) -> None:
+    async def forget(self, sandbox_id: str) -> None:
         """Drop this runtime's own copy of a sandbox that lives on another node now (its VM
         if any, its files here), touching nothing shared: the object store's copy stays."""
         ...
 
     async def pause(
         self,
-        runtime_id: str,
+        sandbox_id: str,
         *,
         memory: bool = True,
         envd_token: str | None = None,
@@ -172,20 +172,20 @@ class Runtime(Protocol):
         clock, entropy): after a crash that may have cut a start short before its `/init`."""
         ...
 
-    async def guest_metrics(self, runtime_id: str, envd_token: str | None) -> dict[str, Any] | None:
+    async def guest_metrics(self, sandbox_id: str, envd_token: str | None) -> dict[str, Any] | None:
         """The running sandbox's envd `/metrics` sample, None when the guest cannot say."""
         ...
 
-    async def guest_health(self, runtime_id: str) -> str | None:
+    async def guest_health(self, sandbox_id: str) -> str | None:
         """Why the running sandbox's envd does not answer `/health` now (bounded by a short
         deadline), or None when it does."""
         ...
 
-    async def is_alive(self, runtime_id: str) -> bool:
+    async def is_alive(self, sandbox_id: str) -> bool:
         """Whether the runtime still holds this sandbox, running or paused."""
         ...
 
-    async def find(self, runtime_id: str) -> Found | None:
+    async def find(self, sandbox_id: str) -> Found | None:
         """Running (where) or paused, None if the runtime does not hold it."""
         ...
 
@@ -193,17 +193,17 @@ class Runtime(Protocol):
         """Every sandbox the runtime holds, running or paused."""
         ...
 
-    async def lost_reason(self, runtime_id: str) -> str | None:
+    async def lost_reason(self, sandbox_id: str) -> str | None:
         """Why a sandbox the runtime no longer holds was lost, if it knows."""
         ...
 
     def watch_lost(self, handler: Callable[[str, str], None]) -> None:
-        """`handler(runtime_id, why)` is called the moment a running sandbox's VM ends on
+        """`handler(sandbox_id, why)` is called the moment a running sandbox's VM ends on
         its own; the handler deletes it (`delete`)."""
         ...
 
     async def snapshot(
-        self, runtime_id: str, name: str | None, envd_token: str | None, *, memory: bool = True
+        self, sandbox_id: str, name: str | None, envd_token: str | None, *, memory: bool = True
     ) -> SnapshotInfo:
         """Capture a running sandbox (which keeps running) as a snapshot others can start
         from by id or name; `envd_token` is the guest's current envd token. `memory=False`:
@@ -211,7 +211,7 @@ class Runtime(Protocol):
         ...
 
     async def fork(
-        self, runtime_id: str, children: list[SandboxSpec], envd_token: str | None
+        self, sandbox_id: str, children: list[SandboxSpec], envd_token: str | None
     ) -> list[Placement]:
         """One new running sandbox per `children` entry (its id, env vars and envd token;
         template and shape are the source's) from one capture of a running sandbox whose
@@ -250,11 +250,11 @@ class Runtime(Protocol):
         (HOST:PORT, `agentenv.gateway`), or None to reach their slot addresses directly."""
         ...
 
-    def note_activity(self, runtime_id: str) -> None:
+    def note_activity(self, sandbox_id: str) -> None:
         """Traffic reached the sandbox (the proxy calls this): it is not idle. Never waits."""
         ...
 
-    async def host_memory(self, runtime_id: str) -> HostMemory | None:
+    async def host_memory(self, sandbox_id: str) -> HostMemory | None:
         """What a running sandbox holds on the host (PSS of its VMM), None if not running."""
         ...
 

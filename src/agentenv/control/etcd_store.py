@@ -232,7 +232,9 @@ class EtcdStore:
                 return False
             if match and any(row.data.get(k) != v for k, v in match.items()):
                 return False
-            data = dict(row.data)
+            # Keys of older schemas (fields a record no longer has) are read past by
+            # `_record` and dropped by the next write.
+            data = {k: v for k, v in row.data.items() if k in _FIELDS or k == "seq"}
             data.update({k: _row_value(v) for k, v in changes.items()})
             if new is not None:
                 data["state"] = new.value
@@ -307,12 +309,6 @@ class EtcdStore:
             if r.get("envd_token") is not None
         ]
 
-    async def by_runtime_id(self, runtime_id: str) -> SandboxRecord | None:
-        for r in reversed(await self._live_rows()):
-            if r.get("runtime_id") == runtime_id:
-                return _record(r)
-        return None
-
     async def expired(self, now: float) -> list[SandboxRecord]:
         return [
             _record(r)
@@ -346,7 +342,7 @@ class EtcdStore:
     async def spawns(self, team_id: str | None = None) -> dict[str, tuple[int, float]]:
         out: dict[str, tuple[int, float]] = {}
         for r in await self._scan(gone=True):
-            if _is_build(r) or r.get("runtime_id") is None:
+            if _is_build(r) or r.get("envd_url") is None:
                 continue
             if team_id is not None and (r.get("team_id") or DEFAULT_TEAM) != team_id:
                 continue

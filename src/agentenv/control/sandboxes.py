@@ -274,13 +274,10 @@ class SandboxManager:
         (the caller never got the sandbox, or asked for it to go). A row whose sandbox the
         runtime does not hold is lost, with the reason in its log. Every write is a
         compare-and-set from the state read: if another writer moved the row meanwhile,
-        nothing more is done. Returns the runtime id the row still names (None once gone)."""
-        rid = rec.runtime_id
-        if rid is None and self.shared and rec.state is SandboxState.CREATING:
-            # A create's sandbox goes by the row's id until the create records it; on one
-            # server the end of `_reconcile` deletes what no row names instead.
-            rid = rec.id
-        found = await self.runtime.find(rid) if rid else None
+        nothing more is done. Returns the sandbox id when the row still names a sandbox of the
+        runtime (None once gone)."""
+        rid = rec.id
+        found = await self.runtime.find(rid)
         was = rec.state.value
         now = time.time()
         if found is None or rec.state in (SandboxState.CREATING, SandboxState.KILLING):
@@ -291,14 +288,14 @@ class SandboxManager:
                 if not await self.store.transition(rec.id, state, SandboxState.KILLING):
                     return None
                 state = SandboxState.KILLING
-            if found is not None and rid is not None:
+            if found is not None:
                 with contextlib.suppress(Exception):
                     await self.runtime.delete(rid)
             why = None
             if state not in (SandboxState.CREATING, SandboxState.KILLING):
                 # Asked before the row goes: a node that cannot answer now raises here, and
                 # the row stays for another try instead of being lost on a hiccup.
-                why = (rid and await self.runtime.lost_reason(rid)) or how.nothing
+                why = await self.runtime.lost_reason(rid) or how.nothing
             if not await self.store.transition(rec.id, state, SandboxState.GONE):
                 return None
             if rec.state is SandboxState.KILLING:
@@ -309,7 +306,6 @@ class SandboxManager:
                 await self.store.log(rec.id, f"{LOST}{why} (was {was})", "error")
             await self._released(rec.id)
             return None
-        assert rid is not None
         if found.state == "running" and found.placement is not None:
             # A resume cut short after the guest ran: the timeout it would have started
             # (its request's value is gone with the request).
@@ -332,7 +328,7 @@ class SandboxManager:
                 # The cut may have come before the control plane's `/init`: a guest
                 # booted from its disk would run with an envd that has no token yet.
                 try:
-                    await self.runtime.init_guest(self._spec(rec, rid))
+                    await self.runtime.init_guest(self._spec(rec))
                 except Exception as exc:
                     await self.store.log(rec.id, how.init_failed.format(exc=exc), "warn")
         elif found.state == "paused":
@@ -420,26 +416,25 @@ class SandboxManager:
                 raise
         return True
 
-    def _runtime_lost(self, runtime_id: str, why: str) -> None:
+    def _runtime_lost(self, sandbox_id: str, why: str) -> None:
         """The runtime says a running sandbox's VM ended on its own."""
-        task = asyncio.create_task(self._lose(runtime_id, why), name=f"lost-{runtime_id}")
+        task = asyncio.create_task(self._lose(sandbox_id, why), name=f"lost-{sandbox_id}")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _lose(self, runtime_id: str, why: str) -> None:
-        rec = await self.store.by_runtime_id(runtime_id)
-        if rec is None:
+    async def _lose(self, sandbox_id: str, why: str) -> None:
+        rec = await self.store.get(sandbox_id)
+        if rec is None or rec.state is SandboxState.GONE:
             with contextlib.suppress(Exception):
-                await self.runtime.delete(runtime_id)
+                await self.runtime.delete(sandbox_id)
             return
-        async with self._locked(rec.id):
-            rec = await self.store.get(rec.id)
+        async with self._locked(sandbox_id):
+            rec = await self.store.get(sandbox_id)
             # An operation holding the lock may have replaced the VM meanwhile (a resume).
             if (
                 rec is None
                 or rec.state is not SandboxState.RUNNING
-                or rec.runtime_id != runtime_id
-                or await self.runtime.is_alive(runtime_id)
+                or await self.runtime.is_alive(sandbox_id)
             ):
                 return
             self.metrics.sandboxes_lost.inc()
@@ -481,20 +476,20 @@ class SandboxManager:
         """envd's current `/metrics` sample, or None when the guest cannot say."""
         if rec.state is not SandboxState.RUNNING:
             return None
-        return await self.runtime.guest_metrics(rec.runtime_id or rec.id, rec.envd_token)
+        return await self.runtime.guest_metrics(rec.id, rec.envd_token)
 
     async def _envd_unhealthy(self, rec: SandboxRecord) -> str | None:
         """Why the sandbox's envd does not answer `/health` now, or None when it does."""
-        return await self.runtime.guest_health(rec.runtime_id or rec.id)
+        return await self.runtime.guest_health(rec.id)
 
     def note_activity(self, rec: SandboxRecord) -> None:
         """The proxy passed traffic to this sandbox (it is not idle)."""
-        self.runtime.note_activity(rec.runtime_id or rec.id)
+        self.runtime.note_activity(rec.id)
 
     async def host_memory(self, rec: SandboxRecord) -> HostMemory | None:
         if rec.state is not SandboxState.RUNNING:
             return None
-        return await self.runtime.host_memory(rec.runtime_id or rec.id)
+        return await self.runtime.host_memory(rec.id)
 
     async def host_memories(self, recs: list[SandboxRecord]) -> list[HostMemory | None]:
         """`host_memory` of each, asked concurrently (a list of many sandboxes on nodes)."""
@@ -517,10 +512,11 @@ class SandboxManager:
         self.state_counts_seen, self.builds_seen = counts, builds
         return counts, builds
 
-    def _spec(self, rec: SandboxRecord, runtime_id: str | None = None) -> SandboxSpec:
-        """Everything the node needs of this sandbox (`contract.runtime.SandboxSpec`)."""
+    def _spec(self, rec: SandboxRecord) -> SandboxSpec:
+        """Everything the node needs of this sandbox (`contract.runtime.SandboxSpec`): the
+        node runs it under the row's id (its VM's name and its guest's hostname)."""
         return SandboxSpec(
-            sandbox_id=runtime_id or rec.runtime_id or rec.id,
+            sandbox_id=rec.id,
             template=rec.template,
             cpu=rec.cpu,
             memory_mb=rec.memory_mb,
@@ -607,7 +603,7 @@ class SandboxManager:
             placement: Placement | None = None
             try:
                 placement = await self.runtime.create(
-                    replace(self._spec(rec, rec.id), template=tpl.ref or rec.template)
+                    replace(self._spec(rec), template=tpl.ref or rec.template)
                 )
                 # The sandbox's life (and its timeout) starts when it is usable, not when the
                 # request arrived: a slow boot must not eat into the caller's timeout.
@@ -619,7 +615,6 @@ class SandboxManager:
                     address=placement.address,
                     node_id=placement.node_id,
                     envd_url=placement.envd_url,
-                    runtime_id=placement.runtime_id,
                     started_at=ready_at,
                     end_at=ready_at + spec.timeout,
                 ):
@@ -659,7 +654,7 @@ class SandboxManager:
         log.warning("sandbox %s create failed: %r", rec.id, exc, extra={"sandbox_id": rec.id})
         if placement is not None:
             try:
-                await asyncio.shield(self.runtime.delete(placement.runtime_id))
+                await asyncio.shield(self.runtime.delete(rec.id))
             except Exception as del_exc:
                 log.error("sandbox %s teardown after failed create: %r", rec.id, del_exc)
         await self.store.transition(rec.id, SandboxState.KILLING, SandboxState.GONE)
@@ -681,7 +676,7 @@ class SandboxManager:
             if rec.state is not SandboxState.RUNNING:
                 raise Conflict(f"sandbox {sandbox_id} is {rec.state.value}, not running")
             try:
-                rid = rec.runtime_id or rec.id
+                rid = rec.id
                 if memory:
                     info = await self.runtime.snapshot(rid, name, rec.envd_token)
                 else:
@@ -707,8 +702,8 @@ class SandboxManager:
                 recs = await self._fork_rows(src, count, lifetime_s, api_key_id)
                 try:
                     placements = await self.runtime.fork(
-                        src.runtime_id or src.id,
-                        [replace(self._spec(r, r.id), env_vars=dict(src.env_vars)) for r in recs],
+                        src.id,
+                        [replace(self._spec(r), env_vars=dict(src.env_vars)) for r in recs],
                         src.envd_token,
                     )
                 except BaseException as exc:
@@ -774,7 +769,6 @@ class SandboxManager:
                 address=placement.address,
                 node_id=placement.node_id,
                 envd_url=placement.envd_url,
-                runtime_id=placement.runtime_id,
             )
             children.append(await self.get(rec.id))
         self._wake.set()
@@ -796,9 +790,9 @@ class SandboxManager:
             sandbox_id, rec.state, SandboxState.KILLING, **self._stamp
         ):
             raise SandboxNotFound(sandbox_id)
-        if rec.runtime_id is not None:
+        if rec.envd_url is not None:
             try:
-                await asyncio.shield(self.runtime.delete(rec.runtime_id))
+                await asyncio.shield(self.runtime.delete(sandbox_id))
             except Exception as exc:
                 # The row still goes to gone: the node owns cleanup of what it allocated,
                 # and a retry here could not do better than its own teardown did.
@@ -837,7 +831,7 @@ class SandboxManager:
             if dns_servers is not None:
                 network["dnsServers"] = dns_servers
             updated = replace(rec, allow_internet=allow_internet, network=network)
-            await self.runtime.update_egress(rec.runtime_id or rec.id, egress_of(updated))
+            await self.runtime.update_egress(rec.id, egress_of(updated))
             await self.store.update(sandbox_id, allow_internet=allow_internet, network=network)
             await self.store.log(sandbox_id, f"network policy set: {egress_of(updated).to_json()}")
 
@@ -912,11 +906,11 @@ class SandboxManager:
         if not moved:
             raise Conflict(f"sandbox {rec.id} changed state during resume")
         started = time.monotonic()
-        rid = rec.runtime_id or rec.id
+        rid = rec.id
         try:
             # The node re-inits envd (clock, entropy; a guest booted from its disk gets the
             # full `/init` of a create) and pauses it again if that fails.
-            spec = self._spec(rec, rid)
+            spec = self._spec(rec)
             placement = await (
                 self.runtime.resume(spec) if memory else self.runtime.resume(spec, memory=False)
             )
@@ -945,7 +939,6 @@ class SandboxManager:
             address=placement.address,
             node_id=placement.node_id,
             envd_url=placement.envd_url,
-            runtime_id=placement.runtime_id,
             end_at=time.time() + (seconds if seconds is not None else DEFAULT_TIMEOUT_S),
             pause_mode=None,
         )
@@ -987,7 +980,7 @@ class SandboxManager:
             # Tests of a replica dying mid-pause: the row says pausing, the node was not asked.
             crash_point("control:pausing")
             try:
-                rid = rec.runtime_id or rec.id
+                rid = rec.id
                 if memory:
                     await self.runtime.pause(rid)
                 else:

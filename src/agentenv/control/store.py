@@ -75,8 +75,8 @@ class SandboxRecord:
     allow_internet: bool = True
     network: dict[str, Any] = field(default_factory=dict)
     address: str | None = None
+    # Set when the sandbox first runs and kept from then on: None for a create that failed.
     envd_url: str | None = None
-    runtime_id: str | None = None
     api_key_id: str | None = None
     # The owning team: only its keys see or touch the sandbox.
     team_id: str = DEFAULT_TEAM
@@ -152,7 +152,6 @@ CREATE TABLE IF NOT EXISTS sandboxes (
     network TEXT NOT NULL,
     address TEXT,
     envd_url TEXT,
-    runtime_id TEXT,
     api_key_id TEXT,
     auto_pause_memory INTEGER NOT NULL DEFAULT 1,
     pause_mode TEXT
@@ -197,7 +196,7 @@ CREATE TABLE IF NOT EXISTS idempotency (
 _COLUMNS = (
     "id", "template", "alias", "state", "started_at", "end_at", "cpu", "memory_mb", "disk_mb",
     "envd_version", "metadata", "env_vars", "envd_token", "traffic_token", "auto_pause",
-    "auto_resume", "allow_internet", "network", "address", "envd_url", "runtime_id", "api_key_id",
+    "auto_resume", "allow_internet", "network", "address", "envd_url", "api_key_id",
     "auto_pause_memory", "pause_mode", "team_id", "replica_id", "node_id",
 )  # fmt: skip
 # Columns added after the first schema: (table, name, declaration), added to older databases.
@@ -246,7 +245,6 @@ class Store(Protocol):
         team_id: str | None = None,
     ) -> list[SandboxRecord]: ...
     async def envd_tokens(self) -> list[tuple[str, str]]: ...
-    async def by_runtime_id(self, runtime_id: str) -> SandboxRecord | None: ...
     async def expired(self, now: float) -> list[SandboxRecord]: ...
     async def next_deadline(self) -> float | None: ...
     async def count_by_state(self) -> dict[str, int]: ...
@@ -327,6 +325,13 @@ class SqliteStore:
             (DEFAULT_TEAM,),
         )
         self._db.execute("CREATE INDEX IF NOT EXISTS sandboxes_team ON sandboxes(team_id, state)")
+        # Columns a later schema folded away: the node's own id of a sandbox went when the
+        # node came to run every sandbox under the control plane's id. A live row of an
+        # older server whose node id differed is found lost by the next start's recovery.
+        columns = [row[1] for row in self._db.execute("PRAGMA table_info(sandboxes)")]
+        for name in columns:
+            if name != "seq" and name not in _COLUMNS:
+                self._db.execute(f"ALTER TABLE sandboxes DROP COLUMN {name}")
 
     async def close(self) -> None:
         self._db.close()
@@ -424,14 +429,6 @@ class SqliteStore:
         ).fetchall()
         return [(str(r[0]), str(r[1])) for r in rows]
 
-    async def by_runtime_id(self, runtime_id: str) -> SandboxRecord | None:
-        """The live row whose sandbox runs as `runtime_id`."""
-        row = self._db.execute(
-            "SELECT * FROM sandboxes WHERE runtime_id = ? AND state != ? ORDER BY seq DESC",
-            (runtime_id, SandboxState.GONE.value),
-        ).fetchone()
-        return None if row is None else _from_row(row)
-
     async def expired(self, now: float) -> list[SandboxRecord]:
         rows = self._db.execute(
             "SELECT * FROM sandboxes WHERE state = ? AND end_at <= ?",
@@ -480,7 +477,7 @@ class SqliteStore:
         team_sql, args = ("AND team_id = ? ", [team_id]) if team_id is not None else ("", [])
         rows = self._db.execute(
             f"SELECT template, COUNT(*), MAX(started_at) FROM sandboxes WHERE {_NOT_BUILD} "
-            f"AND runtime_id IS NOT NULL {team_sql}GROUP BY template",
+            f"AND envd_url IS NOT NULL {team_sql}GROUP BY template",
             args,
         ).fetchall()
         return {str(r[0]): (int(r[1]), float(r[2])) for r in rows}
@@ -679,7 +676,6 @@ def _from_row(row: sqlite3.Row) -> SandboxRecord:
         network=json.loads(row["network"]),
         address=row["address"],
         envd_url=row["envd_url"],
-        runtime_id=row["runtime_id"],
         api_key_id=row["api_key_id"],
         team_id=row["team_id"] or DEFAULT_TEAM,
         auto_pause_memory=bool(row["auto_pause_memory"]),

@@ -184,46 +184,46 @@ class NodeRuntime:
             await self.objects.close()
             self.objects = self.remote = None
 
-    async def _push_paused(self, runtime_id: str) -> None:
+    async def _push_paused(self, sandbox_id: str) -> None:
         """Upload what a pause left, so another node can resume it. A failed upload leaves
         the sandbox paused here (it resumes on this node only), and says so in the log."""
         if self.remote is None:
             return
         try:
             # A RAM stream is converted to its mapped file first: that is what travels.
-            await self.node.conversions.settle(runtime_id)
-            await self.remote.push_paused(self.node.settings.sandboxes_dir / runtime_id, runtime_id)
+            await self.node.conversions.settle(sandbox_id)
+            await self.remote.push_paused(self.node.settings.sandboxes_dir / sandbox_id, sandbox_id)
         except Exception as exc:
             log.error("sandbox %s: paused, but not uploaded (%s); it resumes here only",
-                      runtime_id, exc)  # fmt: skip
+                      sandbox_id, exc)  # fmt: skip
 
-    async def _fetch_paused(self, runtime_id: str) -> None:
+    async def _fetch_paused(self, sandbox_id: str) -> None:
         """A sandbox paused on another node: its files from object storage, first."""
-        if self.node.is_alive(runtime_id):
+        if self.node.is_alive(sandbox_id):
             return
         if self.remote is None:
             raise Unavailable(
-                f"sandbox {runtime_id} is not on this node, and without object storage "
+                f"sandbox {sandbox_id} is not on this node, and without object storage "
                 "(AGENTENV_S3_*) it cannot be fetched",
                 CORDONED_RETRY_S,
             )
         try:
-            await self.remote.pull_paused(runtime_id, self.node.settings.sandboxes_dir / runtime_id)
+            await self.remote.pull_paused(sandbox_id, self.node.settings.sandboxes_dir / sandbox_id)
         except (snaps.SnapshotError, ObjectStoreError) as exc:
             raise Unavailable(
-                f"sandbox {runtime_id} is not on this node and could not be fetched from "
+                f"sandbox {sandbox_id} is not on this node and could not be fetched from "
                 f"object storage: {exc}",
                 CORDONED_RETRY_S,
             ) from exc
 
-    async def _drop_remote(self, runtime_id: str) -> None:
+    async def _drop_remote(self, sandbox_id: str) -> None:
         if self.remote is None:
             return
         try:
-            await self.remote.delete_paused(runtime_id)
+            await self.remote.delete_paused(sandbox_id)
         except Exception as exc:
             log.warning("sandbox %s: its copy in object storage was not deleted: %s",
-                        runtime_id, exc)  # fmt: skip
+                        sandbox_id, exc)  # fmt: skip
 
     def _refuse_if_cordoned(self, what: str) -> None:
         if self.cordon_reason is not None:
@@ -272,20 +272,20 @@ class NodeRuntime:
                 CORDONED_RETRY_S,
             ) from exc
 
-    async def delete(self, runtime_id: str) -> None:
-        await self.forget(runtime_id)
-        await self._drop_remote(runtime_id)
+    async def delete(self, sandbox_id: str) -> None:
+        await self.forget(sandbox_id)
+        await self._drop_remote(sandbox_id)
 
-    async def forget(self, runtime_id: str) -> None:
+    async def forget(self, sandbox_id: str) -> None:
         try:
-            await self.node.delete(runtime_id)
+            await self.node.delete(sandbox_id)
         except UnknownSandbox:
             # Already released (e.g. the VM died and was reaped): nothing left to free.
             return
 
     async def pause(
         self,
-        runtime_id: str,
+        sandbox_id: str,
         *,
         memory: bool = True,
         envd_token: str | None = None,
@@ -294,18 +294,18 @@ class NodeRuntime:
         try:
             with _capacity(self.node.settings.home):
                 if memory:
-                    await self.node.pause(runtime_id)
+                    await self.node.pause(sandbox_id)
                 else:
                     await self.node.pause(
-                        runtime_id, memory=False, envd_token=envd_token, strict=strict
+                        sandbox_id, memory=False, envd_token=envd_token, strict=strict
                     )
         except NotPausable as exc:
             raise Unsupported(str(exc)) from exc
         except snaps.GuestSyncFailed as exc:
             raise Unavailable(
-                f"sandbox {runtime_id} was not paused: {exc}; it keeps running"
+                f"sandbox {sandbox_id} was not paused: {exc}; it keeps running"
             ) from exc
-        await self._push_paused(runtime_id)
+        await self._push_paused(sandbox_id)
 
     async def resume(self, spec: SandboxSpec, *, memory: bool = True) -> Placement:
         self._refuse_if_cordoned(f"resume of {spec.sandbox_id}")
@@ -328,61 +328,61 @@ class NodeRuntime:
         except UnknownSandbox as exc:
             raise Lost(str(exc)) from exc
 
-    async def guest_metrics(self, runtime_id: str, envd_token: str | None) -> dict[str, Any] | None:
-        return await self.node.guest_metrics(runtime_id, envd_token)
+    async def guest_metrics(self, sandbox_id: str, envd_token: str | None) -> dict[str, Any] | None:
+        return await self.node.guest_metrics(sandbox_id, envd_token)
 
-    async def guest_health(self, runtime_id: str) -> str | None:
-        return await self.node.guest_health(runtime_id, GUEST_HEALTH_TIMEOUT_S)
+    async def guest_health(self, sandbox_id: str) -> str | None:
+        return await self.node.guest_health(sandbox_id, GUEST_HEALTH_TIMEOUT_S)
 
-    async def update_egress(self, runtime_id: str, egress: Egress) -> None:
-        await self.node.update_egress(runtime_id, egress)
+    async def update_egress(self, sandbox_id: str, egress: Egress) -> None:
+        await self.node.update_egress(sandbox_id, egress)
 
-    async def is_alive(self, runtime_id: str) -> bool:
-        return self.node.is_alive(runtime_id)
+    async def is_alive(self, sandbox_id: str) -> bool:
+        return self.node.is_alive(sandbox_id)
 
-    async def find(self, runtime_id: str) -> Found | None:
-        if not self.node.is_alive(runtime_id):
-            return await self._find_in_bucket(runtime_id)
-        sb = self.node.running(runtime_id)
+    async def find(self, sandbox_id: str) -> Found | None:
+        if not self.node.is_alive(sandbox_id):
+            return await self._find_in_bucket(sandbox_id)
+        sb = self.node.running(sandbox_id)
         if sb is not None:
             return Found("running", _placement(sb))
-        return Found("paused", None, memory=self.node.paused_memory(runtime_id) is not False)
+        return Found("paused", None, memory=self.node.paused_memory(sandbox_id) is not False)
 
-    async def _find_in_bucket(self, runtime_id: str) -> Found | None:
+    async def _find_in_bucket(self, sandbox_id: str) -> Found | None:
         """Paused, with its files only in the bucket (this node's disk was replaced, say): a
         resume here fetches it, so it is held, not lost. A bucket that does not answer says
         nothing (None, logged): as if there were no bucket."""
         if self.remote is None:
             return None
         try:
-            kind = await self.remote.paused_kind(runtime_id)
+            kind = await self.remote.paused_kind(sandbox_id)
         except ObjectStoreError as exc:
-            log.warning("sandbox %s: the bucket was not asked for it: %s", runtime_id, exc)
+            log.warning("sandbox %s: the bucket was not asked for it: %s", sandbox_id, exc)
             return None
         return None if kind is None else Found("paused", None, memory=kind != DISK)
 
     async def sandbox_ids(self) -> list[str]:
         return self.node.sandbox_ids()
 
-    async def lost_reason(self, runtime_id: str) -> str | None:
-        return self.node.lost.pop(runtime_id, None)
+    async def lost_reason(self, sandbox_id: str) -> str | None:
+        return self.node.lost.pop(sandbox_id, None)
 
     def watch_lost(self, handler: Callable[[str, str], None]) -> None:
         self.node.on_lost = handler
 
     async def snapshot(
-        self, runtime_id: str, name: str | None, envd_token: str | None, *, memory: bool = True
+        self, sandbox_id: str, name: str | None, envd_token: str | None, *, memory: bool = True
     ) -> SnapshotInfo:
         try:
             with _capacity(self.node.settings.home):
                 if memory:
-                    snap = await self.node.snapshot(runtime_id, name, envd_token)
+                    snap = await self.node.snapshot(sandbox_id, name, envd_token)
                 else:
-                    snap = await self.node.snapshot(runtime_id, name, envd_token, memory=False)
+                    snap = await self.node.snapshot(sandbox_id, name, envd_token, memory=False)
         except NotPausable as exc:
             raise Unsupported(str(exc)) from exc
         except snaps.GuestSyncFailed as exc:
-            raise Unavailable(f"sandbox {runtime_id} was not snapshotted: {exc}") from exc
+            raise Unavailable(f"sandbox {sandbox_id} was not snapshotted: {exc}") from exc
         except snaps.InvalidSnapshotName as exc:
             raise BadRequest(str(exc)) from exc
         if self.remote is not None:
@@ -396,14 +396,14 @@ class NodeRuntime:
         return snapshot_info(snap)
 
     async def fork(
-        self, runtime_id: str, children: list[SandboxSpec], envd_token: str | None
+        self, sandbox_id: str, children: list[SandboxSpec], envd_token: str | None
     ) -> list[Placement]:
         if not 1 <= len(children) <= MAX_CHILDREN:
             raise BadRequest(f"count must be between 1 and {MAX_CHILDREN}")
         try:
             with _capacity(self.node.settings.home):
                 made = await self.node.fork(
-                    runtime_id,
+                    sandbox_id,
                     len(children),
                     envd_token,
                     children=[(c.sandbox_id, _init(c)) for c in children],
@@ -418,11 +418,11 @@ class NodeRuntime:
         """Guests of this node are reached at their slot addresses."""
         return None
 
-    def note_activity(self, runtime_id: str) -> None:
-        self.node.memory.note_activity(runtime_id)
+    def note_activity(self, sandbox_id: str) -> None:
+        self.node.memory.note_activity(sandbox_id)
 
-    async def host_memory(self, runtime_id: str) -> HostMemory | None:
-        return self.node.host_memory(runtime_id)
+    async def host_memory(self, sandbox_id: str) -> HostMemory | None:
+        return self.node.host_memory(sandbox_id)
 
     async def snapshots(self) -> list[SnapshotInfo]:
         listed = await asyncio.to_thread(self.node.repo.list)

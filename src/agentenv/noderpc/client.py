@@ -215,24 +215,24 @@ class RemoteRuntime:
         )
         return convert.placement_from_pb(res.placement)
 
-    async def update_egress(self, runtime_id: str, egress: Egress) -> None:
-        req = pb.UpdateEgressRequest(runtime_id=runtime_id, egress=convert.egress_to_pb(egress))
+    async def update_egress(self, sandbox_id: str, egress: Egress) -> None:
+        req = pb.UpdateEgressRequest(sandbox_id=sandbox_id, egress=convert.egress_to_pb(egress))
         await self._call(
             "UpdateEgress",
             self._change_s,
             lambda ms: self._client().update_egress(req, headers=self._headers, timeout_ms=ms),
         )
 
-    async def delete(self, runtime_id: str) -> None:
-        req = pb.SandboxRef(runtime_id=runtime_id)
+    async def delete(self, sandbox_id: str) -> None:
+        req = pb.SandboxRef(sandbox_id=sandbox_id)
         await self._call(
             "Delete",
             self._change_s,
             lambda ms: self._client().delete(req, headers=self._headers, timeout_ms=ms),
         )
 
-    async def forget(self, runtime_id: str) -> None:
-        req = pb.SandboxRef(runtime_id=runtime_id)
+    async def forget(self, sandbox_id: str) -> None:
+        req = pb.SandboxRef(sandbox_id=sandbox_id)
         await self._call(
             "Forget",
             self._change_s,
@@ -241,14 +241,14 @@ class RemoteRuntime:
 
     async def pause(
         self,
-        runtime_id: str,
+        sandbox_id: str,
         *,
         memory: bool = True,
         envd_token: str | None = None,
         strict: bool = True,
     ) -> None:
         req = pb.PauseRequest(
-            runtime_id=runtime_id, memory=memory, envd_token=envd_token, strict=strict
+            sandbox_id=sandbox_id, memory=memory, envd_token=envd_token, strict=strict
         )
         await self._call(
             "Pause",
@@ -273,8 +273,8 @@ class RemoteRuntime:
             lambda ms: self._client().init_guest(req, headers=self._headers, timeout_ms=ms),
         )
 
-    async def guest_metrics(self, runtime_id: str, envd_token: str | None) -> dict[str, Any] | None:
-        req = pb.GuestMetricsRequest(runtime_id=runtime_id, envd_token=envd_token)
+    async def guest_metrics(self, sandbox_id: str, envd_token: str | None) -> dict[str, Any] | None:
+        req = pb.GuestMetricsRequest(sandbox_id=sandbox_id, envd_token=envd_token)
         res = await self._call(
             "GuestMetrics",
             self._query_s,
@@ -288,8 +288,8 @@ class RemoteRuntime:
             raise NodeError(f"node {self.url}: GuestMetrics sent {type(sample).__name__}")
         return sample
 
-    async def guest_health(self, runtime_id: str) -> str | None:
-        req = pb.SandboxRef(runtime_id=runtime_id)
+    async def guest_health(self, sandbox_id: str) -> str | None:
+        req = pb.SandboxRef(sandbox_id=sandbox_id)
         res = await self._call(
             "GuestHealth",
             self._query_s,
@@ -297,8 +297,8 @@ class RemoteRuntime:
         )
         return opt_str(res, "text")
 
-    async def is_alive(self, runtime_id: str) -> bool:
-        req = pb.SandboxRef(runtime_id=runtime_id)
+    async def is_alive(self, sandbox_id: str) -> bool:
+        req = pb.SandboxRef(sandbox_id=sandbox_id)
         res = await self._call(
             "IsAlive",
             self._query_s,
@@ -306,8 +306,8 @@ class RemoteRuntime:
         )
         return res.alive
 
-    async def find(self, runtime_id: str) -> Found | None:
-        req = pb.SandboxRef(runtime_id=runtime_id)
+    async def find(self, sandbox_id: str) -> Found | None:
+        req = pb.SandboxRef(sandbox_id=sandbox_id)
         res = await self._call(
             "Find",
             self._query_s,
@@ -321,10 +321,10 @@ class RemoteRuntime:
             self._query_s,
             lambda ms: self._client().sandbox_ids(pb.Empty(), headers=self._headers, timeout_ms=ms),
         )
-        return list(res.runtime_ids)
+        return list(res.sandbox_ids)
 
-    async def lost_reason(self, runtime_id: str) -> str | None:
-        req = pb.SandboxRef(runtime_id=runtime_id)
+    async def lost_reason(self, sandbox_id: str) -> str | None:
+        req = pb.SandboxRef(sandbox_id=sandbox_id)
         res = await self._call(
             "LostReason",
             self._query_s,
@@ -333,10 +333,10 @@ class RemoteRuntime:
         return opt_str(res, "text")
 
     async def snapshot(
-        self, runtime_id: str, name: str | None, envd_token: str | None, *, memory: bool = True
+        self, sandbox_id: str, name: str | None, envd_token: str | None, *, memory: bool = True
     ) -> SnapshotInfo:
         req = pb.SnapshotRequest(
-            runtime_id=runtime_id, name=name, envd_token=envd_token, memory=memory
+            sandbox_id=sandbox_id, name=name, envd_token=envd_token, memory=memory
         )
         res = await self._call(
             "Snapshot",
@@ -346,10 +346,10 @@ class RemoteRuntime:
         return convert.snapshot_from_pb(res)
 
     async def fork(
-        self, runtime_id: str, children: list[SandboxSpec], envd_token: str | None
+        self, sandbox_id: str, children: list[SandboxSpec], envd_token: str | None
     ) -> list[Placement]:
         req = pb.ForkRequest(
-            runtime_id=runtime_id,
+            sandbox_id=sandbox_id,
             children=[convert.spec_to_pb(c) for c in children],
             envd_token=envd_token,
         )
@@ -415,8 +415,8 @@ class RemoteRuntime:
         )
         return bool(res.deleted)
 
-    async def host_memory(self, runtime_id: str) -> HostMemory | None:
-        req = pb.SandboxRef(runtime_id=runtime_id)
+    async def host_memory(self, sandbox_id: str) -> HostMemory | None:
+        req = pb.SandboxRef(sandbox_id=sandbox_id)
         res = await self._call(
             "HostMemory",
             self._query_s,
@@ -430,15 +430,15 @@ class RemoteRuntime:
         """Guests of this node are reached at their slot addresses."""
         return None
 
-    def note_activity(self, runtime_id: str) -> None:
+    def note_activity(self, sandbox_id: str) -> None:
         pending = self._activity
-        if runtime_id in pending:
+        if sandbox_id in pending:
             return
         if len(pending) >= ACTIVITY_PENDING_MAX:
             # Drop the oldest: the newest traffic is what decides whether a sandbox is idle.
             del pending[next(iter(pending))]
             self.activity_dropped += 1
-        pending[runtime_id] = None
+        pending[sandbox_id] = None
         self._activity_wake.set()
 
     async def _send_activity(self) -> None:
@@ -448,12 +448,12 @@ class RemoteRuntime:
             self._activity_wake.clear()
             while self._activity:
                 batch: list[str] = []
-                for runtime_id in self._activity:
-                    batch.append(runtime_id)
+                for sandbox_id in self._activity:
+                    batch.append(sandbox_id)
                     if len(batch) >= ACTIVITY_BATCH:
                         break
-                for runtime_id in batch:
-                    del self._activity[runtime_id]
+                for sandbox_id in batch:
+                    del self._activity[sandbox_id]
                 try:
                     await self._note(batch)
                 except asyncio.CancelledError:
@@ -465,7 +465,7 @@ class RemoteRuntime:
                     await asyncio.sleep(ACTIVITY_RETRY_S)
 
     async def _note(self, batch: list[str]) -> None:
-        req = pb.NoteActivityRequest(runtime_ids=batch)
+        req = pb.NoteActivityRequest(sandbox_ids=batch)
         await self._call(
             "NoteActivity",
             self._query_s,
@@ -497,7 +497,7 @@ class RemoteRuntime:
                         epoch, seq = event.epoch, 0
                     seq = max(seq, event.seq)
                     if not event.heartbeat:
-                        self._deliver(event.runtime_id, event.why)
+                        self._deliver(event.sandbox_id, event.why)
                 why = "stream ended"
             except asyncio.CancelledError:
                 raise
@@ -516,12 +516,12 @@ class RemoteRuntime:
             await asyncio.sleep(backoff * random.uniform(0.8, 1.2))
             backoff = min(backoff * 2, WATCH_BACKOFF_MAX_S)
 
-    def _deliver(self, runtime_id: str, why: str) -> None:
+    def _deliver(self, sandbox_id: str, why: str) -> None:
         for handler in list(self._handlers):
             try:
-                handler(runtime_id, why)
+                handler(sandbox_id, why)
             except Exception:
-                log.exception("lost handler failed for %s", runtime_id)
+                log.exception("lost handler failed for %s", sandbox_id)
 
 
 async def _with_silence_limit(stream: AsyncIterator[T], silence_s: float) -> AsyncIterator[T]:

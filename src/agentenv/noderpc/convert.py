@@ -88,7 +88,7 @@ def spec_from_pb(msg: pb.SandboxSpec | None) -> SandboxSpec:
 
 def placement_to_pb(p: Placement) -> pb.Placement:
     return pb.Placement(
-        runtime_id=p.runtime_id, address=p.address, envd_url=p.envd_url, booted=p.booted
+        sandbox_id=p.sandbox_id, address=p.address, envd_url=p.envd_url, booted=p.booted
     )
 
 
@@ -96,7 +96,7 @@ def placement_from_pb(msg: pb.Placement | None) -> Placement:
     if msg is None:
         raise ValueError("response has no placement")
     return Placement(
-        runtime_id=msg.runtime_id, address=msg.address, envd_url=msg.envd_url, booted=msg.booted
+        sandbox_id=msg.sandbox_id, address=msg.address, envd_url=msg.envd_url, booted=msg.booted
     )
 
 

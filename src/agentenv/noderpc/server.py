@@ -95,11 +95,11 @@ class NodeService(NodeServiceProtocol):
         changed, self._changed = self._changed, asyncio.Event()
         changed.set()
 
-    def _on_lost(self, runtime_id: str, why: str) -> None:
+    def _on_lost(self, sandbox_id: str, why: str) -> None:
         # Called by the runtime on the event loop; streams wake and send what they lack.
         self._seq += 1
         self._events.append(
-            pb.LostEvent(epoch=self.epoch, seq=self._seq, runtime_id=runtime_id, why=why)
+            pb.LostEvent(epoch=self.epoch, seq=self._seq, sandbox_id=sandbox_id, why=why)
         )
         changed, self._changed = self._changed, asyncio.Event()
         changed.set()
@@ -115,20 +115,20 @@ class NodeService(NodeServiceProtocol):
         self, request: pb.UpdateEgressRequest, ctx: RequestContext[Any, Any]
     ) -> pb.Empty:
         egress = _decode(lambda: convert.egress_from_pb(request.egress))
-        await _call(ctx, "update_egress", self.runtime.update_egress(request.runtime_id, egress))
+        await _call(ctx, "update_egress", self.runtime.update_egress(request.sandbox_id, egress))
         return pb.Empty()
 
     async def delete(self, request: pb.SandboxRef, ctx: RequestContext[Any, Any]) -> pb.Empty:
-        await _call(ctx, "delete", self.runtime.delete(request.runtime_id))
+        await _call(ctx, "delete", self.runtime.delete(request.sandbox_id))
         return pb.Empty()
 
     async def forget(self, request: pb.SandboxRef, ctx: RequestContext[Any, Any]) -> pb.Empty:
-        await _call(ctx, "forget", self.runtime.forget(request.runtime_id))
+        await _call(ctx, "forget", self.runtime.forget(request.sandbox_id))
         return pb.Empty()
 
     async def pause(self, request: pb.PauseRequest, ctx: RequestContext[Any, Any]) -> pb.Empty:
         call = self.runtime.pause(
-            request.runtime_id,
+            request.sandbox_id,
             memory=request.memory,
             envd_token=opt_str(request, "envd_token"),
             strict=request.strict,
@@ -153,42 +153,42 @@ class NodeService(NodeServiceProtocol):
     async def guest_metrics(
         self, request: pb.GuestMetricsRequest, ctx: RequestContext[Any, Any]
     ) -> pb.OptionalJson:
-        call = self.runtime.guest_metrics(request.runtime_id, opt_str(request, "envd_token"))
+        call = self.runtime.guest_metrics(request.sandbox_id, opt_str(request, "envd_token"))
         sample = await _call(ctx, "guest_metrics", call)
         if sample is None:
             return pb.OptionalJson()
         try:
             return pb.OptionalJson(json=json.dumps(sample))
         except (TypeError, ValueError) as exc:
-            log.error("guest_metrics of %s is not JSON: %s", request.runtime_id, exc)
+            log.error("guest_metrics of %s is not JSON: %s", request.sandbox_id, exc)
             raise ConnectError(Code.INTERNAL, f"guest_metrics: not JSON: {exc}") from None
 
     async def guest_health(
         self, request: pb.SandboxRef, ctx: RequestContext[Any, Any]
     ) -> pb.OptionalText:
-        why = await _call(ctx, "guest_health", self.runtime.guest_health(request.runtime_id))
+        why = await _call(ctx, "guest_health", self.runtime.guest_health(request.sandbox_id))
         return pb.OptionalText(text=why)
 
     async def is_alive(
         self, request: pb.SandboxRef, ctx: RequestContext[Any, Any]
     ) -> pb.AliveResponse:
-        alive = await _call(ctx, "is_alive", self.runtime.is_alive(request.runtime_id))
+        alive = await _call(ctx, "is_alive", self.runtime.is_alive(request.sandbox_id))
         return pb.AliveResponse(alive=alive)
 
     async def find(self, request: pb.SandboxRef, ctx: RequestContext[Any, Any]) -> pb.FindResponse:
-        found = await _call(ctx, "find", self.runtime.find(request.runtime_id))
+        found = await _call(ctx, "find", self.runtime.find(request.sandbox_id))
         return pb.FindResponse(found=None if found is None else convert.found_to_pb(found))
 
     async def sandbox_ids(
         self, request: pb.Empty, ctx: RequestContext[Any, Any]
     ) -> pb.SandboxIdsResponse:
         ids = await _call(ctx, "sandbox_ids", self.runtime.sandbox_ids())
-        return pb.SandboxIdsResponse(runtime_ids=list(ids))
+        return pb.SandboxIdsResponse(sandbox_ids=list(ids))
 
     async def lost_reason(
         self, request: pb.SandboxRef, ctx: RequestContext[Any, Any]
     ) -> pb.OptionalText:
-        why = await _call(ctx, "lost_reason", self.runtime.lost_reason(request.runtime_id))
+        why = await _call(ctx, "lost_reason", self.runtime.lost_reason(request.sandbox_id))
         return pb.OptionalText(text=why)
 
     async def watch_lost(
@@ -214,7 +214,7 @@ class NodeService(NodeServiceProtocol):
         self, request: pb.SnapshotRequest, ctx: RequestContext[Any, Any]
     ) -> pb.SnapshotInfo:
         call = self.runtime.snapshot(
-            request.runtime_id,
+            request.sandbox_id,
             opt_str(request, "name"),
             opt_str(request, "envd_token"),
             memory=request.memory,
@@ -224,7 +224,7 @@ class NodeService(NodeServiceProtocol):
 
     async def fork(self, request: pb.ForkRequest, ctx: RequestContext[Any, Any]) -> pb.ForkResponse:
         children = [_spec(c) for c in request.children]
-        call = self.runtime.fork(request.runtime_id, children, opt_str(request, "envd_token"))
+        call = self.runtime.fork(request.sandbox_id, children, opt_str(request, "envd_token"))
         placements = await _call(ctx, "fork", call)
         return pb.ForkResponse(placements=[convert.placement_to_pb(p) for p in placements])
 
@@ -278,14 +278,14 @@ class NodeService(NodeServiceProtocol):
     async def note_activity(
         self, request: pb.NoteActivityRequest, ctx: RequestContext[Any, Any]
     ) -> pb.Empty:
-        for runtime_id in request.runtime_ids:
-            self.runtime.note_activity(runtime_id)
+        for sandbox_id in request.sandbox_ids:
+            self.runtime.note_activity(sandbox_id)
         return pb.Empty()
 
     async def host_memory(
         self, request: pb.SandboxRef, ctx: RequestContext[Any, Any]
     ) -> pb.HostMemoryResponse:
-        mem = await _call(ctx, "host_memory", self.runtime.host_memory(request.runtime_id))
+        mem = await _call(ctx, "host_memory", self.runtime.host_memory(request.sandbox_id))
         return pb.HostMemoryResponse(memory=None if mem is None else convert.memory_to_pb(mem))
 
 

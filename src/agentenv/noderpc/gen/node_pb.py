@@ -169,7 +169,7 @@ class SandboxSpec(Message[_SandboxSpecFields]):
         envd_token: str
         metadata: dict[str, str]
 
-_PlacementFields: TypeAlias = Literal["runtime_id", "address", "envd_url", "booted"]
+_PlacementFields: TypeAlias = Literal["sandbox_id", "address", "envd_url", "booted"]
 
 class Placement(Message[_PlacementFields]):
     """
@@ -178,9 +178,9 @@ class Placement(Message[_PlacementFields]):
     ```
 
     Attributes:
-        runtime_id:
+        sandbox_id:
             ```proto
-            string runtime_id = 1;
+            string sandbox_id = 1;
             ```
         address:
             ```proto
@@ -196,21 +196,21 @@ class Placement(Message[_PlacementFields]):
             ```
     """
 
-    __slots__ = ("runtime_id", "address", "envd_url", "booted")
+    __slots__ = ("sandbox_id", "address", "envd_url", "booted")
 
     if TYPE_CHECKING:
 
         def __init__(
             self,
             *,
-            runtime_id: str = "",
+            sandbox_id: str = "",
             address: str = "",
             envd_url: str = "",
             booted: bool = False,
         ) -> None:
             pass
 
-        runtime_id: str
+        sandbox_id: str
         address: str
         envd_url: str
         booted: bool
@@ -418,7 +418,7 @@ class Failure(Message[_FailureFields]):
         retry_after: int
         fields: dict[str, str]
 
-_SandboxRefFields: TypeAlias = Literal["runtime_id"]
+_SandboxRefFields: TypeAlias = Literal["sandbox_id"]
 
 class SandboxRef(Message[_SandboxRefFields]):
     """
@@ -427,24 +427,24 @@ class SandboxRef(Message[_SandboxRefFields]):
     ```
 
     Attributes:
-        runtime_id:
+        sandbox_id:
             ```proto
-            string runtime_id = 1;
+            string sandbox_id = 1;
             ```
     """
 
-    __slots__ = ("runtime_id",)
+    __slots__ = ("sandbox_id",)
 
     if TYPE_CHECKING:
 
         def __init__(
             self,
             *,
-            runtime_id: str = "",
+            sandbox_id: str = "",
         ) -> None:
             pass
 
-        runtime_id: str
+        sandbox_id: str
 
 _EmptyFields: TypeAlias = NoReturn
 
@@ -520,7 +520,7 @@ class PlacementResponse(Message[_PlacementResponseFields]):
 
         placement: Placement | None
 
-_UpdateEgressRequestFields: TypeAlias = Literal["runtime_id", "egress"]
+_UpdateEgressRequestFields: TypeAlias = Literal["sandbox_id", "egress"]
 
 class UpdateEgressRequest(Message[_UpdateEgressRequestFields]):
     """
@@ -529,9 +529,9 @@ class UpdateEgressRequest(Message[_UpdateEgressRequestFields]):
     ```
 
     Attributes:
-        runtime_id:
+        sandbox_id:
             ```proto
-            string runtime_id = 1;
+            string sandbox_id = 1;
             ```
         egress:
             ```proto
@@ -539,22 +539,22 @@ class UpdateEgressRequest(Message[_UpdateEgressRequestFields]):
             ```
     """
 
-    __slots__ = ("runtime_id", "egress")
+    __slots__ = ("sandbox_id", "egress")
 
     if TYPE_CHECKING:
 
         def __init__(
             self,
             *,
-            runtime_id: str = "",
+            sandbox_id: str = "",
             egress: Egress | None = None,
         ) -> None:
             pass
 
-        runtime_id: str
+        sandbox_id: str
         egress: Egress | None
 
-_PauseRequestFields: TypeAlias = Literal["runtime_id", "memory", "envd_token", "strict"]
+_PauseRequestFields: TypeAlias = Literal["sandbox_id", "memory", "envd_token", "strict"]
 
 class PauseRequest(Message[_PauseRequestFields]):
     """
@@ -563,9 +563,9 @@ class PauseRequest(Message[_PauseRequestFields]):
     ```
 
     Attributes:
-        runtime_id:
+        sandbox_id:
             ```proto
-            string runtime_id = 1;
+            string sandbox_id = 1;
             ```
         memory:
             ```proto
@@ -581,21 +581,21 @@ class PauseRequest(Message[_PauseRequestFields]):
             ```
     """
 
-    __slots__ = ("runtime_id", "memory", "envd_token", "strict")
+    __slots__ = ("sandbox_id", "memory", "envd_token", "strict")
 
     if TYPE_CHECKING:
 
         def __init__(
             self,
             *,
-            runtime_id: str = "",
+            sandbox_id: str = "",
             memory: bool = False,
             envd_token: str | None = None,
             strict: bool = False,
         ) -> None:
             pass
 
-        runtime_id: str
+        sandbox_id: str
         memory: bool
         envd_token: str
         strict: bool
@@ -662,7 +662,7 @@ class InitGuestRequest(Message[_InitGuestRequestFields]):
 
         spec: SandboxSpec | None
 
-_GuestMetricsRequestFields: TypeAlias = Literal["runtime_id", "envd_token"]
+_GuestMetricsRequestFields: TypeAlias = Literal["sandbox_id", "envd_token"]
 
 class GuestMetricsRequest(Message[_GuestMetricsRequestFields]):
     """
@@ -671,9 +671,9 @@ class GuestMetricsRequest(Message[_GuestMetricsRequestFields]):
     ```
 
     Attributes:
-        runtime_id:
+        sandbox_id:
             ```proto
-            string runtime_id = 1;
+            string sandbox_id = 1;
             ```
         envd_token:
             ```proto
@@ -681,19 +681,19 @@ class GuestMetricsRequest(Message[_GuestMetricsRequestFields]):
             ```
     """
 
-    __slots__ = ("runtime_id", "envd_token")
+    __slots__ = ("sandbox_id", "envd_token")
 
     if TYPE_CHECKING:
 
         def __init__(
             self,
             *,
-            runtime_id: str = "",
+            sandbox_id: str = "",
             envd_token: str | None = None,
         ) -> None:
             pass
 
-        runtime_id: str
+        sandbox_id: str
         envd_token: str
 
 _OptionalJsonFields: TypeAlias = Literal["json"]
@@ -811,7 +811,7 @@ class FindResponse(Message[_FindResponseFields]):
 
         found: Found | None
 
-_SandboxIdsResponseFields: TypeAlias = Literal["runtime_ids"]
+_SandboxIdsResponseFields: TypeAlias = Literal["sandbox_ids"]
 
 class SandboxIdsResponse(Message[_SandboxIdsResponseFields]):
     """
@@ -820,26 +820,26 @@ class SandboxIdsResponse(Message[_SandboxIdsResponseFields]):
     ```
 
     Attributes:
-        runtime_ids:
+        sandbox_ids:
             ```proto
-            repeated string runtime_ids = 1;
+            repeated string sandbox_ids = 1;
             ```
     """
 
-    __slots__ = ("runtime_ids",)
+    __slots__ = ("sandbox_ids",)
 
     if TYPE_CHECKING:
 
         def __init__(
             self,
             *,
-            runtime_ids: list[str] | None = None,
+            sandbox_ids: list[str] | None = None,
         ) -> None:
             pass
 
-        runtime_ids: list[str]
+        sandbox_ids: list[str]
 
-_SnapshotRequestFields: TypeAlias = Literal["runtime_id", "name", "envd_token", "memory"]
+_SnapshotRequestFields: TypeAlias = Literal["sandbox_id", "name", "envd_token", "memory"]
 
 class SnapshotRequest(Message[_SnapshotRequestFields]):
     """
@@ -848,9 +848,9 @@ class SnapshotRequest(Message[_SnapshotRequestFields]):
     ```
 
     Attributes:
-        runtime_id:
+        sandbox_id:
             ```proto
-            string runtime_id = 1;
+            string sandbox_id = 1;
             ```
         name:
             ```proto
@@ -866,26 +866,26 @@ class SnapshotRequest(Message[_SnapshotRequestFields]):
             ```
     """
 
-    __slots__ = ("runtime_id", "name", "envd_token", "memory")
+    __slots__ = ("sandbox_id", "name", "envd_token", "memory")
 
     if TYPE_CHECKING:
 
         def __init__(
             self,
             *,
-            runtime_id: str = "",
+            sandbox_id: str = "",
             name: str | None = None,
             envd_token: str | None = None,
             memory: bool = False,
         ) -> None:
             pass
 
-        runtime_id: str
+        sandbox_id: str
         name: str
         envd_token: str
         memory: bool
 
-_ForkRequestFields: TypeAlias = Literal["runtime_id", "children", "envd_token"]
+_ForkRequestFields: TypeAlias = Literal["sandbox_id", "children", "envd_token"]
 
 class ForkRequest(Message[_ForkRequestFields]):
     """
@@ -894,9 +894,9 @@ class ForkRequest(Message[_ForkRequestFields]):
     ```
 
     Attributes:
-        runtime_id:
+        sandbox_id:
             ```proto
-            string runtime_id = 1;
+            string sandbox_id = 1;
             ```
         children:
             ```proto
@@ -908,20 +908,20 @@ class ForkRequest(Message[_ForkRequestFields]):
             ```
     """
 
-    __slots__ = ("runtime_id", "children", "envd_token")
+    __slots__ = ("sandbox_id", "children", "envd_token")
 
     if TYPE_CHECKING:
 
         def __init__(
             self,
             *,
-            runtime_id: str = "",
+            sandbox_id: str = "",
             children: list[SandboxSpec] | None = None,
             envd_token: str | None = None,
         ) -> None:
             pass
 
-        runtime_id: str
+        sandbox_id: str
         children: list[SandboxSpec]
         envd_token: str
 
@@ -1161,7 +1161,7 @@ class ImportEvent(Message[_ImportEventFields]):
         layer_json: str
         template_json: str
 
-_NoteActivityRequestFields: TypeAlias = Literal["runtime_ids"]
+_NoteActivityRequestFields: TypeAlias = Literal["sandbox_ids"]
 
 class NoteActivityRequest(Message[_NoteActivityRequestFields]):
     """
@@ -1170,24 +1170,24 @@ class NoteActivityRequest(Message[_NoteActivityRequestFields]):
     ```
 
     Attributes:
-        runtime_ids:
+        sandbox_ids:
             ```proto
-            repeated string runtime_ids = 1;
+            repeated string sandbox_ids = 1;
             ```
     """
 
-    __slots__ = ("runtime_ids",)
+    __slots__ = ("sandbox_ids",)
 
     if TYPE_CHECKING:
 
         def __init__(
             self,
             *,
-            runtime_ids: list[str] | None = None,
+            sandbox_ids: list[str] | None = None,
         ) -> None:
             pass
 
-        runtime_ids: list[str]
+        sandbox_ids: list[str]
 
 _HostMemoryResponseFields: TypeAlias = Literal["memory"]
 
@@ -1254,7 +1254,7 @@ class WatchLostRequest(Message[_WatchLostRequestFields]):
         epoch: str
         after_seq: int
 
-_LostEventFields: TypeAlias = Literal["epoch", "seq", "runtime_id", "why", "heartbeat"]
+_LostEventFields: TypeAlias = Literal["epoch", "seq", "sandbox_id", "why", "heartbeat"]
 
 class LostEvent(Message[_LostEventFields]):
     """
@@ -1274,9 +1274,9 @@ class LostEvent(Message[_LostEventFields]):
             ```proto
             uint64 seq = 2;
             ```
-        runtime_id:
+        sandbox_id:
             ```proto
-            string runtime_id = 3;
+            string sandbox_id = 3;
             ```
         why:
             ```proto
@@ -1288,7 +1288,7 @@ class LostEvent(Message[_LostEventFields]):
             ```
     """
 
-    __slots__ = ("epoch", "seq", "runtime_id", "why", "heartbeat")
+    __slots__ = ("epoch", "seq", "sandbox_id", "why", "heartbeat")
 
     if TYPE_CHECKING:
 
@@ -1297,7 +1297,7 @@ class LostEvent(Message[_LostEventFields]):
             *,
             epoch: str = "",
             seq: int = 0,
-            runtime_id: str = "",
+            sandbox_id: str = "",
             why: str = "",
             heartbeat: bool = False,
         ) -> None:
@@ -1305,13 +1305,13 @@ class LostEvent(Message[_LostEventFields]):
 
         epoch: str
         seq: int
-        runtime_id: str
+        sandbox_id: str
         why: str
         heartbeat: bool
 
 
 _DESC = file_desc(
-    b'\n\nnode.proto\x12\x10agentenv.node.v1"\xb0\x01\n\x06Egress\x12\x1a\n\x08internet\x18\x01 \x01(\x08R\x08internet\x12\x1b\n\tallow_out\x18\x02 \x03(\tR\x08allowOut\x12\x19\n\x08deny_out\x18\x03 \x03(\tR\x07denyOut\x12B\n\x0bdns_servers\x18\x04 \x01(\x0b2\x1c.agentenv.node.v1.DnsServersH\x00R\ndnsServers\x88\x01\x01B\x0e\n\x0c_dns_servers"&\n\nDnsServers\x12\x18\n\x07servers\x18\x01 \x03(\tR\x07servers"\x9d\x04\n\x0bSandboxSpec\x12\x1d\n\nsandbox_id\x18\x01 \x01(\tR\tsandboxId\x12\x1a\n\x08template\x18\x02 \x01(\tR\x08template\x12\x10\n\x03cpu\x18\x03 \x01(\x05R\x03cpu\x12\x1b\n\tmemory_mb\x18\x04 \x01(\x05R\x08memoryMb\x12%\n\x0cdisk_size_mb\x18\x05 \x01(\x03H\x00R\ndiskSizeMb\x88\x01\x01\x120\n\x06egress\x18\x06 \x01(\x0b2\x18.agentenv.node.v1.EgressR\x06egress\x12E\n\x08env_vars\x18\x07 \x03(\x0b2*.agentenv.node.v1.SandboxSpec.EnvVarsEntryR\x07envVars\x12"\n\nenvd_token\x18\x08 \x01(\tH\x01R\tenvdToken\x88\x01\x01\x12G\n\x08metadata\x18\t \x03(\x0b2+.agentenv.node.v1.SandboxSpec.MetadataEntryR\x08metadata\x1a:\n\x0cEnvVarsEntry\x12\x10\n\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\x1a;\n\rMetadataEntry\x12\x10\n\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n\x05value\x18\x02 \x01(\tR\x05value:\x028\x01B\x0f\n\r_disk_size_mbB\r\n\x0b_envd_token"w\n\tPlacement\x12\x1d\n\nruntime_id\x18\x01 \x01(\tR\truntimeId\x12\x18\n\x07address\x18\x02 \x01(\tR\x07address\x12\x19\n\x08envd_url\x18\x03 \x01(\tR\x07envdUrl\x12\x16\n\x06booted\x18\x04 \x01(\x08R\x06booted"\x83\x01\n\x05Found\x12\x14\n\x05state\x18\x01 \x01(\tR\x05state\x12>\n\tplacement\x18\x02 \x01(\x0b2\x1b.agentenv.node.v1.PlacementH\x00R\tplacement\x88\x01\x01\x12\x16\n\x06memory\x18\x03 \x01(\x08R\x06memoryB\x0c\n\n_placement"\xab\x01\n\x0cSnapshotInfo\x12\x1f\n\x0bsnapshot_id\x18\x01 \x01(\tR\nsnapshotId\x12\x14\n\x05names\x18\x02 \x03(\tR\x05names\x12\x16\n\x06source\x18\x03 \x01(\tR\x06source\x12\x1d\n\ncreated_at\x18\x04 \x01(\x01R\tcreatedAt\x12\x10\n\x03cpu\x18\x05 \x01(\x05R\x03cpu\x12\x1b\n\tmemory_mb\x18\x06 \x01(\x05R\x08memoryMb"\x83\x01\n\nHostMemory\x12\x10\n\x03rss\x18\x01 \x01(\x03R\x03rss\x12\x10\n\x03pss\x18\x02 \x01(\x03R\x03pss\x12\x19\n\x08pss_anon\x18\x03 \x01(\x03R\x07pssAnon\x12\x19\n\x08pss_file\x18\x04 \x01(\x03R\x07pssFile\x12\x1b\n\tpss_shmem\x18\x05 \x01(\x03R\x08pssShmem"\xe7\x01\n\x07Failure\x12\x12\n\x04kind\x18\x01 \x01(\tR\x04kind\x12\x18\n\x07message\x18\x02 \x01(\tR\x07message\x12$\n\x0bretry_after\x18\x03 \x01(\x05H\x00R\nretryAfter\x88\x01\x01\x12=\n\x06fields\x18\x04 \x03(\x0b2%.agentenv.node.v1.Failure.FieldsEntryR\x06fields\x1a9\n\x0bFieldsEntry\x12\x10\n\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n\x05value\x18\x02 \x01(\tR\x05value:\x028\x01B\x0e\n\x0c_retry_after"+\n\nSandboxRef\x12\x1d\n\nruntime_id\x18\x01 \x01(\tR\truntimeId"\x07\n\x05Empty"B\n\rCreateRequest\x121\n\x04spec\x18\x01 \x01(\x0b2\x1d.agentenv.node.v1.SandboxSpecR\x04spec"N\n\x11PlacementResponse\x129\n\tplacement\x18\x01 \x01(\x0b2\x1b.agentenv.node.v1.PlacementR\tplacement"f\n\x13UpdateEgressRequest\x12\x1d\n\nruntime_id\x18\x01 \x01(\tR\truntimeId\x120\n\x06egress\x18\x02 \x01(\x0b2\x18.agentenv.node.v1.EgressR\x06egress"\x90\x01\n\x0cPauseRequest\x12\x1d\n\nruntime_id\x18\x01 \x01(\tR\truntimeId\x12\x16\n\x06memory\x18\x02 \x01(\x08R\x06memory\x12"\n\nenvd_token\x18\x03 \x01(\tH\x00R\tenvdToken\x88\x01\x01\x12\x16\n\x06strict\x18\x04 \x01(\x08R\x06strictB\r\n\x0b_envd_token"Z\n\rResumeRequest\x121\n\x04spec\x18\x01 \x01(\x0b2\x1d.agentenv.node.v1.SandboxSpecR\x04spec\x12\x16\n\x06memory\x18\x02 \x01(\x08R\x06memory"E\n\x10InitGuestRequest\x121\n\x04spec\x18\x01 \x01(\x0b2\x1d.agentenv.node.v1.SandboxSpecR\x04spec"g\n\x13GuestMetricsRequest\x12\x1d\n\nruntime_id\x18\x01 \x01(\tR\truntimeId\x12"\n\nenvd_token\x18\x02 \x01(\tH\x00R\tenvdToken\x88\x01\x01B\r\n\x0b_envd_token"0\n\x0cOptionalJson\x12\x17\n\x04json\x18\x01 \x01(\tH\x00R\x04json\x88\x01\x01B\x07\n\x05_json"0\n\x0cOptionalText\x12\x17\n\x04text\x18\x01 \x01(\tH\x00R\x04text\x88\x01\x01B\x07\n\x05_text"%\n\rAliveResponse\x12\x14\n\x05alive\x18\x01 \x01(\x08R\x05alive"L\n\x0cFindResponse\x122\n\x05found\x18\x01 \x01(\x0b2\x17.agentenv.node.v1.FoundH\x00R\x05found\x88\x01\x01B\x08\n\x06_found"5\n\x12SandboxIdsResponse\x12\x1f\n\x0bruntime_ids\x18\x01 \x03(\tR\nruntimeIds"\x9d\x01\n\x0fSnapshotRequest\x12\x1d\n\nruntime_id\x18\x01 \x01(\tR\truntimeId\x12\x17\n\x04name\x18\x02 \x01(\tH\x00R\x04name\x88\x01\x01\x12"\n\nenvd_token\x18\x03 \x01(\tH\x01R\tenvdToken\x88\x01\x01\x12\x16\n\x06memory\x18\x04 \x01(\x08R\x06memoryB\x07\n\x05_nameB\r\n\x0b_envd_token"\x9a\x01\n\x0bForkRequest\x12\x1d\n\nruntime_id\x18\x01 \x01(\tR\truntimeId\x129\n\x08children\x18\x02 \x03(\x0b2\x1d.agentenv.node.v1.SandboxSpecR\x08children\x12"\n\nenvd_token\x18\x03 \x01(\tH\x00R\tenvdToken\x88\x01\x01B\r\n\x0b_envd_token"K\n\x0cForkResponse\x12;\n\nplacements\x18\x01 \x03(\x0b2\x1b.agentenv.node.v1.PlacementR\nplacements"Q\n\x11SnapshotsResponse\x12<\n\tsnapshots\x18\x01 \x03(\x0b2\x1e.agentenv.node.v1.SnapshotInfoR\tsnapshots".\n\x0bSnapshotRef\x12\x1f\n\x0bsnapshot_id\x18\x01 \x01(\tR\nsnapshotId"+\n\x0fDeletedResponse\x12\x18\n\x07deleted\x18\x01 \x01(\x08R\x07deleted"\x1e\n\x08ImageRef\x12\x12\n\x04name\x18\x01 \x01(\tR\x04name"\x96\x01\n\x12ImportImageRequest\x12\x10\n\x03ref\x18\x01 \x01(\tR\x03ref\x12\x12\n\x04name\x18\x02 \x01(\tR\x04name\x12\x1f\n\x08username\x18\x03 \x01(\tH\x00R\x08username\x88\x01\x01\x12\x1f\n\x08password\x18\x04 \x01(\tH\x01R\x08password\x88\x01\x01B\x0b\n\t_usernameB\x0b\n\t_password"\x96\x01\n\x0bImportEvent\x12\x18\n\x07message\x18\x01 \x01(\tR\x07message\x12"\n\nlayer_json\x18\x02 \x01(\tH\x00R\tlayerJson\x88\x01\x01\x12(\n\rtemplate_json\x18\x03 \x01(\tH\x01R\x0ctemplateJson\x88\x01\x01B\r\n\x0b_layer_jsonB\x10\n\x0e_template_json"6\n\x13NoteActivityRequest\x12\x1f\n\x0bruntime_ids\x18\x01 \x03(\tR\nruntimeIds"Z\n\x12HostMemoryResponse\x129\n\x06memory\x18\x01 \x01(\x0b2\x1c.agentenv.node.v1.HostMemoryH\x00R\x06memory\x88\x01\x01B\t\n\x07_memory"E\n\x10WatchLostRequest\x12\x14\n\x05epoch\x18\x01 \x01(\tR\x05epoch\x12\x1b\n\tafter_seq\x18\x02 \x01(\x04R\x08afterSeq"\x82\x01\n\tLostEvent\x12\x14\n\x05epoch\x18\x01 \x01(\tR\x05epoch\x12\x10\n\x03seq\x18\x02 \x01(\x04R\x03seq\x12\x1d\n\nruntime_id\x18\x03 \x01(\tR\truntimeId\x12\x10\n\x03why\x18\x04 \x01(\tR\x03why\x12\x1c\n\theartbeat\x18\x05 \x01(\x08R\theartbeat2\xa3\r\n\x0bNodeService\x12N\n\x06Create\x12\x1f.agentenv.node.v1.CreateRequest\x1a#.agentenv.node.v1.PlacementResponse\x12N\n\x0cUpdateEgress\x12%.agentenv.node.v1.UpdateEgressRequest\x1a\x17.agentenv.node.v1.Empty\x12?\n\x06Delete\x12\x1c.agentenv.node.v1.SandboxRef\x1a\x17.agentenv.node.v1.Empty\x12?\n\x06Forget\x12\x1c.agentenv.node.v1.SandboxRef\x1a\x17.agentenv.node.v1.Empty\x12@\n\x05Pause\x12\x1e.agentenv.node.v1.PauseRequest\x1a\x17.agentenv.node.v1.Empty\x12N\n\x06Resume\x12\x1f.agentenv.node.v1.ResumeRequest\x1a#.agentenv.node.v1.PlacementResponse\x12H\n\tInitGuest\x12".agentenv.node.v1.InitGuestRequest\x1a\x17.agentenv.node.v1.Empty\x12U\n\x0cGuestMetrics\x12%.agentenv.node.v1.GuestMetricsRequest\x1a\x1e.agentenv.node.v1.OptionalJson\x12K\n\x0bGuestHealth\x12\x1c.agentenv.node.v1.SandboxRef\x1a\x1e.agentenv.node.v1.OptionalText\x12H\n\x07IsAlive\x12\x1c.agentenv.node.v1.SandboxRef\x1a\x1f.agentenv.node.v1.AliveResponse\x12D\n\x04Find\x12\x1c.agentenv.node.v1.SandboxRef\x1a\x1e.agentenv.node.v1.FindResponse\x12K\n\nSandboxIds\x12\x17.agentenv.node.v1.Empty\x1a$.agentenv.node.v1.SandboxIdsResponse\x12J\n\nLostReason\x12\x1c.agentenv.node.v1.SandboxRef\x1a\x1e.agentenv.node.v1.OptionalText\x12N\n\tWatchLost\x12".agentenv.node.v1.WatchLostRequest\x1a\x1b.agentenv.node.v1.LostEvent0\x01\x12M\n\x08Snapshot\x12!.agentenv.node.v1.SnapshotRequest\x1a\x1e.agentenv.node.v1.SnapshotInfo\x12E\n\x04Fork\x12\x1d.agentenv.node.v1.ForkRequest\x1a\x1e.agentenv.node.v1.ForkResponse\x12I\n\tSnapshots\x12\x17.agentenv.node.v1.Empty\x1a#.agentenv.node.v1.SnapshotsResponse\x12R\n\x0eDeleteSnapshot\x12\x1d.agentenv.node.v1.SnapshotRef\x1a!.agentenv.node.v1.DeletedResponse\x12L\n\x0bRemoveImage\x12\x1a.agentenv.node.v1.ImageRef\x1a!.agentenv.node.v1.DeletedResponse\x12T\n\x0bImportImage\x12$.agentenv.node.v1.ImportImageRequest\x1a\x1d.agentenv.node.v1.ImportEvent0\x01\x12N\n\x0cNoteActivity\x12%.agentenv.node.v1.NoteActivityRequest\x1a\x17.agentenv.node.v1.Empty\x12P\n\nHostMemory\x12\x1c.agentenv.node.v1.SandboxRef\x1a$.agentenv.node.v1.HostMemoryResponseb\x06proto3',
+    b'\n\nnode.proto\x12\x10agentenv.node.v1"\xb0\x01\n\x06Egress\x12\x1a\n\x08internet\x18\x01 \x01(\x08R\x08internet\x12\x1b\n\tallow_out\x18\x02 \x03(\tR\x08allowOut\x12\x19\n\x08deny_out\x18\x03 \x03(\tR\x07denyOut\x12B\n\x0bdns_servers\x18\x04 \x01(\x0b2\x1c.agentenv.node.v1.DnsServersH\x00R\ndnsServers\x88\x01\x01B\x0e\n\x0c_dns_servers"&\n\nDnsServers\x12\x18\n\x07servers\x18\x01 \x03(\tR\x07servers"\x9d\x04\n\x0bSandboxSpec\x12\x1d\n\nsandbox_id\x18\x01 \x01(\tR\tsandboxId\x12\x1a\n\x08template\x18\x02 \x01(\tR\x08template\x12\x10\n\x03cpu\x18\x03 \x01(\x05R\x03cpu\x12\x1b\n\tmemory_mb\x18\x04 \x01(\x05R\x08memoryMb\x12%\n\x0cdisk_size_mb\x18\x05 \x01(\x03H\x00R\ndiskSizeMb\x88\x01\x01\x120\n\x06egress\x18\x06 \x01(\x0b2\x18.agentenv.node.v1.EgressR\x06egress\x12E\n\x08env_vars\x18\x07 \x03(\x0b2*.agentenv.node.v1.SandboxSpec.EnvVarsEntryR\x07envVars\x12"\n\nenvd_token\x18\x08 \x01(\tH\x01R\tenvdToken\x88\x01\x01\x12G\n\x08metadata\x18\t \x03(\x0b2+.agentenv.node.v1.SandboxSpec.MetadataEntryR\x08metadata\x1a:\n\x0cEnvVarsEntry\x12\x10\n\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\x1a;\n\rMetadataEntry\x12\x10\n\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n\x05value\x18\x02 \x01(\tR\x05value:\x028\x01B\x0f\n\r_disk_size_mbB\r\n\x0b_envd_token"w\n\tPlacement\x12\x1d\n\nsandbox_id\x18\x01 \x01(\tR\tsandboxId\x12\x18\n\x07address\x18\x02 \x01(\tR\x07address\x12\x19\n\x08envd_url\x18\x03 \x01(\tR\x07envdUrl\x12\x16\n\x06booted\x18\x04 \x01(\x08R\x06booted"\x83\x01\n\x05Found\x12\x14\n\x05state\x18\x01 \x01(\tR\x05state\x12>\n\tplacement\x18\x02 \x01(\x0b2\x1b.agentenv.node.v1.PlacementH\x00R\tplacement\x88\x01\x01\x12\x16\n\x06memory\x18\x03 \x01(\x08R\x06memoryB\x0c\n\n_placement"\xab\x01\n\x0cSnapshotInfo\x12\x1f\n\x0bsnapshot_id\x18\x01 \x01(\tR\nsnapshotId\x12\x14\n\x05names\x18\x02 \x03(\tR\x05names\x12\x16\n\x06source\x18\x03 \x01(\tR\x06source\x12\x1d\n\ncreated_at\x18\x04 \x01(\x01R\tcreatedAt\x12\x10\n\x03cpu\x18\x05 \x01(\x05R\x03cpu\x12\x1b\n\tmemory_mb\x18\x06 \x01(\x05R\x08memoryMb"\x83\x01\n\nHostMemory\x12\x10\n\x03rss\x18\x01 \x01(\x03R\x03rss\x12\x10\n\x03pss\x18\x02 \x01(\x03R\x03pss\x12\x19\n\x08pss_anon\x18\x03 \x01(\x03R\x07pssAnon\x12\x19\n\x08pss_file\x18\x04 \x01(\x03R\x07pssFile\x12\x1b\n\tpss_shmem\x18\x05 \x01(\x03R\x08pssShmem"\xe7\x01\n\x07Failure\x12\x12\n\x04kind\x18\x01 \x01(\tR\x04kind\x12\x18\n\x07message\x18\x02 \x01(\tR\x07message\x12$\n\x0bretry_after\x18\x03 \x01(\x05H\x00R\nretryAfter\x88\x01\x01\x12=\n\x06fields\x18\x04 \x03(\x0b2%.agentenv.node.v1.Failure.FieldsEntryR\x06fields\x1a9\n\x0bFieldsEntry\x12\x10\n\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n\x05value\x18\x02 \x01(\tR\x05value:\x028\x01B\x0e\n\x0c_retry_after"+\n\nSandboxRef\x12\x1d\n\nsandbox_id\x18\x01 \x01(\tR\tsandboxId"\x07\n\x05Empty"B\n\rCreateRequest\x121\n\x04spec\x18\x01 \x01(\x0b2\x1d.agentenv.node.v1.SandboxSpecR\x04spec"N\n\x11PlacementResponse\x129\n\tplacement\x18\x01 \x01(\x0b2\x1b.agentenv.node.v1.PlacementR\tplacement"f\n\x13UpdateEgressRequest\x12\x1d\n\nsandbox_id\x18\x01 \x01(\tR\tsandboxId\x120\n\x06egress\x18\x02 \x01(\x0b2\x18.agentenv.node.v1.EgressR\x06egress"\x90\x01\n\x0cPauseRequest\x12\x1d\n\nsandbox_id\x18\x01 \x01(\tR\tsandboxId\x12\x16\n\x06memory\x18\x02 \x01(\x08R\x06memory\x12"\n\nenvd_token\x18\x03 \x01(\tH\x00R\tenvdToken\x88\x01\x01\x12\x16\n\x06strict\x18\x04 \x01(\x08R\x06strictB\r\n\x0b_envd_token"Z\n\rResumeRequest\x121\n\x04spec\x18\x01 \x01(\x0b2\x1d.agentenv.node.v1.SandboxSpecR\x04spec\x12\x16\n\x06memory\x18\x02 \x01(\x08R\x06memory"E\n\x10InitGuestRequest\x121\n\x04spec\x18\x01 \x01(\x0b2\x1d.agentenv.node.v1.SandboxSpecR\x04spec"g\n\x13GuestMetricsRequest\x12\x1d\n\nsandbox_id\x18\x01 \x01(\tR\tsandboxId\x12"\n\nenvd_token\x18\x02 \x01(\tH\x00R\tenvdToken\x88\x01\x01B\r\n\x0b_envd_token"0\n\x0cOptionalJson\x12\x17\n\x04json\x18\x01 \x01(\tH\x00R\x04json\x88\x01\x01B\x07\n\x05_json"0\n\x0cOptionalText\x12\x17\n\x04text\x18\x01 \x01(\tH\x00R\x04text\x88\x01\x01B\x07\n\x05_text"%\n\rAliveResponse\x12\x14\n\x05alive\x18\x01 \x01(\x08R\x05alive"L\n\x0cFindResponse\x122\n\x05found\x18\x01 \x01(\x0b2\x17.agentenv.node.v1.FoundH\x00R\x05found\x88\x01\x01B\x08\n\x06_found"5\n\x12SandboxIdsResponse\x12\x1f\n\x0bsandbox_ids\x18\x01 \x03(\tR\nsandboxIds"\x9d\x01\n\x0fSnapshotRequest\x12\x1d\n\nsandbox_id\x18\x01 \x01(\tR\tsandboxId\x12\x17\n\x04name\x18\x02 \x01(\tH\x00R\x04name\x88\x01\x01\x12"\n\nenvd_token\x18\x03 \x01(\tH\x01R\tenvdToken\x88\x01\x01\x12\x16\n\x06memory\x18\x04 \x01(\x08R\x06memoryB\x07\n\x05_nameB\r\n\x0b_envd_token"\x9a\x01\n\x0bForkRequest\x12\x1d\n\nsandbox_id\x18\x01 \x01(\tR\tsandboxId\x129\n\x08children\x18\x02 \x03(\x0b2\x1d.agentenv.node.v1.SandboxSpecR\x08children\x12"\n\nenvd_token\x18\x03 \x01(\tH\x00R\tenvdToken\x88\x01\x01B\r\n\x0b_envd_token"K\n\x0cForkResponse\x12;\n\nplacements\x18\x01 \x03(\x0b2\x1b.agentenv.node.v1.PlacementR\nplacements"Q\n\x11SnapshotsResponse\x12<\n\tsnapshots\x18\x01 \x03(\x0b2\x1e.agentenv.node.v1.SnapshotInfoR\tsnapshots".\n\x0bSnapshotRef\x12\x1f\n\x0bsnapshot_id\x18\x01 \x01(\tR\nsnapshotId"+\n\x0fDeletedResponse\x12\x18\n\x07deleted\x18\x01 \x01(\x08R\x07deleted"\x1e\n\x08ImageRef\x12\x12\n\x04name\x18\x01 \x01(\tR\x04name"\x96\x01\n\x12ImportImageRequest\x12\x10\n\x03ref\x18\x01 \x01(\tR\x03ref\x12\x12\n\x04name\x18\x02 \x01(\tR\x04name\x12\x1f\n\x08username\x18\x03 \x01(\tH\x00R\x08username\x88\x01\x01\x12\x1f\n\x08password\x18\x04 \x01(\tH\x01R\x08password\x88\x01\x01B\x0b\n\t_usernameB\x0b\n\t_password"\x96\x01\n\x0bImportEvent\x12\x18\n\x07message\x18\x01 \x01(\tR\x07message\x12"\n\nlayer_json\x18\x02 \x01(\tH\x00R\tlayerJson\x88\x01\x01\x12(\n\rtemplate_json\x18\x03 \x01(\tH\x01R\x0ctemplateJson\x88\x01\x01B\r\n\x0b_layer_jsonB\x10\n\x0e_template_json"6\n\x13NoteActivityRequest\x12\x1f\n\x0bsandbox_ids\x18\x01 \x03(\tR\nsandboxIds"Z\n\x12HostMemoryResponse\x129\n\x06memory\x18\x01 \x01(\x0b2\x1c.agentenv.node.v1.HostMemoryH\x00R\x06memory\x88\x01\x01B\t\n\x07_memory"E\n\x10WatchLostRequest\x12\x14\n\x05epoch\x18\x01 \x01(\tR\x05epoch\x12\x1b\n\tafter_seq\x18\x02 \x01(\x04R\x08afterSeq"\x82\x01\n\tLostEvent\x12\x14\n\x05epoch\x18\x01 \x01(\tR\x05epoch\x12\x10\n\x03seq\x18\x02 \x01(\x04R\x03seq\x12\x1d\n\nsandbox_id\x18\x03 \x01(\tR\tsandboxId\x12\x10\n\x03why\x18\x04 \x01(\tR\x03why\x12\x1c\n\theartbeat\x18\x05 \x01(\x08R\theartbeat2\xa3\r\n\x0bNodeService\x12N\n\x06Create\x12\x1f.agentenv.node.v1.CreateRequest\x1a#.agentenv.node.v1.PlacementResponse\x12N\n\x0cUpdateEgress\x12%.agentenv.node.v1.UpdateEgressRequest\x1a\x17.agentenv.node.v1.Empty\x12?\n\x06Delete\x12\x1c.agentenv.node.v1.SandboxRef\x1a\x17.agentenv.node.v1.Empty\x12?\n\x06Forget\x12\x1c.agentenv.node.v1.SandboxRef\x1a\x17.agentenv.node.v1.Empty\x12@\n\x05Pause\x12\x1e.agentenv.node.v1.PauseRequest\x1a\x17.agentenv.node.v1.Empty\x12N\n\x06Resume\x12\x1f.agentenv.node.v1.ResumeRequest\x1a#.agentenv.node.v1.PlacementResponse\x12H\n\tInitGuest\x12".agentenv.node.v1.InitGuestRequest\x1a\x17.agentenv.node.v1.Empty\x12U\n\x0cGuestMetrics\x12%.agentenv.node.v1.GuestMetricsRequest\x1a\x1e.agentenv.node.v1.OptionalJson\x12K\n\x0bGuestHealth\x12\x1c.agentenv.node.v1.SandboxRef\x1a\x1e.agentenv.node.v1.OptionalText\x12H\n\x07IsAlive\x12\x1c.agentenv.node.v1.SandboxRef\x1a\x1f.agentenv.node.v1.AliveResponse\x12D\n\x04Find\x12\x1c.agentenv.node.v1.SandboxRef\x1a\x1e.agentenv.node.v1.FindResponse\x12K\n\nSandboxIds\x12\x17.agentenv.node.v1.Empty\x1a$.agentenv.node.v1.SandboxIdsResponse\x12J\n\nLostReason\x12\x1c.agentenv.node.v1.SandboxRef\x1a\x1e.agentenv.node.v1.OptionalText\x12N\n\tWatchLost\x12".agentenv.node.v1.WatchLostRequest\x1a\x1b.agentenv.node.v1.LostEvent0\x01\x12M\n\x08Snapshot\x12!.agentenv.node.v1.SnapshotRequest\x1a\x1e.agentenv.node.v1.SnapshotInfo\x12E\n\x04Fork\x12\x1d.agentenv.node.v1.ForkRequest\x1a\x1e.agentenv.node.v1.ForkResponse\x12I\n\tSnapshots\x12\x17.agentenv.node.v1.Empty\x1a#.agentenv.node.v1.SnapshotsResponse\x12R\n\x0eDeleteSnapshot\x12\x1d.agentenv.node.v1.SnapshotRef\x1a!.agentenv.node.v1.DeletedResponse\x12L\n\x0bRemoveImage\x12\x1a.agentenv.node.v1.ImageRef\x1a!.agentenv.node.v1.DeletedResponse\x12T\n\x0bImportImage\x12$.agentenv.node.v1.ImportImageRequest\x1a\x1d.agentenv.node.v1.ImportEvent0\x01\x12N\n\x0cNoteActivity\x12%.agentenv.node.v1.NoteActivityRequest\x1a\x17.agentenv.node.v1.Empty\x12P\n\nHostMemory\x12\x1c.agentenv.node.v1.SandboxRef\x1a$.agentenv.node.v1.HostMemoryResponseb\x06proto3',
     [],
     {
         "Egress": Egress,
