@@ -16,9 +16,10 @@ from typing import Any
 import pytest
 
 from agentenv.config import Settings
+from agentenv.contract.ids import new_sandbox_id
 from agentenv.guest.envd.client import EnvdClient, EnvdError
 from agentenv.node.errors import InvalidResources
-from agentenv.node.host import GuestInit, Node, SandboxHandle, new_sandbox_id
+from agentenv.node.host import GuestInit, Node, SandboxHandle
 from agentenv.node.warm import Shape
 from agentenv.template.catalog import TemplateCatalog
 from agentenv.vmm import registry as vm_registry

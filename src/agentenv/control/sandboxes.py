@@ -14,7 +14,6 @@ import asyncio
 import contextlib
 import logging
 import secrets
-import string
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field, replace
@@ -31,6 +30,7 @@ from agentenv.contract.errors import (
     TemplateNotFound,
     Unavailable,
 )
+from agentenv.contract.ids import new_sandbox_id
 from agentenv.contract.runtime import (
     HostMemory,
     Lost,
@@ -75,7 +75,6 @@ DEFAULT_TIMEOUT_S = 300
 # How long a pause with `requireHealthyGuest` waits for envd's `/health` before refusing.
 ENVD_HEALTH_TIMEOUT_S = 5.0
 MAX_TIMEOUT_S = 24 * 3600
-_ID_ALPHABET = string.ascii_lowercase + string.digits
 # How often the reaper looks for expired sandboxes when nothing is due sooner.
 _REAPER_TICK_S = 1.0
 # How often paused sandboxes are checked against the retention limit (at most; a shorter
@@ -98,11 +97,6 @@ def egress_of(rec: SandboxRecord) -> Egress:
         deny_out=rec.network.get("denyOut", []),
         dns_servers=rec.network.get("dnsServers"),
     )
-
-
-def new_sandbox_id() -> str:
-    # Lowercase alphanumerics only: the id must be usable as a DNS label in `{port}-{id}.{domain}`.
-    return "i" + "".join(secrets.choice(_ID_ALPHABET) for _ in range(19))
 
 
 @dataclass

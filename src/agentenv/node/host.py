@@ -26,7 +26,6 @@ import os
 import secrets
 import shutil
 import signal
-import string
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -37,6 +36,7 @@ import httpx
 
 from agentenv import snapshot as snaps
 from agentenv.config import ENVD_PORT, Settings
+from agentenv.contract.ids import is_sandbox_id, new_sandbox_id
 from agentenv.contract.runtime import HostMemory
 from agentenv.faults import crash_point
 from agentenv.guest.envd.client import EnvdClient, EnvdError
@@ -95,7 +95,6 @@ from agentenv.vmm.qemu import QemuVM, remove_socket
 
 log = logging.getLogger(__name__)
 
-_ID_ALPHABET = string.ascii_lowercase + string.digits
 HEALTH_POLL_S = 0.1
 HEALTH_REQUEST_TIMEOUT_S = 2.0
 ROOTFS = "rootfs.qcow2"
@@ -152,10 +151,6 @@ class GuestInit:
 
 
 NO_INIT = GuestInit()
-
-
-def new_sandbox_id() -> str:
-    return "i" + "".join(secrets.choice(_ID_ALPHABET) for _ in range(19))
 
 
 @dataclass
@@ -669,11 +664,7 @@ class Node:
 
     def _check_new_id(self, sandbox_id: str) -> None:
         """An id the caller chose: a DNS label of ours, not held by anything here."""
-        if not (
-            len(sandbox_id) == 20
-            and sandbox_id[0] == "i"
-            and all(c in _ID_ALPHABET for c in sandbox_id[1:])
-        ):
+        if not is_sandbox_id(sandbox_id):
             raise InvalidResources(
                 f"sandbox id {sandbox_id!r} is not 'i' and 19 lowercase letters or digits"
             )
