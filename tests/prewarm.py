@@ -1,8 +1,9 @@
 """Build, while scripts/test lints and type-checks, what the VM test modules would otherwise
 wait for when they start: the run's seed data dir (`base` and its template snapshot, which
-`prepare_home` clones: every worker's first VM module waits on it) and the `docker`
-template's image (a debootstrap of its own). On an empty cache both are downloads and
-package unpacking that lint's minute of CPU leaves room for.
+`prepare_home` clones: every worker's first VM module waits on it), the `docker` template's
+image (a debootstrap of its own) and the `code-interpreter-v1` image (its wheels). On an
+empty cache these are mostly downloads and package unpacking, which lint's minute of CPU
+leaves room for.
 
 Run as ``python tests/prewarm.py SEED_HOME``. The workers' own calls take the same locks
 (the seed's lock file, the artifact cache's), so a test that starts first simply waits,
@@ -17,6 +18,7 @@ from pathlib import Path
 
 from agentenv.api.devserver import ensure_seed
 from agentenv.config import Settings
+from agentenv.template.code_interpreter import ensure_code_interpreter_image
 from agentenv.template.docker import ensure_docker_image
 
 
@@ -27,6 +29,9 @@ def main(seed: Path) -> None:
     t1 = time.monotonic()
     ensure_docker_image(Settings.from_env(), None)
     print(f"docker template image ready in {time.monotonic() - t1:.1f}s", flush=True)
+    t2 = time.monotonic()
+    ensure_code_interpreter_image(Settings.from_env(), None)
+    print(f"code-interpreter image ready in {time.monotonic() - t2:.1f}s", flush=True)
 
 
 if __name__ == "__main__":

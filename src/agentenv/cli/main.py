@@ -43,16 +43,24 @@ def setup(
         "--with-docker",
         help="Also build the `docker` template: Docker Engine and Compose v2 (Debian trixie).",
     ),
+    with_code_interpreter: bool = typer.Option(
+        False,
+        "--with-code-interpreter",
+        help="Also build the `code-interpreter-v1` template (alias `code-interpreter`): the "
+        "E2B code-interpreter server with Python and bash kernels, numpy, pandas, matplotlib.",
+    ),
 ) -> None:
     """Install host packages; build the guest kernel, tools layer and `base` template (and
-    with --with-docker the `docker` template, 1-1.5 min more on a cold cache).
+    with --with-docker the `docker` template, 1-1.5 min more on a cold cache; with
+    --with-code-interpreter `code-interpreter-v1`, about a minute more, which a create that
+    names it otherwise builds on first use).
 
     Everything is cached by its inputs, so a second run is a cache hit that takes seconds.
     """
     from agentenv.cli.progress import step_progress
     from agentenv.hostdeps import ensure_host_packages, ensure_test_commands
     from agentenv.snapshot import ensure_template_snapshot
-    from agentenv.template import docker
+    from agentenv.template import code_interpreter, docker
     from agentenv.template.artifacts import ensure_all
     from agentenv.template.rootfs import ensure_base
     from agentenv.vmm.ramshim import ensure_ram_shim
@@ -70,6 +78,8 @@ def setup(
         templates = [template]
         if with_docker:
             templates.append(docker.ensure_docker(settings, progress))
+        if with_code_interpreter:
+            templates.append(code_interpreter.ensure_code_interpreter(settings, progress))
         snapshots = []
         if settings.snapshots:
             # Templates are snapshots: boot each once in the default shape and capture it,

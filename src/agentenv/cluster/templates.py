@@ -14,11 +14,13 @@ unknown template is here.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Awaitable, Callable
 
 from agentenv.cluster.catalog import SharedCatalog
 from agentenv.contract.errors import BadRequest
 from agentenv.contract.runtime import (
+    ON_DEMAND_TEMPLATES,
     SNAPSHOT_ID,
     TemplateInfo,
     TemplateSource,
@@ -41,9 +43,10 @@ class ClusterTemplates:
         self.settings: object = getattr(local, "settings", None)
 
     async def get(self, name: str) -> TemplateInfo:
-        found = await self.catalog.get(name)
+        real = ON_DEMAND_TEMPLATES.get(name, name)
+        found = await self.catalog.get(real)
         if found is not None:
-            return found
+            return found if real == name else dataclasses.replace(found, template_id=real)
         try:
             return await self.local.get(name)
         except TemplateUnavailable:

@@ -307,6 +307,26 @@ class TemplateInfo:
         )
 
 
+# Templates a node builds on the first create that names one (`node.ondemand`), by every
+# name a create may use, mapped to the catalog name: the E2B code-interpreter SDKs create
+# from `code-interpreter-v1` with no setup step of their own.
+ON_DEMAND_TEMPLATES = {
+    "code-interpreter-v1": "code-interpreter-v1",
+    "code-interpreter": "code-interpreter-v1",
+}
+
+
+def on_demand_info(name: str) -> TemplateInfo | None:
+    """What a template source answers for an on-demand template that is not built yet (None
+    for any other name): sizes unknown (0), so the request's values or the defaults are
+    recorded; the node answers the create 503 + Retry-After while it builds."""
+    real = ON_DEMAND_TEMPLATES.get(name)
+    if real is None:
+        return None
+    return TemplateInfo(name=real, size_mb=0, created_at=0.0, updated_at=0.0, cpu=0,
+                        memory_mb=0, template_id=real)  # fmt: skip
+
+
 class TemplateSource(Protocol):
     async def get(self, name: str) -> TemplateInfo:
         """Raises ``TemplateUnavailable`` for an unknown name. Async: a cluster's built

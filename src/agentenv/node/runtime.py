@@ -18,6 +18,7 @@ from agentenv.config import Settings
 from agentenv.contract.errors import BadRequest, InsufficientStorage, Unavailable
 from agentenv.contract.nodes import NodeDirectory, NodeStatus, UnknownNode
 from agentenv.contract.runtime import (
+    ON_DEMAND_TEMPLATES,
     SNAPSHOT_ID,
     Found,
     HostMemory,
@@ -29,6 +30,7 @@ from agentenv.contract.runtime import (
     TemplateInfo,
     TemplateUnavailable,
     Unsupported,
+    on_demand_info,
 )
 from agentenv.network.egress import Egress
 from agentenv.node.errors import (
@@ -40,6 +42,7 @@ from agentenv.node.errors import (
     UnknownTemplate,
 )
 from agentenv.node.host import GuestInit, Node, SandboxHandle
+from agentenv.node.ondemand import OnDemandTemplates
 from agentenv.objstore import ObjectStore, ObjectStoreError
 from agentenv.oci.progress import LayerProgress
 from agentenv.snapshot.fork import MAX_CHILDREN
@@ -140,6 +143,12 @@ class NodeRuntime:
         # republishes it before the call answers, so the cluster places the build sandbox
         # here (or no longer resolves the removed one).
         self.after_import: Callable[[], Awaitable[None]] | None = None
+        # Templates built on their first create (code-interpreter-v1).
+        self.on_demand = OnDemandTemplates(self.node.settings, self._catalog_changed)
+
+    async def _catalog_changed(self) -> None:
+        if self.after_import is not None:
+            await self.after_import()
 
     def status(self, node_id: str = LOCAL_NODE, rpc_url: str = "", version: str = "") -> NodeStatus:
         """This node as `GET /nodes` shows it, and as an agent publishes its load."""
@@ -179,6 +188,7 @@ class NodeRuntime:
             self.objects = objects
 
     async def close(self) -> None:
+        await self.on_demand.close()
         await self.node.close()
         if self.objects is not None:
             await self.objects.close()
@@ -235,11 +245,12 @@ class NodeRuntime:
 
     async def create(self, spec: SandboxSpec) -> Placement:
         self._refuse_if_cordoned(f"create of {spec.sandbox_id}")
-        await self._fetch_snapshot(spec.template)
+        template = await self.on_demand.resolve(spec.template)
+        await self._fetch_snapshot(template)
         try:
             with _capacity(self.node.settings.home):
                 handle = await self.node.create(
-                    spec.template,
+                    template,
                     spec.cpu,
                     spec.memory_mb,
                     spec.disk_size_mb,
@@ -535,10 +546,14 @@ class CatalogTemplates:
         return await asyncio.to_thread(self._lookup, name)
 
     def _lookup(self, name: str) -> TemplateInfo:
+        real = ON_DEMAND_TEMPLATES.get(name, name)
         try:
-            return self._info(self.catalog.get(name))
+            found = self._info(self.catalog.get(real))
         except TemplateNotFound:
-            return self._snapshot(name)
+            pending = on_demand_info(name)
+            return pending if pending is not None else self._snapshot(name)
+        # An alias: its sandboxes report the template it stands for.
+        return found if real == name else dataclasses.replace(found, template_id=real)
 
     def catalog_infos(self) -> list[TemplateInfo]:
         return [self._info(t) for t in self.catalog.list()]

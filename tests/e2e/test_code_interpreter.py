@@ -1,0 +1,154 @@
+"""The `code-interpreter-v1` template on real microVMs, through the official
+`e2b-code-interpreter` SDK, offline.
+
+One server on a fresh (seeded) data dir that has never built the template: the first create,
+by the alias `code-interpreter`, is answered 503 + Retry-After while the node builds it
+(`node.ondemand`: the image from `base`'s, which `scripts/test` may have built ahead, then the
+template snapshot with the python kernel running), and succeeds once it is built. Then one
+sandbox carries the SDK checks, its state is kept across pause/resume and by fork children.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+from api.conftest import REQUEST_TIMEOUT_S, stop_and_check, use_sdk_env
+from e2b import TimeoutException
+from e2b_code_interpreter import Sandbox
+
+from agentenv.api.devserver import ServerProcess, prepare_home
+
+pytestmark = pytest.mark.vm
+
+# A first-use build: wheels (cached), the image (~1 min), the snapshot (a TCG boot with the
+# kernel starting, ~1 min). Polled, bounded.
+BUILD_LIMIT_S = 600
+RT = 120  # request timeout of SDK calls: a run_code under TCG takes seconds, not minutes
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    home = prepare_home(tmp_path_factory.mktemp("ci-home"))
+    srv = ServerProcess(home, ready_timeout_s=180).start()
+    restore_env = use_sdk_env(srv)
+    try:
+        yield srv
+    finally:
+        restore_env()
+        stop_and_check(srv)
+
+
+@pytest.fixture(scope="module")
+def api(server: ServerProcess) -> Iterator[httpx.Client]:
+    with httpx.Client(
+        base_url=server.url, headers={"X-API-Key": server.api_key}, timeout=REQUEST_TIMEOUT_S
+    ) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def sbx(server: ServerProcess, api: httpx.Client) -> Iterator[Sandbox]:
+    """A sandbox made through the first-use path: 503 + Retry-After until built, then 201."""
+    deadline = time.monotonic() + BUILD_LIMIT_S
+    answers: list[int] = []
+    while True:
+        resp = api.post("/sandboxes", json={"templateID": "code-interpreter", "timeout": 900})
+        answers.append(resp.status_code)
+        if resp.status_code != 503 or time.monotonic() > deadline:
+            break
+        assert "first use" in resp.json()["message"], resp.text
+        assert int(resp.headers["Retry-After"]) > 0
+        time.sleep(2)
+    assert resp.status_code == 201, (answers, resp.text, server.log_tail(40))
+    assert answers[0] == 503, "the template was there before its first use"
+    sandbox = Sandbox.connect(resp.json()["sandboxID"], request_timeout=RT)
+    try:
+        yield sandbox
+    finally:
+        sandbox.kill()
+
+
+def test_the_sdk_creates_by_its_default_template_and_runs_code(
+    sbx: Sandbox, server: ServerProcess
+) -> None:
+    # Built now: the SDK's own create (template code-interpreter-v1) is a plain resume.
+    other = Sandbox.create(timeout=300, request_timeout=RT)
+    try:
+        assert other.run_code("6 * 7", request_timeout=RT).text == "42"
+    finally:
+        other.kill()
+
+    seen: list[str] = []
+    ex = sbx.run_code(
+        "import sys\nx = 41\nprint('out', x)\nprint('err', file=sys.stderr)\nx + 1",
+        on_stdout=lambda m: seen.append(m.line),
+        request_timeout=RT,
+    )
+    assert ex.error is None, ex.error
+    assert ex.text == "42"
+    assert ex.logs.stdout == ["out 41\n"] and ex.logs.stderr == ["err\n"]
+    assert seen == ["out 41\n"]
+
+    ex = sbx.run_code("1 / 0", request_timeout=RT)
+    assert ex.error is not None and ex.error.name == "ZeroDivisionError"
+    assert "ZeroDivisionError" in ex.error.traceback
+
+    # The sandbox's env vars and a request's own, restored after it.
+    ex = sbx.run_code("import os; os.environ.get('CI_VAR')", envs={"CI_VAR": "set"})
+    assert ex.text == "set"
+    assert sbx.run_code("import os; os.environ.get('CI_VAR')").text is None
+
+
+def test_charts_tables_and_packages_come_from_the_template(sbx: Sandbox) -> None:
+    ex = sbx.run_code(
+        "import matplotlib.pyplot as plt\n"
+        "plt.plot([1, 2, 3], [1, 4, 9], label='sq')\nplt.title('squares')\nplt.show()",
+        request_timeout=RT,
+    )
+    assert ex.error is None, ex.error
+    figures = [r for r in ex.results if r.png]
+    assert figures, ex.results
+    chart: Any = figures[0].chart
+    assert chart is not None and chart.type.value == "line" and chart.title == "squares"
+    ex = sbx.run_code(
+        "import pandas as pd, numpy as np\npd.DataFrame({'a': np.arange(3)})", request_timeout=RT
+    )
+    assert ex.error is None and ex.results and ex.results[0].is_main_result
+    assert ex.results[0].data is not None or ex.results[0].html, ex.results[0]
+
+
+def test_contexts_bash_and_an_interrupted_run(sbx: Sandbox) -> None:
+    ctx = sbx.create_code_context(language="bash", cwd="/tmp", request_timeout=RT)
+    ex = sbx.run_code("echo hi from $PWD", context=ctx, request_timeout=RT)
+    assert ex.logs.stdout == ["hi from /tmp\n"], ex
+    assert ctx.id in {c.id for c in sbx.list_code_contexts()}
+    sbx.remove_code_context(ctx)
+    assert ctx.id not in {c.id for c in sbx.list_code_contexts()}
+
+    with pytest.raises(TimeoutException):
+        sbx.run_code("import time; time.sleep(60)", timeout=3, request_timeout=RT)
+    # The interrupted kernel runs the next cell, its state intact.
+    assert sbx.run_code("x", request_timeout=RT).text == "41"
+
+
+def test_kernel_state_survives_pause_and_fork(sbx: Sandbox, api: httpx.Client) -> None:
+    sbx.run_code("state = [1, 2, 3]", request_timeout=RT)
+    assert sbx.beta_pause(request_timeout=RT)
+    back = Sandbox.connect(sbx.sandbox_id, request_timeout=RT)
+    assert back.run_code("sum(state)", request_timeout=RT).text == "6"
+
+    resp = api.post(f"/sandboxes/{sbx.sandbox_id}/fork", json={"count": 2})
+    assert resp.status_code == 201, resp.text
+    kids = [Sandbox.connect(k["sandbox"]["sandboxID"], request_timeout=RT) for k in resp.json()]
+    try:
+        kids[0].run_code("state.append(4)", request_timeout=RT)
+        assert kids[0].run_code("sum(state)", request_timeout=RT).text == "10"
+        assert kids[1].run_code("sum(state)", request_timeout=RT).text == "6"
+        assert back.run_code("sum(state)", request_timeout=RT).text == "6"
+    finally:
+        for kid in kids:
+            kid.kill()
