@@ -36,6 +36,9 @@ class OnDemandTemplates:
         self.published = published
         self._build: asyncio.Task[None] | None = None
         self._failed: str | None = None
+        # The build key a current template has: its inputs (source digests, the base's key)
+        # are hashed once per process, not on every create that names it.
+        self._key: str | None = None
 
     async def resolve(self, template: str) -> str:
         """The catalog name `template` stands for, once it is there and current; raises
@@ -63,7 +66,9 @@ class OnDemandTemplates:
             tpl = TemplateCatalog(self.settings).get(ci.NAME)
         except TemplateNotFound:
             return False
-        return tpl.build_key == input_key(ci.code_interpreter_inputs())
+        if self._key is None:
+            self._key = input_key(ci.code_interpreter_inputs())
+        return tpl.build_key == self._key
 
     async def _run(self) -> None:
         s = self.settings
