@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+from pyroute2 import netns
 
 from agentenv.config import NetworkPlan
 from agentenv.network import (
@@ -21,7 +22,7 @@ from agentenv.network import (
     destroy_slot,
     slot_for,
 )
-from agentenv.network.slot import conntrack_entries
+from agentenv.network.slot import Slot, conntrack_entries, host_lock, made_here
 from agentenv.vmm.confine import vm_ids
 
 # Slots made in this process: the per-test leak check runs around these.
@@ -32,10 +33,29 @@ def sh(*argv: str) -> str:
     return subprocess.run(argv, capture_output=True, text=True, check=True).stdout
 
 
-def host_table_matches_slots() -> bool:
-    """The host table exists exactly while some slot (ours or another server's) exists."""
-    has_slots = any(n.startswith("ae-h") for n in sh("ip", "-br", "link").split())
-    return ("inet agentenv" in sh("nft", "list", "tables")) == has_slots
+def host_links() -> dict[str, int]:
+    return {d["ifname"]: d["ifindex"] for d in json.loads(sh("ip", "-j", "link"))}
+
+
+async def host_table_matches_slots() -> bool:
+    """The host table exists exactly while some slot (ours or another server's) exists. Read
+    under the host lock: other servers and test sessions on this host add and remove slots."""
+    async with host_lock("test: host table check"):
+        has_slots = any(n.startswith("ae-h") for n in host_links())
+        return ("inet agentenv" in sh("nft", "list", "tables")) == has_slots
+
+
+async def assert_released(slot: Slot, host_ifindex: int) -> None:
+    """The slot's links and namespace are gone. Checked under the host lock, and by what is
+    unique to this slot: another process on the host may already have taken its index again,
+    and then a namespace of the same name is that process's complete slot, with its own host
+    veth (interface indexes are not reused)."""
+    async with host_lock("test: slot release check"):
+        links = host_links()
+        assert host_ifindex not in links.values()
+        assert not made_here(slot.netns)
+        if slot.netns in netns.listnetns():
+            assert links.get(slot.host_veth, host_ifindex) != host_ifindex, slot
 
 
 def ns_links(netns: str) -> dict[str, dict[str, object]]:
@@ -59,6 +79,7 @@ def test_address_plan_is_per_slot_outside_and_identical_inside() -> None:
 async def test_create_and_destroy_slot() -> None:
     plan = NetworkPlan()
     slot = await create_slot(plan)
+    host_ifindex = host_links()[slot.host_veth]
     try:
         assert slot.netns in sh("ip", "netns", "list")
         links = ns_links(slot.netns)
@@ -100,9 +121,8 @@ async def test_create_and_destroy_slot() -> None:
             assert got.strip() == expected, (who, got)
     finally:
         await destroy_slot(slot)
-    assert slot.netns not in sh("ip", "netns", "list")
-    assert slot.host_veth not in sh("ip", "-br", "link")
-    assert host_table_matches_slots()
+    await assert_released(slot, host_ifindex)
+    assert await host_table_matches_slots()
 
 
 async def test_two_slots_get_distinct_addresses_and_same_inside() -> None:
@@ -123,7 +143,7 @@ async def test_two_slots_get_distinct_addresses_and_same_inside() -> None:
         assert "inet agentenv" in sh("nft", "list", "tables")
     finally:
         await destroy_slot(a)
-    assert host_table_matches_slots()
+    assert await host_table_matches_slots()
 
 
 async def test_custom_plan_is_honoured() -> None:
@@ -155,17 +175,18 @@ async def test_exhausted_range_raises() -> None:
 async def test_cleanup_stale_removes_leftovers() -> None:
     plan = NetworkPlan()
     slot = await create_slot(plan)
+    host_ifindex = host_links()[slot.host_veth]
     # Simulate a crash: the slot is forgotten without teardown. Other servers may share this
     # host, so only this test's slot is named.
     removed = await cleanup_stale(plan, only=[slot.index])
     assert slot.index in removed
-    assert slot.netns not in sh("ip", "netns", "list")
-    assert slot.host_veth not in sh("ip", "-br", "link")
+    await assert_released(slot, host_ifindex)
 
 
 async def test_cleanup_stale_keeps_slots_with_live_processes() -> None:
     plan = NetworkPlan()
     slot = await create_slot(plan)
+    host_ifindex = host_links()[slot.host_veth]
     # Any process inside the namespace marks it as owned by a live server.
     proc = await asyncio.create_subprocess_exec("ip", "netns", "exec", slot.netns, "sleep", "30")
     try:
@@ -179,7 +200,7 @@ async def test_cleanup_stale_keeps_slots_with_live_processes() -> None:
         assert slot.index in await cleanup_stale(plan, only=[slot.index])
     finally:
         await destroy_slot(slot)
-    assert slot.netns not in sh("ip", "netns", "list")
+    await assert_released(slot, host_ifindex)
 
 
 async def test_pool_watermarks() -> None:
@@ -189,6 +210,7 @@ async def test_pool_watermarks() -> None:
         assert pool.idle == 2
         s1 = await pool.acquire()
         s2 = await pool.acquire()
+        s1_ifindex = host_links()[s1.host_veth]
         assert pool.idle == 0 and {s1.index, s2.index} == {s.index for s in pool.busy}
         # Falling below `low` starts a refill up to `high`.
         for _ in range(100):
@@ -197,7 +219,7 @@ async def test_pool_watermarks() -> None:
             await asyncio.sleep(0.02)
         assert pool.idle == 2
         await pool.release(s1)  # pool is full: destroyed
-        assert s1.netns not in sh("ip", "netns", "list")
+        await assert_released(s1, s1_ifindex)
         pool.high = 3
         # Traffic to the slot address leaves a conntrack entry in its namespace (the guest
         # that would answer is absent, which does not matter to conntrack).
