@@ -13,7 +13,7 @@ import socket
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-ENVD_PORT = 49983
+from agentenv.ports import ENVD_PORT as ENVD_PORT  # for node/ and cli/, which import it here
 
 # The guest side of every network slot is identical, so a snapshot taken in one slot restores
 # into any other. Link-local space keeps it clear of every routed and RFC 1918 network.

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from agentenv.config import ENVD_PORT
+from agentenv.ports import ENVD_PORT
 from agentenv.proxy.forward import MASK_PORT_PLACEHOLDER, valid_authority
 
 

@@ -21,7 +21,7 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
-from agentenv.config import ENVD_PORT
+from agentenv.ports import ENVD_PORT
 
 TOOLS = Path("/.agentenv")
 BUSYBOX = str(TOOLS / "bin" / "busybox")

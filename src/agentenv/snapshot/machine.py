@@ -20,9 +20,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from agentenv.config import ENVD_PORT, Settings
+from agentenv.config import Settings
 from agentenv.guest.envd.client import EnvdClient
 from agentenv.network import Slot
+from agentenv.ports import ENVD_PORT
 from agentenv.snapshot.errors import RestoreFailed
 from agentenv.vmm.accel import AccelChoice, detect
 from agentenv.vmm.base import BootSource, DiskLimits, Drive, MachineSpec, NetIface

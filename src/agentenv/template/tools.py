@@ -239,9 +239,18 @@ def ensure_pydeps(settings: Settings, progress: ProgressFn | None = None) -> Pat
     return path / "site-packages"
 
 
-def agentenv_sources() -> list[Path]:
-    """The parts of our package the guest needs: no host-side code goes into the image."""
-    return [PACKAGE_DIR / "__init__.py", PACKAGE_DIR / "config.py", PACKAGE_DIR / "guest"]
+# Guest code that does not run from the tools layer: the code-interpreter server is installed
+# into its own template (`template.code_interpreter`), so editing it rebuilds only that.
+NOT_IN_TOOLS = frozenset({"interpreter", "__pycache__"})
+
+
+def guest_sources() -> list[Path]:
+    """The parts of our package the tools layer holds, and the only ones its key hashes: the
+    package marker, `agentenv.ports` and `agentenv.guest` (which imports nothing else of ours;
+    the `guest` import-linter contract holds it). No host-side code or setting goes in."""
+    guest = PACKAGE_DIR / "guest"
+    packed = sorted(p for p in guest.iterdir() if p.name not in NOT_IN_TOOLS)
+    return [PACKAGE_DIR / "__init__.py", PACKAGE_DIR / "ports.py", *packed]
 
 
 def tools_inputs(runtime: Path, pydeps: Path) -> dict[str, str]:
@@ -249,7 +258,7 @@ def tools_inputs(runtime: Path, pydeps: Path) -> dict[str, str]:
         "runtime": runtime.parent.name,
         "pydeps": pydeps.parent.name,
         "busybox": busybox_version(),
-        "agentenv": digest_files(*agentenv_sources()),
+        "agentenv": digest_files(*guest_sources()),
         "init": digest_files(TOOLS_INIT),
         "recipe": digest_files(Path(__file__)),
     }
@@ -292,11 +301,13 @@ def populate_tree(tree: Path, runtime: Path, pydeps: Path) -> None:
     pkg = site / "agentenv"
     pkg.mkdir()
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
-    for src in agentenv_sources():
+    for src in guest_sources():
+        dest = pkg / src.relative_to(PACKAGE_DIR)
+        dest.parent.mkdir(parents=True, exist_ok=True)
         if src.is_dir():
-            shutil.copytree(src, pkg / src.name, ignore=ignore)
+            shutil.copytree(src, dest, ignore=ignore)
         else:
-            shutil.copy2(src, pkg / src.name)
+            shutil.copy2(src, dest)
     # Byte-compile ahead: compiling at import time is slow under emulation and the drive is
     # read-only. unchecked-hash pycs stay valid whatever the file timestamps become.
     run(

@@ -58,7 +58,7 @@ def test_envd_imports_only_stdlib_requirements_and_itself() -> None:
             foreign.add(f"{module} (from {sorted(dists) or 'nowhere'})")
     assert not foreign, f"envd imports packages missing from requirements.txt: {sorted(foreign)}"
     own = {m for m in loaded if m.startswith("agentenv.")}
-    packed = {"agentenv.guest", "agentenv.config"}  # also in the tools layer (agentenv_sources)
+    packed = {"agentenv", "agentenv.guest", "agentenv.ports"}  # in the tools layer too
     outside = {m for m in own if not m.startswith("agentenv.guest.envd") and m not in packed}
     assert not outside, f"envd imports other agentenv packages: {sorted(outside)}"
 

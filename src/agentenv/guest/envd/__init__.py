@@ -14,9 +14,9 @@ it. Every gate up to 0.6.4 is implemented:
 - 0.6.3 `include_entry` on watch events; 0.6.4 `allow_network_mounts` (watching a network
   filesystem is refused unless it is set)
 
-Only the stdlib, this package, `agentenv.config` (its port, `ENVD_PORT`) and `requirements.txt`
+Only the stdlib, `agentenv.guest` (its port, `agentenv.ports.ENVD_PORT`) and `requirements.txt`
 may be imported from here: the guest runs envd from a self-contained runtime on the read-only
-tools drive, which holds `agentenv/config.py` too (`template.tools.agentenv_sources`).
+tools drive, which holds only `agentenv.guest` (`template.tools.guest_sources`).
 """
 
 ENVD_VERSION = "0.6.4"

@@ -8,7 +8,7 @@ import sys
 import types
 from pathlib import Path
 
-from agentenv.config import ENVD_PORT
+from agentenv.ports import ENVD_PORT
 
 from . import ENVD_VERSION
 
