@@ -22,8 +22,6 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
-
 from agentenv.build.progress import BuildProgress, receiver
 from agentenv.build.spec import BuildSpec, Step, chain_key
 from agentenv.build.state import BuildRecord, BuildStore, TemplateRecord
@@ -585,7 +583,7 @@ class Builder:
         try:
             async with EnvdClient(sandbox.envd_url, sandbox.envd_token) as envd:
                 await envd.init(default_user=ctx.user, default_workdir=ctx.workdir)
-        except (EnvdError, httpx.HTTPError) as exc:
+        except EnvdError as exc:
             raise StepFailed("finalize", f"envd /init failed: {exc}") from exc
         if spec.start_cmd:
             self.state.log(bid, f"Starting: {spec.start_cmd}", step="finalize")

@@ -18,8 +18,6 @@ power cut at that moment, which ext4's journal recovers at the next boot (E2B's
 
 from __future__ import annotations
 
-import httpx
-
 from agentenv.guest.envd.client import EnvdClient, EnvdError
 from agentenv.snapshot.errors import SnapshotError
 
@@ -41,7 +39,7 @@ async def guest_sync(
     try:
         async with EnvdClient(envd_url, access_token, timeout=timeout_s) as envd:
             res = await envd.run(SYNC, user="root", timeout=timeout_s, shell="/bin/sh")
-    except (EnvdError, httpx.HTTPError) as exc:
+    except EnvdError as exc:
         raise GuestSyncFailed(f"the guest's disk could not be synced through envd: {exc}") from exc
     if res.exit_code != 0:
         detail = (res.stderr.strip().splitlines() or [f"exit code {res.exit_code}"])[-1]

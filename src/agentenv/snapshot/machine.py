@@ -15,13 +15,12 @@ from __future__ import annotations
 import asyncio
 import enum
 import shutil
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from agentenv.config import Settings
-from agentenv.guest.envd.client import EnvdClient
+from agentenv.guest.envd.client import EnvdClient, EnvdError
 from agentenv.network import Slot
 from agentenv.ports import ENVD_PORT
 from agentenv.snapshot.errors import RestoreFailed
@@ -288,14 +287,12 @@ async def stream_to_memory_file(
 
 async def wait_envd(url: str, vm: QemuVM, timeout_s: float, poll_s: float = HEALTH_POLL_S) -> None:
     """Until envd answers `/health` through the slot; fails early if QEMU exits."""
-    deadline = time.monotonic() + timeout_s
-    last: str | None = "no answer"
+
+    def exited() -> str | None:
+        return None if vm.exit_code is None else f"QEMU exited with {vm.exit_code}"
+
     async with EnvdClient(url, timeout=2.0) as envd:
-        while time.monotonic() < deadline:
-            if vm.exit_code is not None:
-                raise RestoreFailed(f"{vm.name}: QEMU exited with {vm.exit_code}")
-            last = await envd.unhealthy(2.0)
-            if last is None:
-                return
-            await asyncio.sleep(poll_s)
-    raise RestoreFailed(f"{vm.name}: envd not healthy after {timeout_s:.0f}s ({last})")
+        try:
+            await envd.wait_healthy(timeout_s, poll_s, gone=exited)
+        except EnvdError as exc:
+            raise RestoreFailed(f"{vm.name}: {exc.message}") from exc

@@ -21,7 +21,7 @@ import pytest
 
 from agentenv.guest.envd import ENVD_VERSION
 from agentenv.guest.envd.app import parse_timestamp
-from agentenv.guest.envd.client import EnvdClient, EnvdError
+from agentenv.guest.envd.client import EnvdClient, EnvdError, EnvdTimeout, EnvdUnreachable
 from agentenv.guest.envd.errors import InvalidArgument
 
 from .conftest import EnvdProc
@@ -456,8 +456,15 @@ async def test_client_helper(envd: EnvdProc) -> None:
         assert result == (4, "Linux\n", "err\n")
     async with EnvdClient("http://127.0.0.1:1") as dead:
         assert not await dead.health()
-        with pytest.raises(TimeoutError):
+        with pytest.raises(EnvdTimeout, match=r"not healthy after 0\.3s"):
             await dead.wait_healthy(0.3)
+        # Callers catch the client's errors only: httpx's never leave it.
+        with pytest.raises(EnvdUnreachable, match="ConnectError"):
+            await dead.run("true", user="root")
+        with pytest.raises(EnvdUnreachable, match="ConnectError"):
+            await dead.init()
+        with pytest.raises(EnvdUnreachable, match="the VM exited"):
+            await dead.wait_healthy(30, gone=lambda: "the VM exited")
 
 
 async def test_zero_size_proc_files_come_whole_on_a_healthy_connection(envd: EnvdProc) -> None:

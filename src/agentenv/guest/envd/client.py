@@ -3,17 +3,19 @@ by line), uploading a file. The node (create, resume, fork, pauses that sync the
 template builder and the e2e tests all use it.
 
 It speaks the Connect protocol by hand over httpx (JSON codec, envelope framing), so the host
-needs no generated stubs to drive a guest.
+needs no generated stubs to drive a guest. Every failure leaves it as an `EnvdError` (httpx's
+errors are mapped once, in `_mapped`): callers catch one type, never the transport's.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import json
 import struct
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from pathlib import Path
 from types import TracebackType
 from typing import Any, NamedTuple
@@ -25,12 +27,41 @@ _HEADER = struct.Struct(">BI")
 
 
 class EnvdError(Exception):
-    """envd answered with a Connect or HTTP error."""
+    """envd answered with a Connect or HTTP error, or could not be asked (the subclasses)."""
 
     def __init__(self, code: str, message: str) -> None:
         super().__init__(f"{code}: {message}")
         self.code = code
         self.message = message
+
+
+class EnvdUnreachable(EnvdError):
+    """No answer: the connection was refused, reset or cut (the guest is gone or not up)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__("unavailable", message)
+
+
+class EnvdTimeout(EnvdError, TimeoutError):
+    """envd did not answer (or become healthy) within the deadline."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__("deadline_exceeded", message)
+
+
+@contextlib.contextmanager
+def _mapped(what: str) -> Iterator[None]:
+    """The one place httpx's errors become ours."""
+    try:
+        yield
+    except EnvdError:
+        raise
+    except (httpx.TimeoutException, TimeoutError) as exc:
+        raise EnvdTimeout(f"{what}: no answer in time ({type(exc).__name__})") from exc
+    except httpx.TransportError as exc:
+        raise EnvdUnreachable(f"{what}: {type(exc).__name__}: {exc}") from exc
+    except httpx.HTTPError as exc:  # e.g. a stream read after close: a bug of ours, not envd's
+        raise EnvdError("internal", f"{what}: {type(exc).__name__}: {exc}") from exc
 
 
 class RunResult(NamedTuple):
@@ -148,28 +179,52 @@ class EnvdClient:
     async def unhealthy(self, timeout_s: float) -> str | None:
         """Why envd does not answer `/health` within `timeout_s` (a 2xx), None when it does."""
         try:
-            response = await self._http.get("/health", timeout=timeout_s)
-        except httpx.TimeoutException:
+            with _mapped("/health"):
+                response = await self._http.get("/health", timeout=timeout_s)
+        except EnvdTimeout:
             return f"no answer in {timeout_s:g} s"
-        except httpx.TransportError as exc:
-            return type(exc).__name__
+        except EnvdError as exc:
+            return exc.message
         if not response.is_success:
             return f"/health answered {response.status_code}"
         return None
 
     async def metrics(self) -> dict[str, Any] | None:
         """envd's `/metrics` sample (a JSON object), None if it answered something else."""
-        response = await self._http.get("/metrics", headers=self._headers())
+        with _mapped("/metrics"):
+            response = await self._http.get("/metrics", headers=self._headers())
         _raise_for_http(response)
-        body = response.json()
+        try:
+            body = response.json()
+        except ValueError:
+            return None
         return body if isinstance(body, dict) else None
 
-    async def wait_healthy(self, timeout: float = 30.0, interval: float = 0.1) -> None:  # noqa: ASYNC109
-        """Polls `/health` until it answers, at most `timeout` seconds."""
+    async def wait_healthy(
+        self,
+        timeout: float = 30.0,  # noqa: ASYNC109 - polled against, each request bounded by `probe_s`
+        interval: float = 0.1,
+        *,
+        probe_s: float = 2.0,
+        gone: Callable[[], str | None] | None = None,
+    ) -> None:
+        """The one health wait: polls `/health` until it answers, at most `timeout` seconds.
+        `gone()` says why waiting is pointless (e.g. the VM exited); it is asked before every
+        probe and ends the wait with `EnvdUnreachable`. Raises `EnvdTimeout` naming the last
+        reason otherwise."""
         deadline = time.monotonic() + timeout
-        while not await self.health():
+        last = "no answer"
+        while True:
+            if gone is not None and (why := gone()) is not None:
+                raise EnvdUnreachable(why)
+            reason = await self.unhealthy(max(0.1, min(probe_s, deadline - time.monotonic())))
+            if reason is None:
+                return
+            last = reason
             if time.monotonic() >= deadline:
-                raise TimeoutError(f"envd at {self._http.base_url} not healthy after {timeout}s")
+                raise EnvdTimeout(
+                    f"envd at {self._http.base_url} not healthy after {timeout:g}s ({last})"
+                )
             await asyncio.sleep(interval)
 
     async def init(
@@ -202,7 +257,8 @@ class EnvdClient:
             body["hostname"] = hostname
         if entropy is not None:
             body["entropy"] = base64.b64encode(entropy).decode()
-        response = await self._http.post("/init", json=body, headers=self._headers())
+        with _mapped("/init"):
+            response = await self._http.post("/init", json=body, headers=self._headers())
         _raise_for_http(response)
         if access_token is not None:
             self.access_token = access_token or None
@@ -234,6 +290,23 @@ class EnvdClient:
         )
         out, err = _Lines("stdout", on_line), _Lines("stderr", on_line)
         end: dict[str, Any] | None = None
+        with _mapped("process.Start"):
+            end = await self._stream_lines(process, headers, out, err, timeout_s)
+        out.close()
+        err.close()
+        if end is None:
+            raise EnvdError("internal", "the command's stream ended without an exit status")
+        return int(end.get("exitCode", 0))
+
+    async def _stream_lines(
+        self,
+        process: dict[str, Any],
+        headers: dict[str, str],
+        out: _Lines,
+        err: _Lines,
+        timeout_s: float,
+    ) -> dict[str, Any] | None:
+        end: dict[str, Any] | None = None
         async with (
             asyncio.timeout(timeout_s + 10.0),
             self._http.stream(
@@ -263,11 +336,7 @@ class EnvdClient:
                         err.feed(base64.b64decode(data["stderr"]))
                 elif "end" in event:
                     end = event["end"]
-        out.close()
-        err.close()
-        if end is None:
-            raise EnvdError("internal", "the command's stream ended without an exit status")
-        return int(end.get("exitCode", 0))
+        return end
 
     async def upload_file(self, local: Path, dest: str) -> None:
         """Writes the host file `local` to `dest` in the guest (as root), streamed."""
@@ -279,13 +348,14 @@ class EnvdClient:
 
         headers = self._headers("root")
         headers["Content-Type"] = "application/octet-stream"
-        response = await self._http.post(
-            "/files",
-            params={"path": dest, "username": "root"},
-            content=chunks(),
-            headers=headers,
-            timeout=httpx.Timeout(600.0),
-        )
+        with _mapped("upload"):
+            response = await self._http.post(
+                "/files",
+                params={"path": dest, "username": "root"},
+                content=chunks(),
+                headers=headers,
+                timeout=httpx.Timeout(600.0),
+            )
         if not response.is_success:
             raise EnvdError(str(response.status_code), response.text[:300])
 
@@ -315,6 +385,25 @@ class EnvdClient:
             }
         )
         stdout, stderr = bytearray(), bytearray()
+        end: dict[str, Any] | None = None
+        with _mapped("process.Start"):
+            end = await self._collect(request, headers, timeout, stdout, stderr)
+        if end is None:
+            raise EnvdError("internal", "process stream ended without an end event")
+        return RunResult(
+            int(end.get("exitCode", 0)),
+            stdout.decode(errors="replace"),
+            stderr.decode(errors="replace"),
+        )
+
+    async def _collect(
+        self,
+        request: dict[str, Any],
+        headers: dict[str, str],
+        timeout: float,  # noqa: ASYNC109 - the process's deadline, sent to envd
+        stdout: bytearray,
+        stderr: bytearray,
+    ) -> dict[str, Any] | None:
         end: dict[str, Any] | None = None
         async with self._http.stream(
             "POST",
@@ -346,13 +435,7 @@ class EnvdClient:
                         stdout += base64.b64decode(data["pty"])
                 elif "end" in event:
                     end = event["end"]
-        if end is None:
-            raise EnvdError("internal", "process stream ended without an end event")
-        return RunResult(
-            int(end.get("exitCode", 0)),
-            stdout.decode(errors="replace"),
-            stderr.decode(errors="replace"),
-        )
+        return end
 
 
 def _raise_for_http(response: httpx.Response) -> None:
