@@ -17,6 +17,7 @@ from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 
 from agentenv.api.auth import api_key
+from agentenv.api.errors import error
 from agentenv.api.templates import TemplateBuilds
 
 
@@ -33,7 +34,7 @@ def mount_build_progress(app: FastAPI, builds: TemplateBuilds) -> None:
             or await builds.owned(template_id, key.team_id) is None
         ):
             message = f"build {build_id} of template {template_id!r} not found"
-            return JSONResponse({"code": 404, "message": message}, status_code=404)
+            return error(404, message)
         tracker = builds.builder.pulls.get(build_id)
         return JSONResponse(
             {

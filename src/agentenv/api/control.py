@@ -1,8 +1,6 @@
 """The E2B-compatible control plane (v1 and v2 routes) as a FastAPI app.
 
-Every error leaves as ``{"code": int, "message": str}`` with ``application/json``: the SDK's
-generated client parses that body for every documented error status and crashes on anything
-else.
+Every error leaves through `api.errors` (the one error map): ``{"code": int, "message": str}``.
 """
 
 from __future__ import annotations
@@ -19,14 +17,13 @@ from typing import Annotated, Any
 from urllib.parse import parse_qsl, unquote
 
 from fastapi import FastAPI, Header, Query, Request, Response
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from agentenv.api import views
 from agentenv.api.auth import ApiError, Auth
 from agentenv.api.build_progress import mount_build_progress
+from agentenv.api.errors import error, install_error_map
 from agentenv.api.ingress import BadIngress, check_ingress
 from agentenv.api.keys import KeyRing
 from agentenv.api.models import (
@@ -47,7 +44,6 @@ from agentenv.build.templates import is_internal_name, split_name
 from agentenv.contract.errors import (
     BadRequest,
     Conflict,
-    OrchestratorError,
     SandboxNotFound,
     TemplateNotFound,
 )
@@ -78,10 +74,6 @@ class ControlContext:
     _idem_locks: dict[tuple[str, str], asyncio.Lock] = field(default_factory=dict)
 
 
-def error(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse({"code": status, "message": message}, status_code=status, headers=headers)
-
-
 def build_control_app(ctx: ControlContext) -> FastAPI:
     app = FastAPI(
         title="agentenv",
@@ -103,32 +95,7 @@ def build_control_app(ctx: ControlContext) -> FastAPI:
         # Another team's sandbox is a 404 like one that never existed (E2B's rule).
         await tenancy.check_sandbox(sandbox_id, key.team_id)
 
-    @app.exception_handler(OrchestratorError)
-    async def _orch(_: Request, exc: OrchestratorError) -> JSONResponse:
-        # A node at capacity (503) says when to come back; the SDK retries after it.
-        retry = {"Retry-After": str(exc.retry_after)} if exc.retry_after is not None else None
-        return error(exc.status, exc.message, retry)
-
-    @app.exception_handler(ApiError)
-    async def _api(_: Request, exc: ApiError) -> JSONResponse:
-        return error(exc.status, exc.message)
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return error(400, _describe(exc))
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        if exc.status_code == 404:
-            return error(404, f"route not found: {request.method} {request.url.path}")
-        if exc.status_code == 405:
-            return error(405, f"method {request.method} not allowed on {request.url.path}")
-        return error(exc.status_code, str(exc.detail))
-
-    @app.exception_handler(Exception)
-    async def _crash(_: Request, exc: Exception) -> JSONResponse:
-        log.exception("unhandled error")
-        return error(500, f"internal error: {type(exc).__name__}")
+    install_error_map(app)
 
     # -- server endpoints ------------------------------------------------------------------
 
@@ -687,23 +654,6 @@ def _metric_sample(rec: SandboxRecord, m: dict[str, Any]) -> dict[str, Any]:
         "diskUsed": int(m.get("disk_used", 0)),
         "diskTotal": int(m.get("disk_total", 0)),
     }
-
-
-def _describe(exc: RequestValidationError) -> str:
-    errs = exc.errors()
-    if not errs:
-        return "invalid request"
-    first = errs[0]
-    if first.get("type") == "json_invalid":
-        return "request body is not valid JSON"
-    loc = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
-    msg = str(first.get("msg", "invalid"))
-    if first.get("type") == "extra_forbidden":
-        msg = "unknown field"
-    if first.get("type") == "missing" and not loc:
-        msg = "request body is required"
-    more = f" (+{len(errs) - 1} more)" if len(errs) > 1 else ""
-    return f"{loc}: {msg}{more}" if loc else f"{msg}{more}"
 
 
 def _parse_states(raw: list[str]) -> set[str]:

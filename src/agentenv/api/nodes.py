@@ -18,6 +18,7 @@ from fastapi import Body, Depends, FastAPI
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from agentenv.api.errors import error
 from agentenv.contract.nodes import NodeDirectory, NodeStatus, UnknownNode
 from agentenv.control.metrics import Metrics
 from agentenv.control.store import DEFAULT_TEAM, ApiKey
@@ -91,10 +92,6 @@ class _RefreshBeforeScrape:
         await self.app(scope, receive, send)
 
 
-def _error(status: int, message: str) -> JSONResponse:
-    return JSONResponse({"code": status, "message": message}, status_code=status)
-
-
 def mount_nodes(
     app: FastAPI,
     nodes: NodeDirectory,
@@ -122,15 +119,15 @@ def mount_nodes(
         try:
             return JSONResponse(view(await nodes.node(node_id)))
         except UnknownNode as exc:
-            return _error(404, str(exc))
+            return error(404, str(exc))
 
     async def _set(node_id: str, key: ApiKey, cordoned: bool, reason: str) -> JSONResponse:
         if key.team_id != DEFAULT_TEAM:
-            return _error(403, "only keys of the server's own team may change a node")
+            return error(403, "only keys of the server's own team may change a node")
         try:
             return JSONResponse(view(await nodes.cordon(node_id, cordoned=cordoned, reason=reason)))
         except UnknownNode as exc:
-            return _error(404, str(exc))
+            return error(404, str(exc))
 
     @app.post("/nodes/{node_id}/cordon", tags=["nodes"])
     async def cordon(
@@ -140,10 +137,10 @@ def mount_nodes(
     ) -> JSONResponse:
         extra = sorted(set(body or {}) - {"reason"})
         if extra:
-            return _error(400, f"unknown field(s): {', '.join(extra)}; only 'reason' is taken")
+            return error(400, f"unknown field(s): {', '.join(extra)}; only 'reason' is taken")
         reason = (body or {}).get("reason", "")
         if not isinstance(reason, str):
-            return _error(400, "reason: expected a string")
+            return error(400, "reason: expected a string")
         return await _set(node_id, key, True, reason)
 
     @app.post("/nodes/{node_id}/drain", tags=["nodes"])
@@ -151,14 +148,14 @@ def mount_nodes(
         """Cordon the node, then pause every sandbox running there (with its memory), one
         at a time: none is lost, and each resumes when asked."""
         if key.team_id != DEFAULT_TEAM:
-            return _error(403, "only keys of the server's own team may change a node")
+            return error(403, "only keys of the server's own team may change a node")
         if pause is None:
-            return _error(501, "this server cannot drain nodes")
+            return error(501, "this server cannot drain nodes")
         try:
             await nodes.cordon(node_id, cordoned=True, reason="drained")
             ids = await nodes.sandboxes_on(node_id)
         except UnknownNode as exc:
-            return _error(404, str(exc))
+            return error(404, str(exc))
         paused: list[str] = []
         failed: dict[str, str] = {}
         for sandbox_id in ids:
