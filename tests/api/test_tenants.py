@@ -18,7 +18,8 @@ import pytest
 from build.fakes import FakeCatalog, FakeRepo, add_build, built_templates, now
 from fastapi.testclient import TestClient
 
-from agentenv.api.control import ControlContext, build_control_app
+from agentenv.api.context import ControlContext
+from agentenv.api.control import build_control_app
 from agentenv.api.keys import KeyRing
 from agentenv.build.templates import DEFAULT_TAG, BuiltTemplates, image_template_name
 from agentenv.config import Settings

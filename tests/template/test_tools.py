@@ -18,9 +18,10 @@ def _tree(settings: Settings, root: Path) -> Path:
 
 def test_runtime_runs_in_an_empty_chroot(settings: Settings, tmp_path: Path) -> None:
     tree = _tree(settings, tmp_path)
-    # Only the guest package and its ports are packed (and hashed into the layer's key): the host's settings
-    # and the code-interpreter server (its own template) are not, so editing them keeps the
-    # tools layer and every template snapshot. The imports below prove nothing else is needed.
+    # Only the guest package and its ports are packed (and hashed into the layer's key): the
+    # host's settings and the code-interpreter server (its own template) are not, so editing
+    # them keeps the tools layer and every template snapshot. The imports below prove that
+    # nothing else is needed.
     pkg = tree / "python" / "site-packages" / "agentenv"
     assert sorted(p.name for p in pkg.iterdir() if p.name != "__pycache__") == [
         "__init__.py",

@@ -6,7 +6,8 @@ import logging
 import time
 from typing import Any
 
-from agentenv.api.control import ControlContext, build_control_app
+from agentenv.api.context import ControlContext
+from agentenv.api.control import build_control_app
 from agentenv.api.keys import KeyRing
 from agentenv.contract.runtime import TemplateSource
 from agentenv.control.sandboxes import SandboxManager
