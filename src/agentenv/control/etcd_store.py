@@ -36,12 +36,13 @@ import json
 import math
 import secrets
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from agentenv.cluster.etcd import (
     Etcd,
     KeyValue,
+    Op,
     created_at,
     delete_op,
     get_op,
@@ -255,6 +256,34 @@ class EtcdStore:
                 return True  # an earlier attempt of this very write won; its answer was lost
         raise StoreConflict(f"sandbox {sandbox_id}: {MAX_CAS_ATTEMPTS} writes lost in a row")
 
+    async def _cas(
+        self,
+        key: bytes,
+        change: Callable[[KeyValue | None], bytes | None],
+        what: str,
+        *,
+        also: Callable[[bytes], list[Op]] | None = None,
+    ) -> bool:
+        """The compare-and-set loop of every single-key rewrite: read `key`, ask `change` for
+        its new value (None: nothing to write, False), write it guarded by the revision read
+        (with `also(value)`'s operations in the same transaction). A lost race reads again,
+        at most `MAX_CAS_ATTEMPTS` times (then `StoreConflict`). A write whose answer was lost
+        but which landed counts as done: the failure branch reads back the very value written
+        (callers make values unique where equal values could come from another writer).
+        `_rewrite` (a row that moves between keys) and `take_places` (a gate key) are the two
+        loops with their own guard."""
+        for _ in range(MAX_CAS_ATTEMPTS):
+            kv = await self.etcd.get(key)
+            value = change(kv)
+            if value is None:
+                return False
+            guard = created_at(key, 0) if kv is None else modified_at(key, kv.mod_revision)
+            ops = [put_op(key, value), *(also(value) if also is not None else [])]
+            result = await self.etcd.txn([guard], ops, [get_op(key)])
+            if result.succeeded or (result.ranges[0] and result.ranges[0][0].value == value):
+                return True
+        raise StoreConflict(f"{what}: {MAX_CAS_ATTEMPTS} writes lost in a row")
+
     async def transition(
         self,
         sandbox_id: str,
@@ -457,24 +486,19 @@ class EtcdStore:
             return False
         if max_sandboxes is None and creates_per_minute is None:
             return await self.etcd.get(self._team_key(team_id)) is not None
-        key = self._team_key(team_id)
-        for _ in range(MAX_CAS_ATTEMPTS):
-            kv = await self.etcd.get(key)
+
+        def limited(kv: KeyValue | None) -> bytes | None:
             if kv is None:
-                return False
+                return None
             team = self._team_of(kv)
             if max_sandboxes is not None:
                 team = dataclasses.replace(team, max_sandboxes=max_sandboxes)
             if creates_per_minute is not None:
                 team = dataclasses.replace(team, creates_per_minute=creates_per_minute)
-            value = _dumps(dataclasses.asdict(team))
-            result = await self.etcd.txn(
-                [modified_at(key, kv.mod_revision)], [put_op(key, value)], [get_op(key)]
-            )
             # Setting limits is idempotent: finding the wanted value is as good as writing it.
-            if result.succeeded or (result.ranges[0] and result.ranges[0][0].value == value):
-                return True
-        raise StoreConflict(f"team {team_id}: {MAX_CAS_ATTEMPTS} writes lost in a row")
+            return _dumps(dataclasses.asdict(team))
+
+        return await self._cas(self._team_key(team_id), limited, f"team {team_id}")
 
     # -- snapshot owners ---------------------------------------------------------------------
 
@@ -485,9 +509,11 @@ class EtcdStore:
         """The team's create-rate bucket, one for every replica (`control.tenants`): refilled
         at `rate` per minute by wall time since the last take (replicas' clocks roughly
         agree), a compare-and-set per take."""
-        key = self.etcd.key("rate-buckets", _b64(team_id))
-        for _ in range(MAX_CAS_ATTEMPTS):
-            kv = await self.etcd.get(key)
+        wait: int | None = None
+
+        def take(kv: KeyValue | None) -> bytes | None:
+            nonlocal wait
+            wait = None
             if kv is None:
                 tokens = float(rate)
             else:
@@ -495,17 +521,15 @@ class EtcdStore:
                 since = max(0.0, now - float(saved["at"]))
                 tokens = min(float(rate), float(saved["tokens"]) + since * rate / 60.0)
             if tokens + 1e-9 < count:
-                return max(1, math.ceil((count - tokens) * 60.0 / rate))
-            mark = secrets.token_hex(8)
-            value = json.dumps({"tokens": tokens - count, "at": now, "_w": mark}).encode()
-            guard = created_at(key, 0) if kv is None else modified_at(key, kv.mod_revision)
-            result = await self.etcd.txn([guard], [put_op(key, value)], [get_op(key)])
-            if result.succeeded:
+                wait = max(1, math.ceil((count - tokens) * 60.0 / rate))
                 return None
-            (found,) = result.ranges
-            if found and json.loads(found[0].value).get("_w") == mark:
-                return None  # an earlier attempt of this very take won; its answer was lost
-        raise StoreConflict(f"team {team_id}: {MAX_CAS_ATTEMPTS} rate-bucket writes lost")
+            # The mark makes this take's value unique, so a lost answer is told from a rival.
+            mark = secrets.token_hex(8)
+            return json.dumps({"tokens": tokens - count, "at": now, "_w": mark}).encode()
+
+        key = self.etcd.key("rate-buckets", _b64(team_id))
+        await self._cas(key, take, f"team {team_id}'s rate bucket")
+        return wait
 
     async def take_places(
         self, team_id: str, count: int, limit: int, hold_id: str, lease: int
@@ -616,25 +640,21 @@ class EtcdStore:
     async def revoke_key(self, key_id: str) -> bool:
         if not _part_ok(key_id):
             return False
-        by_id = self._key_key(key_id)
-        for _ in range(MAX_CAS_ATTEMPTS):
-            kv = await self.etcd.get(by_id)
+
+        def revoked(kv: KeyValue | None) -> bytes | None:
             if kv is None:
-                return False
+                return None
             data = json.loads(kv.value)
             if data.get("revoked_at") is not None:
-                return False
+                return None
             data["revoked_at"] = time.time()
-            value = _dumps(data)
-            by_hash = self._hash_key(data["hash"])
-            result = await self.etcd.txn(
-                [modified_at(by_id, kv.mod_revision)],
-                [put_op(by_id, value), put_op(by_hash, value)],
-                [get_op(by_id)],
-            )
-            if result.succeeded or (result.ranges[0] and result.ranges[0][0].value == value):
-                return True
-        raise StoreConflict(f"API key {key_id}: {MAX_CAS_ATTEMPTS} writes lost in a row")
+            return _dumps(data)
+
+        def by_hash(value: bytes) -> list[Op]:
+            # The copy the key check reads, written in the same transaction.
+            return [put_op(self._hash_key(json.loads(value)["hash"]), value)]
+
+        return await self._cas(self._key_key(key_id), revoked, f"API key {key_id}", also=by_hash)
 
     # -- idempotency -------------------------------------------------------------------------
 
@@ -662,20 +682,15 @@ class EtcdStore:
         return str(data["body_hash"]), data.get("sandbox_id")
 
     async def complete_idempotency(self, api_key_id: str, key: str, sandbox_id: str) -> None:
-        at = self._idem_key(api_key_id, key)
-        for _ in range(MAX_CAS_ATTEMPTS):
-            kv = await self.etcd.get(at)
+
+        def completed(kv: KeyValue | None) -> bytes | None:
             if kv is None:
-                return
+                return None
             data = json.loads(kv.value)
             data["sandbox_id"] = sandbox_id
-            value = _dumps(data)
-            result = await self.etcd.txn(
-                [modified_at(at, kv.mod_revision)], [put_op(at, value)], [get_op(at)]
-            )
-            if result.succeeded or (result.ranges[0] and result.ranges[0][0].value == value):
-                return
-        raise StoreConflict(f"idempotency key {key!r}: {MAX_CAS_ATTEMPTS} writes lost in a row")
+            return _dumps(data)
+
+        await self._cas(self._idem_key(api_key_id, key), completed, f"idempotency key {key!r}")
 
     async def release_idempotency(self, api_key_id: str, key: str) -> None:
         at = self._idem_key(api_key_id, key)
