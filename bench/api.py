@@ -24,7 +24,8 @@ import httpx
 from e2b import Sandbox
 
 from agentenv.api.devserver import ServerProcess, prepare_home
-from agentenv.control.store import SandboxRecord, SqliteStore
+from agentenv.control.sqlite_store import SqliteStore
+from agentenv.control.store import SandboxRecord
 
 GUEST_PORT = 8080
 

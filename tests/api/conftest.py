@@ -18,7 +18,8 @@ import httpx
 import pytest
 
 from agentenv.api.devserver import ServerProcess, prepare_home
-from agentenv.control.store import SandboxRecord, SqliteStore, Store
+from agentenv.control.sqlite_store import SqliteStore
+from agentenv.control.store import SandboxRecord, Store
 from agentenv.vmm import registry
 
 T = TypeVar("T")

@@ -34,7 +34,8 @@ from agentenv.contract.runtime import (
 )
 from agentenv.control.metrics import Metrics
 from agentenv.control.sandboxes import SandboxManager
-from agentenv.control.store import DEFAULT_TEAM, SandboxState, SqliteStore
+from agentenv.control.sqlite_store import SqliteStore
+from agentenv.control.store import DEFAULT_TEAM, SandboxState
 from agentenv.network.egress import Egress
 from agentenv.snapshot.errors import SnapshotError
 

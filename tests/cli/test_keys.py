@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from agentenv.api.keys import KeyRing
-from agentenv.control.store import SqliteStore
+from agentenv.control.sqlite_store import SqliteStore
 
 AENV = [sys.executable, "-m", "agentenv.cli"]
 

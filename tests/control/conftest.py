@@ -13,7 +13,8 @@ from cluster.etcd_cluster import EtcdCluster
 
 from agentenv.cluster.etcd import Etcd
 from agentenv.control.etcd_store import EtcdStore
-from agentenv.control.store import SqliteStore, Store
+from agentenv.control.sqlite_store import SqliteStore
+from agentenv.control.store import Store
 
 # Opens another store on the same state: a reopened SQLite file, or another replica on etcd.
 OpenStore = Callable[[], Store]

@@ -24,7 +24,8 @@ from agentenv.cluster.replicas import ReplicaLease
 from agentenv.contract.runtime import SandboxSpec
 from agentenv.control.etcd_store import EtcdStore
 from agentenv.control.sandboxes import SandboxManager
-from agentenv.control.store import SandboxRecord, SandboxState, SqliteStore
+from agentenv.control.sqlite_store import SqliteStore
+from agentenv.control.store import SandboxRecord, SandboxState
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 

@@ -11,7 +11,8 @@ import pytest
 from agentenv.config import Settings
 from agentenv.contract.errors import SandboxNotFound
 from agentenv.control.sandboxes import CreateSpec, SandboxManager
-from agentenv.control.store import SandboxState, SqliteStore
+from agentenv.control.sqlite_store import SqliteStore
+from agentenv.control.store import SandboxState
 from agentenv.guest.envd.client import EnvdClient
 from agentenv.node.runtime import CatalogTemplates, NodeRuntime
 

@@ -28,7 +28,8 @@ from agentenv.contract.errors import (
 )
 from agentenv.contract.runtime import Placement, SandboxSpec
 from agentenv.control.sandboxes import CreateSpec, SandboxManager
-from agentenv.control.store import SandboxRecord, SandboxState, SqliteStore, Store
+from agentenv.control.sqlite_store import SqliteStore
+from agentenv.control.store import SandboxRecord, SandboxState, Store
 from agentenv.guest.envd.client import EnvdClient
 from agentenv.node.runtime import CatalogTemplates, NodeRuntime
 

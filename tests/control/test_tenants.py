@@ -13,7 +13,8 @@ import pytest
 from agentenv.api.keys import KeyRing, TeamExists, UnknownTeam, hash_key
 from agentenv.contract.errors import TooManyRequests
 from agentenv.control.etcd_store import EtcdStore, StoreConflict
-from agentenv.control.store import DEFAULT_TEAM, SandboxRecord, SandboxState, SqliteStore, Store
+from agentenv.control.sqlite_store import SqliteStore
+from agentenv.control.store import DEFAULT_TEAM, SandboxRecord, SandboxState, Store
 from agentenv.control.tenants import SharedPlaces, TeamLimits
 
 from .conftest import OpenStore

@@ -19,7 +19,7 @@ from e2b import AuthenticationException, NotFoundException, RateLimitException, 
 
 from agentenv.api.devserver import ServerProcess
 from agentenv.api.keys import KeyRing
-from agentenv.control.store import SqliteStore
+from agentenv.control.sqlite_store import SqliteStore
 
 pytestmark = pytest.mark.vm
 

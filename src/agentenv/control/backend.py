@@ -8,7 +8,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from agentenv.config import Settings
-from agentenv.control.store import SqliteStore, Store
+from agentenv.control.sqlite_store import SqliteStore
+from agentenv.control.store import Store
 
 
 def open_store(settings: Settings, db: Path) -> Store:
