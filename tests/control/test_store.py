@@ -15,7 +15,8 @@ from cluster.etcd_cluster import EtcdCluster
 
 from agentenv.cluster.etcd import Etcd
 from agentenv.control import etcd_store
-from agentenv.control.etcd_store import DuplicateKey, EtcdStore
+from agentenv.control.etcd_kv import DuplicateKey
+from agentenv.control.etcd_store import EtcdStore
 from agentenv.control.sqlite_store import SqliteStore
 from agentenv.control.store import BUILD_METADATA, DEFAULT_TEAM, SandboxRecord, SandboxState, Store
 

@@ -12,7 +12,8 @@ import pytest
 
 from agentenv.api.keys import KeyRing, TeamExists, UnknownTeam, hash_key
 from agentenv.contract.errors import TooManyRequests
-from agentenv.control.etcd_store import EtcdStore, StoreConflict
+from agentenv.control.etcd_kv import StoreConflict
+from agentenv.control.etcd_store import EtcdStore
 from agentenv.control.sqlite_store import SqliteStore
 from agentenv.control.store import DEFAULT_TEAM, SandboxRecord, SandboxState, Store
 from agentenv.control.tenants import SharedPlaces, TeamLimits

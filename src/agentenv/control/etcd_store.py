@@ -26,76 +26,55 @@ serves any request and losing one loses nothing. Values are JSON.
 
 Each call has `Etcd`'s deadline (member failover included) and raises its `ClusterUnavailable`
 past it; the compare-and-set loops are bounded (`StoreConflict`).
+
+This module holds the sandbox rows and their logs; teams and admission are `etcd_tenancy`, keys
+`etcd_keys`, the shared client and compare-and-set loop `etcd_kv`.
 """
 
 from __future__ import annotations
 
-import base64
 import dataclasses
 import json
-import math
 import secrets
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 from agentenv.cluster.etcd import (
     Etcd,
     KeyValue,
-    Op,
     created_at,
     delete_op,
     get_op,
     modified_at,
     put_op,
-    value_is,
 )
+from agentenv.control.etcd_keys import EtcdKeys
+from agentenv.control.etcd_kv import (
+    MAX_CAS_ATTEMPTS,
+    DuplicateKey,
+    StoreConflict,
+    _active_ends,
+    _dumps,
+    _is_build,
+    _part_ok,
+)
+from agentenv.control.etcd_tenancy import EtcdTenancy
 from agentenv.control.store import (
-    ACTIVE_STATES,
-    BUILD_METADATA,
     DEFAULT_TEAM,
     LIVE_STATES,
-    ApiKey,
     LogLine,
     SandboxRecord,
     SandboxState,
-    Team,
 )
 
 # Lifecycle lines kept per sandbox (the logs routes page through at most this many).
 MAX_LOG_LINES = 1000
 # A replica looks at a sandbox's line count every this many of its own writes to it.
 _TRIM_EVERY = 50
-# Compare-and-set attempts before giving up: each lost race means another writer won a write
-# to the same key in between, so this many in a row is a bug or a runaway writer.
-MAX_CAS_ATTEMPTS = 64
 # Operations per transaction etcd accepts by default (`--max-txn-ops`).
 _MAX_TXN_OPS = 128
 _FIELDS = {f.name for f in dataclasses.fields(SandboxRecord)} - {"seq"}
-
-
-class StoreConflict(Exception):
-    """A compare-and-set kept losing to other writers (`MAX_CAS_ATTEMPTS` in a row)."""
-
-
-class DuplicateKey(Exception):
-    """An insert of a row whose id (or unique name) exists already."""
-
-
-def _b64(text: str) -> str:
-    return base64.urlsafe_b64encode(text.encode()).decode().rstrip("=") or "="
-
-
-def _part_ok(part: str) -> bool:
-    return bool(part) and "/" not in part
-
-
-def _dumps(value: dict[str, Any]) -> bytes:
-    return json.dumps(value, separators=(",", ":"), sort_keys=True).encode()
-
-
-def _is_build(row: dict[str, Any]) -> bool:
-    return (row.get("metadata") or {}).get(BUILD_METADATA) is not None
 
 
 def _record(row: dict[str, Any]) -> SandboxRecord:
@@ -105,18 +84,6 @@ def _record(row: dict[str, Any]) -> SandboxRecord:
         fields[name] = bool(fields[name])
     fields["team_id"] = fields.get("team_id") or DEFAULT_TEAM
     return SandboxRecord(**fields, seq=int(row["seq"]))
-
-
-def _active_ends(rows: list[dict[str, Any]], team_id: str) -> list[float]:
-    """The end times of the team's sandboxes that hold (or are about to hold) a VM."""
-    active = {s.value for s in ACTIVE_STATES}
-    return [
-        float(r["end_at"])
-        for r in rows
-        if (r.get("team_id") or DEFAULT_TEAM) == team_id
-        and not _is_build(r)
-        and r["state"] in active
-    ]
 
 
 def _row_value(value: Any) -> Any:
@@ -136,19 +103,18 @@ class _Row:
         return SandboxState(self.data["state"])
 
 
-class EtcdStore:
-    """The `Store` protocol on etcd. One instance per event loop (its `Etcd` client's)."""
+class EtcdStore(EtcdTenancy, EtcdKeys):
+    """The `Store` protocol on etcd: sandbox rows and their logs here, teams and admission in
+    `EtcdTenancy`, API and idempotency keys in `EtcdKeys`. One instance per event loop (its
+    `Etcd` client's)."""
 
     def __init__(self, etcd: Etcd) -> None:
-        self.etcd = etcd
+        super().__init__(etcd)
         # Names this replica's log keys apart from another's written in the same nanosecond.
         self._writer = secrets.token_hex(3)
         self._log_n = 0
         self._log_writes: dict[str, int] = {}
         self._default_team_ready = False
-
-    async def close(self) -> None:
-        await self.etcd.close()
 
     # -- keys --------------------------------------------------------------------------------
 
@@ -255,34 +221,6 @@ class EtcdStore:
             if row is not None and row.data.get("_w") == mark:
                 return True  # an earlier attempt of this very write won; its answer was lost
         raise StoreConflict(f"sandbox {sandbox_id}: {MAX_CAS_ATTEMPTS} writes lost in a row")
-
-    async def _cas(
-        self,
-        key: bytes,
-        change: Callable[[KeyValue | None], bytes | None],
-        what: str,
-        *,
-        also: Callable[[bytes], list[Op]] | None = None,
-    ) -> bool:
-        """The compare-and-set loop of every single-key rewrite: read `key`, ask `change` for
-        its new value (None: nothing to write, False), write it guarded by the revision read
-        (with `also(value)`'s operations in the same transaction). A lost race reads again,
-        at most `MAX_CAS_ATTEMPTS` times (then `StoreConflict`). A write whose answer was lost
-        but which landed counts as done: the failure branch reads back the very value written
-        (callers make values unique where equal values could come from another writer).
-        `_rewrite` (a row that moves between keys) and `take_places` (a gate key) are the two
-        loops with their own guard."""
-        for _ in range(MAX_CAS_ATTEMPTS):
-            kv = await self.etcd.get(key)
-            value = change(kv)
-            if value is None:
-                return False
-            guard = created_at(key, 0) if kv is None else modified_at(key, kv.mod_revision)
-            ops = [put_op(key, value), *(also(value) if also is not None else [])]
-            result = await self.etcd.txn([guard], ops, [get_op(key)])
-            if result.succeeded or (result.ranges[0] and result.ranges[0][0].value == value):
-                return True
-        raise StoreConflict(f"{what}: {MAX_CAS_ATTEMPTS} writes lost in a row")
 
     async def transition(
         self,
@@ -416,293 +354,3 @@ class EtcdStore:
                 if len(out) >= limit:
                     break
         return out
-
-    # -- teams -------------------------------------------------------------------------------
-
-    def _team_key(self, team_id: str) -> bytes:
-        return self.etcd.key("teams", team_id)
-
-    def _team_name_key(self, name: str) -> bytes:
-        return self.etcd.key("team-names", _b64(name))
-
-    async def _put_team(self, team: Team) -> bool:
-        """Writes a new team if neither its id nor its name is taken."""
-        key, name_key = self._team_key(team.id), self._team_name_key(team.name)
-        value = _dumps(dataclasses.asdict(team))
-        result = await self.etcd.txn(
-            [created_at(key, 0), created_at(name_key, 0)],
-            [put_op(key, value), put_op(name_key, team.id.encode())],
-            [get_op(key)],
-        )
-        # A retried attempt finds its own first write (a team is written only once).
-        return result.succeeded or (bool(result.ranges[0]) and result.ranges[0][0].value == value)
-
-    async def _ensure_default_team(self) -> None:
-        """The default team always exists (SQLite's migration makes it at open)."""
-        if self._default_team_ready:
-            return
-        if await self.etcd.get(self._team_key(DEFAULT_TEAM)) is None:
-            await self._put_team(Team(DEFAULT_TEAM, DEFAULT_TEAM, time.time()))
-        self._default_team_ready = True
-
-    async def add_team(self, team_id: str, name: str) -> Team:
-        await self._ensure_default_team()
-        if not _part_ok(team_id):
-            raise ValueError(f"team id {team_id!r}: not a valid key part")
-        team = Team(team_id, name, time.time())
-        if not await self._put_team(team):
-            raise DuplicateKey(f"team {team_id} or a team named {name!r} exists already")
-        return team
-
-    @staticmethod
-    def _team_of(kv: KeyValue) -> Team:
-        return Team(**json.loads(kv.value))
-
-    async def team(self, ref: str) -> Team | None:
-        await self._ensure_default_team()
-        ops = [get_op(self._team_name_key(ref))]
-        if _part_ok(ref):
-            ops.insert(0, get_op(self._team_key(ref)))
-        result = await self.etcd.txn([], ops)
-        by_id = result.ranges[0] if _part_ok(ref) else []
-        if by_id:
-            return self._team_of(by_id[0])
-        by_name = result.ranges[-1]
-        if not by_name:
-            return None
-        kv = await self.etcd.get(self._team_key(by_name[0].value.decode()))
-        return None if kv is None else self._team_of(kv)
-
-    async def teams(self) -> list[Team]:
-        await self._ensure_default_team()
-        kvs, _ = await self.etcd.get_prefix(self.etcd.dir("teams"))
-        return sorted((self._team_of(kv) for kv in kvs), key=lambda t: t.created_at)
-
-    async def set_team_limits(
-        self, team_id: str, *, max_sandboxes: int | None, creates_per_minute: int | None
-    ) -> bool:
-        await self._ensure_default_team()
-        if not _part_ok(team_id):
-            return False
-        if max_sandboxes is None and creates_per_minute is None:
-            return await self.etcd.get(self._team_key(team_id)) is not None
-
-        def limited(kv: KeyValue | None) -> bytes | None:
-            if kv is None:
-                return None
-            team = self._team_of(kv)
-            if max_sandboxes is not None:
-                team = dataclasses.replace(team, max_sandboxes=max_sandboxes)
-            if creates_per_minute is not None:
-                team = dataclasses.replace(team, creates_per_minute=creates_per_minute)
-            # Setting limits is idempotent: finding the wanted value is as good as writing it.
-            return _dumps(dataclasses.asdict(team))
-
-        return await self._cas(self._team_key(team_id), limited, f"team {team_id}")
-
-    # -- snapshot owners ---------------------------------------------------------------------
-
-    async def set_snapshot_owner(self, snapshot_id: str, team_id: str) -> None:
-        await self.etcd.put(self.etcd.key("snapshot-owners", _b64(snapshot_id)), team_id.encode())
-
-    async def take_tokens(self, team_id: str, count: int, rate: int, now: float) -> int | None:
-        """The team's create-rate bucket, one for every replica (`control.tenants`): refilled
-        at `rate` per minute by wall time since the last take (replicas' clocks roughly
-        agree), a compare-and-set per take."""
-        wait: int | None = None
-
-        def take(kv: KeyValue | None) -> bytes | None:
-            nonlocal wait
-            wait = None
-            if kv is None:
-                tokens = float(rate)
-            else:
-                saved = json.loads(kv.value)
-                since = max(0.0, now - float(saved["at"]))
-                tokens = min(float(rate), float(saved["tokens"]) + since * rate / 60.0)
-            if tokens + 1e-9 < count:
-                wait = max(1, math.ceil((count - tokens) * 60.0 / rate))
-                return None
-            # The mark makes this take's value unique, so a lost answer is told from a rival.
-            mark = secrets.token_hex(8)
-            return json.dumps({"tokens": tokens - count, "at": now, "_w": mark}).encode()
-
-        key = self.etcd.key("rate-buckets", _b64(team_id))
-        await self._cas(key, take, f"team {team_id}'s rate bucket")
-        return wait
-
-    async def take_places(
-        self, team_id: str, count: int, limit: int, hold_id: str, lease: int
-    ) -> float | None:
-        """Holds `count` of the team's `limit` places for every replica to see
-        (`team-holds/<team>/<hold_id>`, under `lease`), or returns the team's soonest
-        sandbox end (0 if none) and holds nothing.
-
-        Exact across replicas: every hold bumps the team's gate key in the transaction that
-        writes it, guarded by the gate's revision read first, so of two admissions that saw
-        the same places one fails and reads again. The holds are read before the rows: a
-        hold released after that read was released after its row was inserted, so the rows
-        read next include it (counted twice at worst, never missed)."""
-        team = _b64(team_id)
-        gate = self.etcd.key("team-gates", team)
-        hold = self.etcd.key("team-holds", team, hold_id)
-        for _ in range(MAX_CAS_ATTEMPTS):
-            gate_kv = await self.etcd.get(gate)
-            holds, _ = await self.etcd.get_prefix(self.etcd.dir("team-holds", team))
-            held = sum(int(json.loads(kv.value)["count"]) for kv in holds)
-            ends = _active_ends(await self._live_rows(), team_id)
-            if len(ends) + held + count > limit:
-                return min(ends) if ends else 0.0
-            guard = (
-                created_at(gate, 0) if gate_kv is None else modified_at(gate, gate_kv.mod_revision)
-            )
-            value = json.dumps({"count": count, "at": time.time()}).encode()
-            result = await self.etcd.txn(
-                [guard],
-                [put_op(gate, hold_id.encode()), put_op(hold, value, lease)],
-                [get_op(hold)],
-            )
-            if result.succeeded or result.ranges[0]:
-                # Won, or an earlier attempt of this very hold won and its answer was lost.
-                return None
-        raise StoreConflict(f"team {team_id}: {MAX_CAS_ATTEMPTS} admissions lost their race")
-
-    async def release_places(self, team_id: str, hold_id: str) -> None:
-        await self.etcd.delete(self.etcd.key("team-holds", _b64(team_id), hold_id))
-
-    async def snapshot_owner(self, snapshot_id: str) -> str:
-        kv = await self.etcd.get(self.etcd.key("snapshot-owners", _b64(snapshot_id)))
-        return kv.value.decode() if kv is not None else DEFAULT_TEAM
-
-    # -- API keys ----------------------------------------------------------------------------
-
-    def _key_key(self, key_id: str) -> bytes:
-        return self.etcd.key("api-keys", key_id)
-
-    def _hash_key(self, key_hash: str) -> bytes:
-        return self.etcd.key("api-key-hashes", _b64(key_hash))
-
-    @staticmethod
-    def _api_key_of(kv: KeyValue) -> ApiKey:
-        data = json.loads(kv.value)
-        data.pop("hash", None)
-        return ApiKey(**data)
-
-    async def add_key(
-        self, key_id: str, name: str, prefix: str, key_hash: str, team_id: str = DEFAULT_TEAM
-    ) -> ApiKey:
-        if not _part_ok(key_id):
-            raise ValueError(f"API key id {key_id!r}: not a valid key part")
-        key = ApiKey(key_id, name, prefix, time.time(), None, team_id)
-        value = _dumps({**dataclasses.asdict(key), "hash": key_hash})
-        by_id, by_hash = self._key_key(key_id), self._hash_key(key_hash)
-        result = await self.etcd.txn(
-            [created_at(by_id, 0), created_at(by_hash, 0)],
-            [put_op(by_id, value), put_op(by_hash, value)],
-            [get_op(by_id)],
-        )
-        if not (result.succeeded or (result.ranges[0] and result.ranges[0][0].value == value)):
-            raise DuplicateKey(f"API key {key_id} (or its hash) exists already")
-        return key
-
-    async def add_first_key(
-        self, key_id: str, name: str, prefix: str, key_hash: str, team_id: str = DEFAULT_TEAM
-    ) -> ApiKey | None:
-        """Under a marker made in the same transaction: once any replica made the first key,
-        no other ever does (even after every key was revoked)."""
-        if not _part_ok(key_id):
-            raise ValueError(f"API key id {key_id!r}: not a valid key part")
-        key = ApiKey(key_id, name, prefix, time.time(), None, team_id)
-        value = _dumps({**dataclasses.asdict(key), "hash": key_hash})
-        by_id, by_hash = self._key_key(key_id), self._hash_key(key_hash)
-        marker = self.etcd.key("first-api-key")
-        result = await self.etcd.txn(
-            [created_at(marker, 0), created_at(by_id, 0), created_at(by_hash, 0)],
-            [put_op(marker, key_id.encode()), put_op(by_id, value), put_op(by_hash, value)],
-            [],
-        )
-        return key if result.succeeded else None
-
-    async def key_by_hash(self, key_hash: str) -> ApiKey | None:
-        kv = await self.etcd.get(self._hash_key(key_hash))
-        return None if kv is None else self._api_key_of(kv)
-
-    async def key(self, key_id: str) -> ApiKey | None:
-        if not _part_ok(key_id):
-            return None
-        kv = await self.etcd.get(self._key_key(key_id))
-        return None if kv is None else self._api_key_of(kv)
-
-    async def keys(self) -> list[ApiKey]:
-        kvs, _ = await self.etcd.get_prefix(self.etcd.dir("api-keys"))
-        return sorted((self._api_key_of(kv) for kv in kvs), key=lambda k: k.created_at)
-
-    async def revoke_key(self, key_id: str) -> bool:
-        if not _part_ok(key_id):
-            return False
-
-        def revoked(kv: KeyValue | None) -> bytes | None:
-            if kv is None:
-                return None
-            data = json.loads(kv.value)
-            if data.get("revoked_at") is not None:
-                return None
-            data["revoked_at"] = time.time()
-            return _dumps(data)
-
-        def by_hash(value: bytes) -> list[Op]:
-            # The copy the key check reads, written in the same transaction.
-            return [put_op(self._hash_key(json.loads(value)["hash"]), value)]
-
-        return await self._cas(self._key_key(key_id), revoked, f"API key {key_id}", also=by_hash)
-
-    # -- idempotency -------------------------------------------------------------------------
-
-    def _idem_key(self, api_key_id: str, key: str) -> bytes:
-        return self.etcd.key("idempotency", _b64(api_key_id), _b64(key))
-
-    async def claim_idempotency(self, api_key_id: str, key: str, body_hash: str) -> bool:
-        at = self._idem_key(api_key_id, key)
-        value = _dumps(
-            {
-                "body_hash": body_hash,
-                "sandbox_id": None,
-                "created_at": time.time(),
-                "_w": secrets.token_hex(8),
-            }
-        )
-        result = await self.etcd.txn([created_at(at, 0)], [put_op(at, value)], [get_op(at)])
-        return result.succeeded or bool(result.ranges[0] and result.ranges[0][0].value == value)
-
-    async def idempotency(self, api_key_id: str, key: str) -> tuple[str, str | None] | None:
-        kv = await self.etcd.get(self._idem_key(api_key_id, key))
-        if kv is None:
-            return None
-        data = json.loads(kv.value)
-        return str(data["body_hash"]), data.get("sandbox_id")
-
-    async def complete_idempotency(self, api_key_id: str, key: str, sandbox_id: str) -> None:
-
-        def completed(kv: KeyValue | None) -> bytes | None:
-            if kv is None:
-                return None
-            data = json.loads(kv.value)
-            data["sandbox_id"] = sandbox_id
-            return _dumps(data)
-
-        await self._cas(self._idem_key(api_key_id, key), completed, f"idempotency key {key!r}")
-
-    async def release_idempotency(self, api_key_id: str, key: str) -> None:
-        at = self._idem_key(api_key_id, key)
-        kv = await self.etcd.get(at)
-        if kv is None or json.loads(kv.value).get("sandbox_id") is not None:
-            return
-        # Only the claim as read: a completed one (or a new claim) stays.
-        await self.etcd.txn([value_is(at, kv.value)], [delete_op(at)])
-
-    async def expire_idempotency(self, older_than: float) -> None:
-        kvs, _ = await self.etcd.get_prefix(self.etcd.dir("idempotency"))
-        for kv in kvs:
-            if float(json.loads(kv.value)["created_at"]) < older_than:
-                # Only as read: a key completed meanwhile is rewritten, and stays until next time.
-                await self.etcd.txn([modified_at(kv.key, kv.mod_revision)], [delete_op(kv.key)])
