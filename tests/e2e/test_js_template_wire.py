@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 from jsrun import js_workdir
 
-from agentenv.build.builder import copy_script
 from agentenv.build.spec import parse
+from agentenv.build.steps import copy_script
 
 TEMPLATE_ID = "jsapp"
 BUILD_ID = "0b6f6c2e-8d8e-4a52-9a51-3a0c7e1f2d44"

@@ -16,22 +16,30 @@ import asyncio
 import contextlib
 import logging
 import os
-import shlex
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
 from typing import Any
 
+from agentenv.build.guest_steps import TAIL_LINES, GuestSteps
 from agentenv.build.progress import BuildProgress, receiver
-from agentenv.build.spec import BuildSpec, Step, chain_key
+from agentenv.build.spec import BuildSpec, chain_key
 from agentenv.build.state import BuildRecord, BuildStore, TemplateRecord
+from agentenv.build.steps import (
+    DEFAULT_USER,
+    DEFAULT_WORKDIR,
+    Context,
+    StepFailed,
+    cache_name,
+    describe,
+    final_name,
+    workdir_script,
+)
 from agentenv.build.templates import image_template_name
 from agentenv.config import Settings
 from agentenv.contract.errors import SandboxNotFound
 from agentenv.contract.runtime import SNAPSHOT_ID, ImportEvent, SnapshotInfo, TemplateUnavailable
 from agentenv.control.sandboxes import CreateSpec, SandboxManager
 from agentenv.control.store import BUILD_METADATA, DEFAULT_TEAM, SandboxRecord
-from agentenv.guest.envd.client import EnvdClient, EnvdError
 from agentenv.oci.progress import LayerProgress
 from agentenv.snapshot.errors import SnapshotError
 from agentenv.snapshot.repository import SnapshotRepository
@@ -42,114 +50,8 @@ log = logging.getLogger("agentenv.build")
 
 # The build sandbox outlives no build: it is killed at the end, this is the backstop.
 BUILD_SANDBOX_TIMEOUT_S = 6 * 3600
-STEP_TIMEOUT_S = float(os.environ.get("AGENTENV_BUILD_STEP_TIMEOUT_S", "3600"))
-READY_TIMEOUT_S = float(os.environ.get("AGENTENV_BUILD_READY_TIMEOUT_S", "300"))
-READY_POLL_S = 1.0
-# E2B's sandbox defaults, also where a build starts: steps run as `user` in its home.
-DEFAULT_USER = "user"
-DEFAULT_WORKDIR = "/home/user"
-START_LOG = "/tmp/.agentenv-start.log"
-TAIL_LINES = 20
 # How often a cluster's replica looks for builds whose runner died.
 SWEEP_S = float(os.environ.get("AGENTENV_BUILD_SWEEP_S", "10"))
-
-
-class StepFailed(Exception):
-    def __init__(self, step: str, message: str) -> None:
-        super().__init__(message)
-        self.step = step
-        self.message = message
-
-
-@dataclass
-class Context:
-    """What ENV/ARG/USER/WORKDIR steps leave for the steps after them."""
-
-    envs: dict[str, str] = field(default_factory=dict)
-    user: str = DEFAULT_USER
-    workdir: str = DEFAULT_WORKDIR
-
-    def apply(self, step: Step) -> None:
-        if step.type in ("ENV", "ARG"):
-            for i in range(0, len(step.args), 2):
-                self.envs[step.args[i]] = step.args[i + 1]
-        elif step.type == "USER":
-            self.user = step.args[0]
-        elif step.type == "WORKDIR":
-            self.workdir = _join(self.workdir, step.args[0])
-
-
-def _join(base: str, path: str) -> str:
-    return os.path.normpath(path if path.startswith("/") else os.path.join(base, path))
-
-
-def cache_name(key: str) -> str:
-    """A snapshot name for a step key (snapshot names allow 63 characters)."""
-    return f"build-cache-{key[:40]}"
-
-
-def final_name(key: str) -> str:
-    return f"build-final-{key[:40]}"
-
-
-def workdir_script(path: str, user: str) -> str:
-    """WORKDIR makes a missing directory owned by the current USER, as E2B's (which runs
-    `mkdir -p` as that user) leaves it; made as root and handed over, so a path the user
-    could not create (`/app`) works too instead of failing the build."""
-    owner = user if ":" in user else f"{user}:"  # USER may name the group too
-    d, o = shlex.quote(path), shlex.quote(owner)
-    return f"[ -d {d} ] || {{ mkdir -p {d} && chown {o} {d}; }}"
-
-
-def describe(step: Step) -> str:
-    if step.type == "RUN":
-        text = step.args[0] + (f" (as {step.args[1]})" if len(step.args) > 1 else "")
-    elif step.type in ("ENV", "ARG"):
-        text = " ".join(f"{step.args[i]}={step.args[i + 1]}" for i in range(0, len(step.args), 2))
-    else:
-        text = " ".join(a for a in step.args if a)
-    return f"{step.type} {text}"
-
-
-def copy_script(src: str, dest: str, owner: str, mode: str, staging: str) -> str:
-    """The shell that puts an uploaded COPY archive in place with the SDK's meaning: paths in
-    the archive are relative to the build context; a directory source copies its contents
-    into `dest`, a file goes into `dest/` when `dest` ends with `/` (or is a directory) and
-    becomes `dest` otherwise; several matches (a glob) need `dest` to be a directory."""
-    q = shlex.quote
-    src_rel = src
-    while src_rel.startswith("./"):
-        src_rel = src_rel[2:]
-    src_rel = src_rel.lstrip("/") or "."
-    lines = [
-        "set -e",
-        f"S={q(staging)}",
-        f"D={q(dest)}",
-        'rm -rf "$S.d" && mkdir -p "$S.d"',
-        'tar -xzf "$S" -C "$S.d" 2>/dev/null || tar -xf "$S" -C "$S.d"',
-        'cd "$S.d"',
-        f"set -- {src_rel}" if any(c in src_rel for c in "*?[") else f"set -- {q(src_rel)}",
-        'if [ "$#" -eq 1 ] && [ ! -e "$1" ]; then echo "COPY: no file matches $1" >&2; exit 1; fi',
-        'many=0; [ "$#" -gt 1 ] && many=1',
-        'case "$D" in */) dir=1 ;; *) dir=0 ;; esac',
-        '[ -d "$D" ] && dir=1',
-        'made=""',
-        'for f in "$@"; do',
-        '  if [ -d "$f" ] && [ "$many" -eq 0 ]; then',
-        '    mkdir -p "$D"; cp -a "$f"/. "$D"/; made="$made $D"',
-        '  elif [ "$dir" -eq 1 ] || [ "$many" -eq 1 ]; then',
-        '    mkdir -p "$D"; b=$(basename "$f"); cp -a "$f" "$D/$b"; made="$made $D/$b"',
-        "  else",
-        '    mkdir -p "$(dirname "$D")"; cp -a "$f" "$D"; made="$made $D"',
-        "  fi",
-        "done",
-    ]
-    if owner:
-        lines.append(f'for m in $made; do chown -R {q(owner)} "$m"; done')
-    if mode:
-        lines.append(f'for m in $made; do chmod -R {q(mode)} "$m"; done')
-    lines.append('cd / && rm -rf "$S" "$S.d"')
-    return "\n".join(lines)
 
 
 class Builder:
@@ -169,6 +71,7 @@ class Builder:
         self.manager = manager
         self.settings = settings
         self.state = state
+        self.guest = GuestSteps(state)
         self.runner = runner
         self.live_runners = live_runners
         # Records shared with other replicas: without knowing who is alive, fail nothing.
@@ -316,12 +219,6 @@ class Builder:
 
         await self.state.update_template(rec.template_id, tag)
 
-    def _log(self, rec: BuildRecord, step: str | None) -> Callable[[str, str], None]:
-        def emit(line: str, stream: str) -> None:
-            self.state.log(rec.build_id, line, "info" if stream == "stdout" else "warn", step)
-
-        return emit
-
     async def _base_identity(self, rec: BuildRecord, spec: BuildSpec) -> tuple[str, str, Context]:
         """The template a build sandbox starts from, what identifies its contents, and the
         context its steps start in: an image's config (Env, User, WorkingDir) where it says,
@@ -454,13 +351,13 @@ class Builder:
             self.state.log(bid, f"[{i + 1}/{n}] {describe(step)}", step=label)
             t0 = time.monotonic()
             if step.type == "RUN":
-                await self._run_step(rec, sandbox, step, ctx, label)
+                await self.guest.run_step(rec, sandbox, step, ctx, label)
             elif step.type == "COPY":
-                await self._copy_step(rec, sandbox, step, ctx, label)
+                await self.guest.copy_step(rec, sandbox, step, ctx, label)
             else:
                 ctx.apply(step)
                 if step.type == "WORKDIR":
-                    await self._sh(rec, sandbox, workdir_script(ctx.workdir, ctx.user), label)
+                    await self.guest.sh(rec, sandbox, workdir_script(ctx.workdir, ctx.user), label)
                 continue
             if step.type in ("RUN", "COPY"):
                 await self._capture_disk(rec, sandbox, cache_name(keys[i]), label)
@@ -514,56 +411,6 @@ class Builder:
         )
         return sandbox
 
-    async def _sh(
-        self,
-        rec: BuildRecord,
-        sandbox: SandboxRecord,
-        cmd: str,
-        label: str,
-        *,
-        user: str = "root",
-        envs: dict[str, str] | None = None,
-        cwd: str | None = None,
-        quiet: bool = False,
-    ) -> int:
-        assert sandbox.envd_url is not None
-        emit = (lambda _l, _s: None) if quiet else self._log(rec, label)
-        # A client per command: a killed build sandbox's slot address goes to the next
-        # sandbox, and a pooled connection to the old VM there would break its first call.
-        async with EnvdClient(sandbox.envd_url, sandbox.envd_token) as envd:
-            return await envd.run_streamed(
-                cmd, user=user, on_line=emit, envs=envs, cwd=cwd, timeout_s=STEP_TIMEOUT_S
-            )
-
-    async def _run_step(
-        self, rec: BuildRecord, sandbox: SandboxRecord, step: Step, ctx: Context, label: str
-    ) -> None:
-        user = step.args[1] if len(step.args) > 1 and step.args[1] else ctx.user
-        code = await self._sh(
-            rec, sandbox, step.args[0], label, user=user, envs=ctx.envs, cwd=ctx.workdir
-        )
-        if code != 0:
-            raise StepFailed(label, f"step {label} ({describe(step)}) failed with exit code {code}")
-
-    async def _copy_step(
-        self, rec: BuildRecord, sandbox: SandboxRecord, step: Step, ctx: Context, label: str
-    ) -> None:
-        assert step.files_hash is not None and sandbox.envd_url is not None
-        local = await self.state.files(step.files_hash)
-        if local is None:
-            raise StepFailed(label, f"step {label}: files {step.files_hash} were not uploaded")
-        staging = f"/tmp/.agentenv-copy-{step.files_hash[:16]}.tar"
-        async with EnvdClient(sandbox.envd_url, sandbox.envd_token) as envd:
-            await envd.upload_file(local, staging)
-        dest = _join(ctx.workdir, step.args[1]) + ("/" if step.args[1].endswith("/") else "")
-        owner = step.args[2] if len(step.args) > 2 and step.args[2] else ctx.user
-        mode = step.args[3] if len(step.args) > 3 else ""
-        code = await self._sh(
-            rec, sandbox, copy_script(step.args[0], dest, owner, mode, staging), label
-        )
-        if code != 0:
-            raise StepFailed(label, f"step {label} ({describe(step)}) failed with exit code {code}")
-
     async def _capture_disk(
         self, rec: BuildRecord, sandbox: SandboxRecord, name: str, label: str
     ) -> None:
@@ -577,27 +424,7 @@ class Builder:
         self, rec: BuildRecord, spec: BuildSpec, sandbox: SandboxRecord, ctx: Context, final: str
     ) -> str:
         bid = rec.build_id
-        assert sandbox.envd_url is not None
-        # The last USER/WORKDIR are the sandbox's defaults, as in E2B; envd keeps them in the
-        # snapshot's memory.
-        try:
-            async with EnvdClient(sandbox.envd_url, sandbox.envd_token) as envd:
-                await envd.init(default_user=ctx.user, default_workdir=ctx.workdir)
-        except EnvdError as exc:
-            raise StepFailed("finalize", f"envd /init failed: {exc}") from exc
-        if spec.start_cmd:
-            self.state.log(bid, f"Starting: {spec.start_cmd}", step="finalize")
-            # No terminal, so no hangup to survive: a plain background job outlives the
-            # shell (envd does not kill a finished command's process group). No `nohup`:
-            # a busybox image may not have it.
-            bg = f"/bin/sh -c {shlex.quote(spec.start_cmd)} > {START_LOG} 2>&1 < /dev/null &"
-            code = await self._sh(
-                rec, sandbox, bg, "finalize", user=ctx.user, envs=ctx.envs, cwd=ctx.workdir
-            )
-            if code != 0:
-                raise StepFailed("finalize", f"startCmd could not be started (exit {code})")
-        if spec.ready_cmd:
-            await self._wait_ready(rec, sandbox, spec.ready_cmd, ctx)
+        await self.guest.start(rec, sandbox, spec, ctx)
         self.state.log(bid, "Capturing the template snapshot", step="finalize")
         t0 = time.monotonic()
         try:
@@ -612,34 +439,6 @@ class Builder:
             step="finalize",
         )
         return info.snapshot_id
-
-    async def _wait_ready(
-        self, rec: BuildRecord, sandbox: SandboxRecord, ready_cmd: str, ctx: Context
-    ) -> None:
-        self.state.log(rec.build_id, f"Waiting for readyCmd: {ready_cmd}", step="finalize")
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while True:
-            code = await self._sh(
-                rec,
-                sandbox,
-                ready_cmd,
-                "finalize",
-                user=ctx.user,
-                envs=ctx.envs,
-                cwd=ctx.workdir,
-                quiet=True,
-            )
-            if code == 0:
-                self.state.log(rec.build_id, "readyCmd succeeded", step="finalize")
-                return
-            if time.monotonic() >= deadline:
-                break
-            await asyncio.sleep(READY_POLL_S)
-        await self._sh(rec, sandbox, f"tail -n {TAIL_LINES} {START_LOG} 2>/dev/null", "finalize")
-        raise StepFailed(
-            "finalize",
-            f"readyCmd {ready_cmd!r} did not succeed within {READY_TIMEOUT_S:.0f}s",
-        )
 
 
 def template_record(template_id: str) -> TemplateRecord:

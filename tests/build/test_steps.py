@@ -8,7 +8,7 @@ import subprocess
 import tarfile
 from pathlib import Path
 
-from agentenv.build.builder import copy_script, workdir_script
+from agentenv.build.steps import copy_script, workdir_script
 
 
 def make_tar(path: Path, files: dict[str, str]) -> None:
