@@ -6,6 +6,7 @@ others exercise the same server without creating any.
 
 from __future__ import annotations
 
+import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
@@ -15,6 +16,7 @@ import pytest
 
 from agentenv.api.devserver import ServerProcess
 from agentenv.api.keys import KeyRing
+from agentenv.snapshot.pause import PAUSED
 
 from .conftest import REQUEST_TIMEOUT_S, db_path, on_store, qemu_processes
 
@@ -139,11 +141,16 @@ def test_lifecycle_shapes_and_status_codes(api: httpx.Client, server: ServerProc
     assert api.post(f"/sandboxes/{sid}/pause", json={}).status_code == 204
     assert api.get(f"/sandboxes/{sid}").json()["state"] == "paused"
     assert not qemu_processes(server.home), "a paused sandbox still has a VM"
-    # Its RAM stream is converted in the background; that helper QEMU ends by itself.
+    # Its RAM stream is converted in the background (started after the pause answered, so
+    # the first look may come before the helper QEMU): done once the record says `state`,
+    # and that helper QEMU ends by itself.
+    record = server.home / "sandboxes" / sid / PAUSED
     for _ in range(600):
-        if not qemu_processes(server.home, converters=True):
+        converted = json.loads(record.read_text()).get("kind") == "state"
+        if converted and not qemu_processes(server.home, converters=True):
             break
         time.sleep(0.2)
+    assert json.loads(record.read_text()).get("kind") == "state", "the RAM was not converted"
     assert not qemu_processes(server.home, converters=True), "a conversion did not end"
     _assert_error(api.post(f"/sandboxes/{sid}/pause", json={}), 409)
     paused = api.get("/v2/sandboxes", params={"state": "paused"}).json()

@@ -35,6 +35,7 @@ from typing import Any
 import httpx
 
 from agentenv import snapshot as snaps
+from agentenv.aio import thread_whole
 from agentenv.config import ENVD_PORT, Settings
 from agentenv.contract.ids import is_sandbox_id, new_sandbox_id
 from agentenv.contract.runtime import HostMemory
@@ -721,7 +722,7 @@ class Node:
                 await relocate(prep, workdir)
                 crash_point("create:relocated")
 
-            await asyncio.to_thread(self.layers.ref, top, sandbox_id)
+            await thread_whole(self.layers.ref, top, sandbox_id)
             undo.append(lambda: asyncio.to_thread(self.layers.unref, top, sandbox_id))
 
             if warm is None:
@@ -1226,9 +1227,9 @@ class Node:
         top layer (which the sandbox holds), in the snapshot's shape."""
         t0 = time.monotonic()
         top = snap.top_layer
-        await asyncio.to_thread(self.layers.ref, top, sandbox_id)
         machine: Machine | None = None
         try:
+            await thread_whole(self.layers.ref, top, sandbox_id)
             upper = workdir / ROOTFS
             await create_upper(await asyncio.to_thread(self.layers.path, top), upper, None)
             machine = await snaps.boot(

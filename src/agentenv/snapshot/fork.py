@@ -6,11 +6,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Coroutine, Mapping, Sequence
+from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
+from agentenv.aio import whole
 from agentenv.faults import crash_point
 from agentenv.network import Slot
 from agentenv.snapshot.capture import Capture, capture
@@ -123,9 +123,9 @@ async def fork(
             # Callers map single errors (RestoreFailed, ...) to their own; give them the first.
             raise _first(group) from None
         # A cancel arriving here still releases the children (below).
-        await _finish(unclaim())
+        await whole(unclaim())
     except BaseException:
-        await _finish(undo())
+        await whole(undo())
         raise
     return ForkResult(cap, [made[i] for i in range(len(targets))], time.monotonic() - t0)
 
@@ -142,18 +142,3 @@ async def _release_all(children: list[Machine], repo: SnapshotStore, layers: Lay
             await release(child, repo, layers)
         except Exception as exc:
             log.warning("fork: releasing child %s failed: %r", child.name, exc)
-
-
-async def _finish(cleanup: Coroutine[Any, Any, object]) -> None:
-    """Run `cleanup` to its end even if the caller is cancelled meanwhile (a second cancel
-    must not leave half the children running); the cancellation is raised afterwards."""
-    task = asyncio.ensure_future(cleanup)
-    cancelled = False
-    while not task.done():
-        try:
-            await asyncio.shield(task)
-        except asyncio.CancelledError:
-            cancelled = True
-    task.result()
-    if cancelled:
-        raise asyncio.CancelledError

@@ -49,6 +49,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from agentenv.aio import thread_whole
 from agentenv.config import Settings
 from agentenv.filelock import file_lock
 from agentenv.objstore import ObjectStore, SparseSink, SparseSource
@@ -570,8 +571,8 @@ class RemoteSnapshots:
                         await asyncio.to_thread(images.rebase_unsafe, staging / name, here)
             if top is None:
                 raise RemoteSnapshotError(f"paused sandbox {sandbox_id}: no upper in manifest")
-            await asyncio.to_thread(self.layers.ref, top, sandbox_id)
             try:
+                await thread_whole(self.layers.ref, top, sandbox_id)
                 await asyncio.to_thread(os.rename, staging, workdir)
             except BaseException:
                 await asyncio.to_thread(self.layers.unref, top, sandbox_id)

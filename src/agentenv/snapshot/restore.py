@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from agentenv.aio import thread_whole, whole
 from agentenv.network import Slot
 from agentenv.snapshot.errors import IncompatibleSnapshot, RestoreFailed
 from agentenv.snapshot.machine import (
@@ -96,9 +97,11 @@ async def prepare(
     await asyncio.to_thread(workdir.mkdir, 0o700, True, True)
     upper = workdir / ROOTFS
     vm: QemuVM | None = None
-    await asyncio.to_thread(repo.ref, snap.id, name)
     try:
-        await asyncio.to_thread(layers.ref, snap.top_layer, name)
+        # Whole: a cancel must not return before a reference its thread still takes, or
+        # `_undo` would run first and the reference would outlive it.
+        await thread_whole(repo.ref, snap.id, name)
+        await thread_whole(layers.ref, snap.top_layer, name)
         top = await asyncio.to_thread(layers.path, snap.top_layer)
         await create_upper(top, upper, disk_size_mb)
         vm = new_vm(
@@ -201,6 +204,13 @@ async def discard(prep: Prepared, repo: SnapshotStore, layers: LayerStore) -> No
 
 
 async def _undo(
+    vm: QemuVM | None, upper: Path, name: str, repo: SnapshotStore, layers: LayerStore
+) -> None:
+    # Whole: a second cancel (a task group aborting again) must not stop it halfway.
+    await whole(_undo_steps(vm, upper, name, repo, layers))
+
+
+async def _undo_steps(
     vm: QemuVM | None, upper: Path, name: str, repo: SnapshotStore, layers: LayerStore
 ) -> None:
     if vm is not None:
