@@ -11,7 +11,8 @@ from agentenv.config import Settings
 from agentenv.vmm.accel import detect
 from agentenv.vmm.base import BootSource, MachineSpec
 from agentenv.vmm.errors import BalloonUnsupported, VMMError, VMStartError
-from agentenv.vmm.qemu import BALLOON_DEVICE, QemuVM
+from agentenv.vmm.qemu import QemuVM
+from agentenv.vmm.qemu_argv import BALLOON_DEVICE
 
 MIB = 1024 * 1024
 

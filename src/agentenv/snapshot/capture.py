@@ -45,7 +45,7 @@ from agentenv.snapshot.repository import MEMORY, STATE, SnapshotStore
 from agentenv.storage import LayerStore
 from agentenv.vmm.confine import disown
 from agentenv.vmm.errors import VMMError
-from agentenv.vmm.qemu import DEVICE_SET
+from agentenv.vmm.qemu_argv import DEVICE_SET
 
 log = logging.getLogger(__name__)
 

@@ -42,7 +42,7 @@ class Snapshot:
     envd_token: str | None = None
     # Deleted while sandboxes still mapped it: invisible, removed when the last one is gone.
     deleted: bool = False
-    # `vmm.qemu.DEVICE_SET` of the guest that was captured ("1": before the field existed).
+    # `vmm.qemu_argv.DEVICE_SET` of the guest that was captured ("1": before the field existed).
     device_set: str = "1"
     # False: a filesystem-only snapshot (E2B's `memory: false`): layers only, no RAM image or
     # device state; a create from it cold-boots over a fresh upper on its top layer.

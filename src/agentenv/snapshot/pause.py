@@ -59,7 +59,7 @@ from agentenv.snapshot.machine import (
 from agentenv.snapshot.repository import SnapshotStore
 from agentenv.snapshot.restore import check_compatible
 from agentenv.vmm.errors import VMMError
-from agentenv.vmm.qemu import DEVICE_SET
+from agentenv.vmm.qemu_argv import DEVICE_SET
 
 PAUSED = "paused.json"
 STATE = "state"

@@ -26,7 +26,8 @@ from agentenv.snapshot.model import Snapshot
 from agentenv.snapshot.repository import SnapshotStore
 from agentenv.storage import LayerStore, create_upper
 from agentenv.vmm.errors import VMMError
-from agentenv.vmm.qemu import DEVICE_SET, QemuVM
+from agentenv.vmm.qemu import QemuVM
+from agentenv.vmm.qemu_argv import DEVICE_SET
 
 log = logging.getLogger(__name__)
 

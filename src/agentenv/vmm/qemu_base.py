@@ -1,0 +1,192 @@
+"""The state every QEMU driver part shares (`QemuBase`): what the VM is built from, the
+process it runs as, the names QEMU knows its files by, its registry record, and the one
+way a QMP command is sent (with a deadline). Split from `qemu.py` so the command line
+(`qemu_argv`), the disks (`qemu_disks`) and migration (`qemu_migration`) each hold their
+own methods over it; `qemu.QemuVM` puts them together."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Self
+
+from qemu.qmp import QMPClient
+
+from agentenv.vmm import confine as vm_confine
+from agentenv.vmm import registry as vm_registry
+from agentenv.vmm.accel import AccelChoice
+from agentenv.vmm.base import BootSource, DiskLimits, Drive, MachineSpec, NetIface
+from agentenv.vmm.cgroup import Cgroup
+from agentenv.vmm.errors import VMMError
+from agentenv.vmm.version import qemu_version
+
+# sun_path holds 108 bytes; deep temporary dirs can exceed it.
+_MAX_SOCK_PATH = 100
+SOCK_FALLBACK_DIR = Path("/run/agentenv-qmp")
+# No QMP command of ours takes long (migrations run in the background and are polled); one
+# that does not answer in this time means a stuck QEMU.
+QMP_COMMAND_TIMEOUT_S = 30.0
+
+
+class QemuBase:
+    """A QEMU guest's state and its QMP channel; `qemu.QemuVM` is the whole driver."""
+
+    def __init__(
+        self,
+        *,
+        name: str,
+        workdir: Path,
+        machine: MachineSpec,
+        boot: BootSource,
+        drives: list[Drive],
+        accel: AccelChoice,
+        net: NetIface | None = None,
+        netns: str | None = None,
+        cgroup: bool = True,
+        qemu_binary: str = "qemu-system-x86_64",
+        incoming: bool = False,
+        ram_shim: Path | None = None,
+        registry: Path | None = None,
+        on_exit: Callable[[Self], None] | None = None,
+        confine: bool = True,
+        disk_limits: DiskLimits | None = None,
+    ) -> None:
+        self.name = name
+        self.workdir = workdir
+        # Own uid, mount namespace and root, seccomp (`vmm.confine`).
+        self.confine = confine
+        self.uid, self.gid = vm_confine.vm_ids(name, netns)
+        # Where QEMU sees its workdir: the place it was launched in (its root binds it
+        # there), also after `relocate` moved it on the host.
+        self.launch_workdir = workdir
+        self.machine = machine
+        self.boot = boot
+        self.drives = drives
+        self.accel = accel
+        self.net = net
+        self.netns = netns
+        self.qemu_binary = qemu_binary
+        self.version = qemu_version(qemu_binary)
+        # The preload library a private mapping of a shared memory file needs (`ramshim`).
+        self.ram_shim = ram_shim
+        # Host IO each writable drive may use, set over QMP once QEMU answers (`start`).
+        self.disk_limits = disk_limits
+        # Started paused, waiting for `snapshot_load` instead of booting the kernel.
+        self.incoming = incoming
+        self.serial_log = workdir / "serial.log"
+        self.stderr_log = workdir / "qemu.stderr"
+        sock = workdir / "qmp.sock"
+        if len(str(sock)) > _MAX_SOCK_PATH:
+            # A directory per VM: a confined QEMU sees that one, not every VM's socket.
+            sock = (
+                SOCK_FALLBACK_DIR / name / "qmp.sock"
+                if confine
+                else SOCK_FALLBACK_DIR / f"{name}.sock"
+            )
+        self.qmp_socket = sock
+        # Where QEMU was told to listen; `relocate` moves the socket, not this.
+        self.launch_socket = sock
+        self.cgroup = Cgroup(name) if cgroup else None
+        self.registry = registry
+        self.on_exit: Callable[[Self], None] | None = on_exit
+        self._proc: asyncio.subprocess.Process | None = None
+        # A confined QEMU in a PID namespace is the child of the `unshare` we spawn.
+        self._vmm_pid: int | None = None
+        # An adopted QEMU (another server started it): its PID, and a pidfd that becomes
+        # readable when it ends.
+        self._adopted_pid: int | None = None
+        self._adopted_code: int | None = None
+        self._ended = asyncio.Event()
+        self._expected_exit = False
+        self._watcher: asyncio.Task[None] | None = None
+        self._qmp: QMPClient | None = None
+        self._top: dict[str, str] = {d.id: f"{d.id}-0" for d in drives}
+        self._seals: dict[str, int] = {d.id: 0 for d in drives}
+        self._paths: dict[str, Path] = {d.id: d.path for d in drives}
+        self._cleaned = False
+        self._fd_lock = asyncio.Lock()
+        self._fd_seq = 0
+        self.started_at: float | None = None
+
+    @property
+    def pid(self) -> int | None:
+        """QEMU's PID (not that of the `unshare` in front of a confined one)."""
+        if self._proc is None:
+            return self._adopted_pid
+        return self._vmm_pid or self._proc.pid
+
+    @property
+    def exit_code(self) -> int | None:
+        """QEMU's exit status once it has ended (also when nobody awaited it);
+        `EXIT_UNKNOWN` for an adopted QEMU."""
+        return self._adopted_code if self._proc is None else self._proc.returncode
+
+    @property
+    def adopted(self) -> bool:
+        return self._adopted_pid is not None
+
+    def _in_vm(self, path: Path) -> Path:
+        """The name QEMU knows a host path by (its root has the workdir where it was)."""
+        if path.is_relative_to(self.workdir):
+            return self.launch_workdir / path.relative_to(self.workdir)
+        return path
+
+    def _from_vm(self, path: Path) -> Path:
+        if path.is_relative_to(self.launch_workdir):
+            return self.workdir / path.relative_to(self.launch_workdir)
+        return path
+
+    def spec(self) -> dict[str, Any]:
+        """What this VM is built from, as JSON (the registry record's `spec`)."""
+        spec: dict[str, Any] = json.loads(
+            json.dumps(
+                {
+                    "machine": asdict(self.machine),
+                    "boot": asdict(self.boot),
+                    "drives": [asdict(d) for d in self.drives],
+                    "net": None if self.net is None else asdict(self.net),
+                    "netns": self.netns,
+                    "cgroup": self.cgroup is not None,
+                    "qemu_binary": self.qemu_binary,
+                    "incoming": self.incoming,
+                    "ram_shim": None if self.ram_shim is None else str(self.ram_shim),
+                    "confine": self.confine,
+                    "launch_workdir": str(self.launch_workdir),
+                    "disk_limits": None if self.disk_limits is None else asdict(self.disk_limits),
+                },
+                default=str,
+            )
+        )
+        return spec
+
+    def _record(self) -> vm_registry.VMRecord:
+        pid = self.pid
+        return vm_registry.VMRecord(
+            name=self.name,
+            workdir=str(self.workdir),
+            qmp_socket=str(self.qmp_socket),
+            launch_socket=str(self.launch_socket),
+            pid=pid,
+            starttime=None if pid is None else vm_registry.proc_starttime(pid),
+            spec=self.spec(),
+        )
+
+    def _write_record(self) -> None:
+        if self.registry is not None:
+            vm_registry.write(self.registry, self._record())
+
+    async def _execute(self, cmd: str, args: dict[str, object] | None = None) -> object:
+        if self._qmp is None:
+            raise VMMError(f"{self.name} is not running")
+        try:
+            async with asyncio.timeout(QMP_COMMAND_TIMEOUT_S):
+                return await self._qmp.execute(cmd, args)
+        except TimeoutError:
+            raise VMMError(
+                f"{self.name}: QMP {cmd} did not answer in {QMP_COMMAND_TIMEOUT_S:.0f}s"
+            ) from None
+        except Exception as exc:
+            raise VMMError(f"{self.name}: QMP {cmd} failed: {exc}") from exc

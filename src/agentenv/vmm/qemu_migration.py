@@ -1,0 +1,149 @@
+"""Guest state in and out of a file over QMP migration: snapshots (device state only, RAM
+in the shared memory file) and RAM streams, written and read through descriptors handed to
+QEMU. Split from `qemu.py`: the migration protocol and its waits."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import time
+from pathlib import Path
+
+from agentenv.vmm.errors import VMMError
+from agentenv.vmm.qemu_base import QemuBase
+
+SNAPSHOT_TIMEOUT_S = 60.0
+# QEMU throttles migration to ~128 MiB/s by default; a local file takes much more.
+MIGRATE_BANDWIDTH = 16 * 1024**3
+
+# A migration that failed with less than this free where it wrote ran out of space.
+FULL_BELOW_BYTES = 16 * 1024 * 1024
+
+
+def _free_bytes(path: Path) -> int | None:
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+class QemuMigration(QemuBase):
+    """Snapshot and RAM-stream save and load of a `QemuVM`."""
+
+    async def _ignore_shared(self, on: bool = True) -> None:
+        # On: RAM lives in the memory file, so migration writes device state only (~50 KB).
+        # Off: RAM goes into the stream too. Both ends must agree.
+        await self._execute(
+            "migrate-set-capabilities",
+            {"capabilities": [{"capability": "x-ignore-shared", "state": on}]},
+        )
+
+    async def _wait_migration(self, what: str) -> None:
+        deadline = time.monotonic() + SNAPSHOT_TIMEOUT_S
+        while time.monotonic() < deadline:
+            reply = await self._execute("query-migrate")
+            status = reply.get("status") if isinstance(reply, dict) else None
+            if status == "completed":
+                return
+            if status in ("failed", "cancelled"):
+                detail = reply.get("error-desc", status) if isinstance(reply, dict) else status
+                raise VMMError(f"{self.name}: {what} failed: {detail}")
+            await asyncio.sleep(0.002)
+        raise VMMError(f"{self.name}: {what} did not finish in {SNAPSHOT_TIMEOUT_S:.0f}s")
+
+    async def _wait_incoming(self, what: str) -> None:
+        """The destination's `query-migrate` says completed before the state is applied on
+        some versions; the run state leaving `inmigrate` is the reliable signal."""
+        await self._wait_migration(what)
+        deadline = time.monotonic() + SNAPSHOT_TIMEOUT_S
+        while time.monotonic() < deadline:
+            reply = await self._execute("query-status")
+            if isinstance(reply, dict) and reply.get("status") != "inmigrate":
+                return
+            await asyncio.sleep(0.002)
+        raise VMMError(f"{self.name}: {what} did not finish in {SNAPSHOT_TIMEOUT_S:.0f}s")
+
+    async def _pass_fd(self, fd: int) -> str:
+        """Hand QEMU an open descriptor (SCM_RIGHTS on the QMP socket, then `getfd`); the
+        name it is known by there. QEMU opens no file and starts no helper for a stream, so
+        neither its root nor its seccomp filter needs to allow one."""
+        if self._qmp is None:
+            raise VMMError(f"{self.name} is not running")
+        async with self._fd_lock:
+            self._fd_seq += 1
+            name = f"stream{self._fd_seq}"
+            try:
+                self._qmp.send_fd_scm(fd)
+            except Exception as exc:
+                raise VMMError(f"{self.name}: passing a descriptor failed: {exc}") from exc
+            await self._execute("getfd", {"fdname": name})
+        return name
+
+    async def _migrate_out(self, path: Path, what: str) -> None:
+        await self._execute("migrate-set-parameters", {"max-bandwidth": MIGRATE_BANDWIDTH})
+        await self._execute("stop")
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
+        fd = await asyncio.to_thread(os.open, path, flags, 0o644)
+        try:
+            fdname = await self._pass_fd(fd)
+        finally:
+            os.close(fd)
+        try:
+            await self._execute("migrate", {"uri": f"fd:{fdname}"})
+        except VMMError:
+            with contextlib.suppress(VMMError):
+                await self._execute("closefd", {"fdname": fdname})
+            raise
+        try:
+            await self._wait_migration(what)
+        except VMMError as exc:
+            # QEMU's write fails with little detail; a full filesystem is why, and callers
+            # map it.
+            free = await asyncio.to_thread(_free_bytes, path.parent)
+            if free is not None and free < FULL_BELOW_BYTES:
+                raise VMMError(
+                    f"{exc}: No space left on device ({path.parent}, {free // 1024} KiB free)"
+                ) from exc
+            raise
+
+    async def _migrate_in(self, path: Path, what: str, run: bool) -> None:
+        if not self.incoming:
+            raise VMMError(f"{self.name} was not started to receive a snapshot")
+        if not await asyncio.to_thread(path.is_file):
+            raise VMMError(f"{self.name}: snapshot state {path} does not exist")
+        fd = await asyncio.to_thread(os.open, path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            fdname = await self._pass_fd(fd)
+        finally:
+            os.close(fd)
+        try:
+            await self._execute("migrate-incoming", {"uri": f"fd:{fdname}"})
+        except VMMError:
+            with contextlib.suppress(VMMError):
+                await self._execute("closefd", {"fdname": fdname})
+            raise
+        await self._wait_incoming(what)
+        if run:
+            await self._execute("cont")
+
+    async def snapshot_create(self, state_path: Path) -> None:
+        if self.machine.mem_file is None or not self.machine.mem_shared:
+            raise VMMError(f"{self.name}: snapshots need guest RAM in a shared memory file")
+        await self._ignore_shared(True)
+        await self._migrate_out(state_path, "snapshot")
+
+    async def snapshot_load(self, state_path: Path, *, run: bool = True) -> None:
+        if self.incoming:
+            await self._ignore_shared(True)
+        await self._migrate_in(state_path, "restore", run)
+
+    async def stream_save(self, stream_path: Path) -> None:
+        await self._ignore_shared(False)
+        await self._migrate_out(stream_path, "RAM snapshot")
+
+    async def stream_load(self, stream_path: Path, *, run: bool = True) -> None:
+        if self.incoming:
+            await self._ignore_shared(False)
+        await self._migrate_in(stream_path, "RAM restore", run)
