@@ -25,7 +25,8 @@ from agentenv.config import Settings
 from agentenv.contract.errors import TemplateNotFound
 from agentenv.contract.runtime import Placement, SandboxSpec, SnapshotInfo
 from agentenv.control.metrics import Metrics
-from agentenv.control.sandboxes import CreateSpec, SandboxManager
+from agentenv.control.sandbox_base import CreateSpec
+from agentenv.control.sandboxes import SandboxManager
 from agentenv.control.sqlite_store import SqliteStore
 from agentenv.control.store import BUILD_METADATA, SandboxRecord, SandboxState, Store
 from agentenv.template import image as image_module

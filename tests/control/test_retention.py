@@ -10,7 +10,8 @@ import pytest
 
 from agentenv.config import Settings
 from agentenv.contract.errors import SandboxNotFound
-from agentenv.control.sandboxes import CreateSpec, SandboxManager
+from agentenv.control.sandbox_base import CreateSpec
+from agentenv.control.sandboxes import SandboxManager
 from agentenv.control.sqlite_store import SqliteStore
 from agentenv.control.store import SandboxState
 from agentenv.guest.envd.client import EnvdClient

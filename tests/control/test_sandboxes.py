@@ -27,7 +27,8 @@ from agentenv.contract.errors import (
     TemplateNotFound,
 )
 from agentenv.contract.runtime import Placement, SandboxSpec
-from agentenv.control.sandboxes import CreateSpec, SandboxManager
+from agentenv.control.sandbox_base import CreateSpec
+from agentenv.control.sandboxes import SandboxManager
 from agentenv.control.sqlite_store import SqliteStore
 from agentenv.control.store import SandboxRecord, SandboxState, Store
 from agentenv.guest.envd.client import EnvdClient

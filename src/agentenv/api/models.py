@@ -10,7 +10,7 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
 
-from agentenv.control.sandboxes import MAX_TIMEOUT_S
+from agentenv.control.sandbox_base import MAX_TIMEOUT_S
 
 MAX_METADATA_ENTRIES = 64
 MAX_METADATA_KEY = 128

@@ -20,7 +20,7 @@ from agentenv.api.ingress import BadIngress, check_ingress
 from agentenv.api.models import NewSandbox
 from agentenv.api.templates import TemplateBuilds
 from agentenv.contract.errors import TemplateNotFound
-from agentenv.control.sandboxes import DEFAULT_TIMEOUT_S, CreateSpec
+from agentenv.control.sandbox_base import DEFAULT_TIMEOUT_S, CreateSpec
 from agentenv.control.store import BUILD_METADATA, ApiKey
 from agentenv.network.egress import BadTarget, Egress
 

@@ -38,7 +38,8 @@ from agentenv.build.templates import image_template_name
 from agentenv.config import Settings
 from agentenv.contract.errors import SandboxNotFound
 from agentenv.contract.runtime import SNAPSHOT_ID, ImportEvent, SnapshotInfo, TemplateUnavailable
-from agentenv.control.sandboxes import CreateSpec, SandboxManager
+from agentenv.control.sandbox_base import CreateSpec
+from agentenv.control.sandboxes import SandboxManager
 from agentenv.control.store import BUILD_METADATA, DEFAULT_TEAM, SandboxRecord
 from agentenv.oci.progress import LayerProgress
 from agentenv.snapshot.errors import SnapshotError
