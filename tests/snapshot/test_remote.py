@@ -28,13 +28,9 @@ from agentenv.objstore.client import (
 )
 from agentenv.snapshot import Snapshot, SnapshotNotFound, SnapshotRepository
 from agentenv.snapshot.digest import sparse_digest
-from agentenv.snapshot.remote import (
-    CACHE_HOLDER,
-    RemoteSnapshotError,
-    RemoteSnapshots,
-    _paused_blobs,
-    manifest_key,
-)
+from agentenv.snapshot.remote import RemoteSnapshots
+from agentenv.snapshot.remote_cache import CACHE_HOLDER
+from agentenv.snapshot.remote_manifest import RemoteSnapshotError, _paused_blobs, manifest_key
 from agentenv.storage import LayerStore, info
 
 MIB = 1024 * 1024

@@ -47,7 +47,8 @@ from agentenv.objstore import ObjectStore, ObjectStoreError
 from agentenv.oci.progress import LayerProgress
 from agentenv.snapshot.fork import MAX_CHILDREN
 from agentenv.snapshot.pause import DISK
-from agentenv.snapshot.remote import CACHE_HOLDER, RemoteSnapshots
+from agentenv.snapshot.remote import RemoteSnapshots
+from agentenv.snapshot.remote_cache import CACHE_HOLDER
 from agentenv.storage import LayerStore, info
 from agentenv.template.catalog import Template, TemplateCatalog, TemplateNotFound
 
