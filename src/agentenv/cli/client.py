@@ -8,26 +8,18 @@ Every failure ends as one readable line on stderr and a non-zero exit code.
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import json
 import os
-import shutil
-import signal
 import sys
-import termios
-import time
-import tty
-from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any
 
 import httpx
 import typer
-from rich.console import Console
-from rich.table import Table
 
 from agentenv.cli import build
+from agentenv.cli.admin import keys_app, teams_app
 from agentenv.cli.connection import (
     DEFAULT_URL,
     Api,
@@ -39,40 +31,14 @@ from agentenv.cli.connection import (
     config_path,
     err,
 )
-from agentenv.config import ENVD_PORT, Settings
-from agentenv.guest.envd.client import encode_envelope, iter_envelopes
+from agentenv.cli.output import emit
+from agentenv.cli.process_stream import exec_command, shell
 
 client_app = typer.Typer(no_args_is_help=True, add_completion=False)
 template_app = typer.Typer(help="Templates on the server.", no_args_is_help=True)
-keys_app = typer.Typer(help="API keys of the local server (run on the server host).")
-teams_app = typer.Typer(
-    help="Teams of the local server and their limits (run on the server host).",
-    no_args_is_help=True,
-)
 client_app.add_typer(template_app, name="template")
 client_app.add_typer(keys_app, name="keys")
 client_app.add_typer(teams_app, name="teams")
-
-_END_STREAM = 0x02
-T = TypeVar("T")
-
-
-def _emit(rows: list[dict[str, Any]], columns: list[tuple[str, str]]) -> None:
-    """A table for people, JSON for pipes."""
-    if not sys.stdout.isatty():
-        json.dump(rows, sys.stdout, indent=2)
-        sys.stdout.write("\n")
-        return
-    table = Table(*(title for title, _ in columns))
-    for row in rows:
-        table.add_row(*(_cell(row.get(key)) for _, key in columns))
-    Console().print(table)
-
-
-def _cell(value: Any) -> str:
-    if isinstance(value, dict):
-        return ", ".join(f"{k}={v}" for k, v in value.items())
-    return "" if value is None else str(value)
 
 
 # -- server ----------------------------------------------------------------------------------
@@ -141,7 +107,7 @@ def template_ls() -> None:
     """List templates: the catalog's and those built with `aenv build` / the E2B SDK (for
     these, the build `name` resolves to and the status of the newest such build)."""
     rows = _guard(lambda: _api().call("GET", "/templates").json())
-    _emit(
+    emit(
         rows,
         [("NAME", "templateID"), ("STATUS", "buildStatus"), ("BUILDS", "buildCount"),
          ("DISK MB", "diskSizeMB"), ("CPU", "cpuCount"), ("MEMORY MB", "memoryMB"),
@@ -200,7 +166,7 @@ def ls(
         # hostMemoryPssMB: what the sandbox's VM really holds on the host (running only).
         columns[3:3] = [("CPU", "cpuCount"), ("MEMORY MB", "memoryMB"),
                         ("HOST PSS MB", "hostMemoryPssMB")]  # fmt: skip
-    _emit(rows, columns)
+    emit(rows, columns)
 
 
 @client_app.command()
@@ -245,7 +211,7 @@ def start(
     err.print(f"sandbox {sid} ({template}); exit the shell to {'leave' if keep else 'kill'} it")
     code = 1
     try:
-        code = _guard(lambda: asyncio.run(_shell(api.target, sid, sbx.get("envdAccessToken"))))
+        code = _guard(lambda: asyncio.run(shell(api.target, sid, sbx.get("envdAccessToken"))))
     finally:
         if not keep:
             with contextlib.suppress(ClientError, httpx.HTTPError):
@@ -264,7 +230,7 @@ def connect(sandbox_id: str) -> None:
             .json()
             .get("envdAccessToken")
         )
-        return asyncio.run(_shell(api.target, sandbox_id, token))
+        return asyncio.run(shell(api.target, sandbox_id, token))
 
     raise typer.Exit(_guard(run))
 
@@ -283,7 +249,7 @@ def exec_(
     def run() -> int:
         api = _api()
         token = api.sandbox(sandbox_id).get("envdAccessToken")
-        return asyncio.run(_exec(api.target, sandbox_id, token, command, user, cwd))
+        return asyncio.run(exec_command(api.target, sandbox_id, token, command, user, cwd))
 
     raise typer.Exit(_guard(run))
 
@@ -321,7 +287,7 @@ def fork(
         )
     )
     rows = [entry["sandbox"] for entry in resp.json() if "sandbox" in entry]
-    _emit(rows, [("SANDBOX", "sandboxID"), ("TEMPLATE", "templateID")])
+    emit(rows, [("SANDBOX", "sandboxID"), ("TEMPLATE", "templateID")])
     err.print(f"forked {len(rows)} sandbox(es) from {sandbox_id}")
 
 
@@ -359,348 +325,6 @@ def logs(sandbox_id: str) -> None:
         return
     for entry in body["logs"]:
         print(f"{entry['timestamp']}  {entry['level']:5}  {entry['message']}")
-
-
-# -- keys (server side) ----------------------------------------------------------------------
-
-
-def _keyring_run(fn: Callable[[Any], Awaitable[T]]) -> T:
-    """`fn(keyring)` on the server's store (its SQLite file, or etcd with `AGENTENV_ETCD`),
-    opened for this one call and closed after it."""
-    from agentenv.api.keys import KeyRing
-    from agentenv.api.server import db_path
-    from agentenv.control.backend import open_store
-
-    settings = Settings.from_env()
-    path = db_path(settings)
-    if not settings.etcd_endpoints and not path.exists():
-        raise ClientError(f"no server database at {path}: start `aenv serve` once first")
-
-    async def run() -> T:
-        store = open_store(settings, path)
-        try:
-            return await fn(KeyRing(store))
-        finally:
-            await store.close()
-
-    return asyncio.run(run())
-
-
-@keys_app.command("create")
-def keys_create(
-    name: str = typer.Argument("key"),
-    team: Annotated[
-        str, typer.Option("--team", help="The team (id or name) the key acts for.")
-    ] = "default",
-) -> None:
-    """Create an API key of a team; it is printed once and only its hash is stored."""
-    key, secret = _guard(lambda: _team_call(lambda ring: ring.create(name, team)))
-    err.print(f"created key {key.id} ({name}, team {team}); store it now, it is not shown again:")
-    print(secret)
-
-
-@keys_app.command("ls")
-def keys_ls() -> None:
-    """List API keys (ids, prefixes and teams, never the keys)."""
-
-    async def listed(ring: Any) -> list[dict[str, Any]]:
-        names = {t.id: t.name for t in await ring.teams()}
-        return [
-            {
-                "id": k.id,
-                "name": k.name,
-                "team": names.get(k.team_id, k.team_id),
-                "prefix": k.prefix + "…",
-                "created": time.strftime("%Y-%m-%d %H:%M", time.localtime(k.created_at)),
-                "revoked": "yes" if k.revoked_at else "",
-            }
-            for k in await ring.list()
-        ]
-
-    rows = _guard(lambda: _keyring_run(listed))
-    _emit(rows, [("ID", "id"), ("NAME", "name"), ("TEAM", "team"), ("PREFIX", "prefix"),
-                 ("CREATED", "created"), ("REVOKED", "revoked")])  # fmt: skip
-
-
-@keys_app.command("revoke")
-def keys_revoke(key_id: str) -> None:
-    """Revoke an API key; every request with it fails (401) from the next one on."""
-    from agentenv.api.keys import UnknownKey
-
-    def run() -> None:
-        try:
-            _keyring_run(lambda ring: ring.revoke(key_id))
-        except UnknownKey as exc:
-            raise ClientError(str(exc)) from exc
-
-    _guard(run)
-    err.print(f"revoked {key_id}")
-
-
-# -- teams (server side) ---------------------------------------------------------------------
-
-
-def _team_call(fn: Callable[[Any], Awaitable[T]]) -> T:
-    """`fn(keyring)`, its refusals (unknown team, bad value) as one-line errors."""
-    from agentenv.api.keys import TeamExists, UnknownTeam
-
-    try:
-        return _keyring_run(fn)
-    except (UnknownTeam, TeamExists, ValueError) as exc:
-        raise ClientError(str(exc)) from exc
-
-
-def _limit(value: int) -> str:
-    return str(value) if value > 0 else "none"
-
-
-@teams_app.command("create")
-def teams_create(name: str) -> None:
-    """Create a team (no limits of its own until `aenv teams set-limits`)."""
-    team = _guard(lambda: _team_call(lambda ring: ring.create_team(name)))
-    err.print(f"created team {team.name} ({team.id}); add a key: aenv keys create --team {name}")
-
-
-@teams_app.command("ls")
-def teams_ls() -> None:
-    """List teams and their limits."""
-
-    async def listed(ring: Any) -> list[dict[str, Any]]:
-        return [
-            {
-                "id": t.id,
-                "name": t.name,
-                "max_sandboxes": _limit(t.max_sandboxes),
-                "creates_per_minute": _limit(t.creates_per_minute),
-            }
-            for t in await ring.teams()
-        ]
-
-    rows = _guard(lambda: _keyring_run(listed))
-    _emit(rows, [("ID", "id"), ("NAME", "name"), ("MAX SANDBOXES", "max_sandboxes"),
-                 ("CREATES/MIN", "creates_per_minute")])  # fmt: skip
-
-
-@teams_app.command("set-limits")
-def teams_set_limits(
-    team: str,
-    max_sandboxes: Annotated[
-        int | None,
-        typer.Option("--max-sandboxes", help="Sandboxes running at once (0 = no limit)."),
-    ] = None,
-    creates_per_minute: Annotated[
-        int | None,
-        typer.Option("--creates-per-minute", help="Create rate (0 = no limit)."),
-    ] = None,
-) -> None:
-    """Set a team's limits; a running server applies them from its next request."""
-    if max_sandboxes is None and creates_per_minute is None:
-        _fail("give --max-sandboxes and/or --creates-per-minute")
-    found = _guard(
-        lambda: _team_call(
-            lambda ring: ring.set_limits(
-                team, max_sandboxes=max_sandboxes, creates_per_minute=creates_per_minute
-            )
-        )
-    )
-    err.print(
-        f"team {found.name}: max sandboxes {_limit(found.max_sandboxes)}, creates per minute "
-        f"{_limit(found.creates_per_minute)}"
-    )
-
-
-# -- envd over the proxy ---------------------------------------------------------------------
-
-
-def _envd(target: Target, sandbox_id: str, token: str | None) -> httpx.AsyncClient:
-    headers = {"e2b-sandbox-id": sandbox_id, "e2b-sandbox-port": str(ENVD_PORT)}
-    if token:
-        headers["X-Access-Token"] = token
-    return httpx.AsyncClient(
-        base_url=target.url,
-        headers=headers,
-        timeout=httpx.Timeout(30.0, read=None),
-        trust_env=False,
-    )
-
-
-def _stream_headers(user: str | None) -> dict[str, str]:
-    headers = {"Content-Type": "application/connect+json", "Connect-Protocol-Version": "1"}
-    if user:
-        headers["Authorization"] = "Basic " + base64.b64encode(f"{user}:".encode()).decode()
-    return headers
-
-
-async def _unary(http: httpx.AsyncClient, method: str, body: dict[str, Any]) -> None:
-    resp = await http.post(
-        f"/process.Process/{method}",
-        json=body,
-        headers={"Connect-Protocol-Version": "1"},
-    )
-    if resp.status_code != 200:
-        raise ClientError(f"{method}: {_rpc_message(resp)}")
-
-
-def _rpc_message(resp: httpx.Response) -> str:
-    try:
-        body = resp.json()
-        return f"{body.get('code')}: {body.get('message')}"
-    except ValueError:
-        return f"HTTP {resp.status_code}"
-
-
-async def _run_stream(
-    http: httpx.AsyncClient,
-    request: dict[str, Any],
-    user: str | None,
-    on_start: Callable[[int], Any],
-    on_data: Callable[[str, bytes], None],
-) -> int:
-    """Start a process and relay its events; returns its exit code."""
-    async with http.stream(
-        "POST",
-        "/process.Process/Start",
-        content=encode_envelope(request),
-        headers=_stream_headers(user),
-    ) as resp:
-        if resp.status_code != 200:
-            await resp.aread()
-            raise ClientError(_rpc_message(resp))
-        async for flags, payload in iter_envelopes(resp.aiter_bytes()):
-            message = json.loads(payload or b"{}")
-            if flags & _END_STREAM:
-                if "error" in message:
-                    raise ClientError(str(message["error"].get("message", message["error"])))
-                break
-            event = message.get("event", {})
-            if "start" in event:
-                res = on_start(int(event["start"]["pid"]))
-                if asyncio.iscoroutine(res):
-                    await res
-            elif "data" in event:
-                for stream, b64 in event["data"].items():
-                    on_data(stream, base64.b64decode(b64))
-            elif "end" in event:
-                end = event["end"]
-                code = int(end.get("exitCode", 0))
-                # Killed by a signal: report it the way a shell does.
-                return code if end.get("exited", True) or code >= 0 else 137
-    raise ClientError("the command's stream ended without an exit status")
-
-
-async def _exec(
-    target: Target,
-    sandbox_id: str,
-    token: str | None,
-    command: list[str],
-    user: str | None,
-    cwd: str | None,
-) -> int:
-    import shlex
-
-    process: dict[str, Any] = {"cmd": "/bin/bash", "args": ["-l", "-c", shlex.join(command)]}
-    if cwd:
-        process["cwd"] = cwd
-    out, errs = sys.stdout.buffer, sys.stderr.buffer
-
-    def on_data(stream: str, data: bytes) -> None:
-        sink = errs if stream == "stderr" else out
-        sink.write(data)
-        sink.flush()
-
-    async with _envd(target, sandbox_id, token) as http:
-        return await _run_stream(
-            http, {"process": process, "stdin": False}, user, lambda _pid: None, on_data
-        )
-
-
-def _terminal_size(fd: int) -> tuple[int, int]:
-    # The terminal itself, not $COLUMNS/$LINES, which may be stale copies from another shell.
-    try:
-        size = os.get_terminal_size(fd)
-        return size.columns, size.lines
-    except OSError:
-        cols, rows = shutil.get_terminal_size((80, 24))
-        return cols, rows
-
-
-@contextlib.contextmanager
-def _raw_terminal(fd: int) -> Iterator[None]:
-    if not os.isatty(fd):
-        yield
-        return
-    saved = termios.tcgetattr(fd)
-    try:
-        tty.setraw(fd)
-        yield
-    finally:
-        termios.tcsetattr(fd, termios.TCSADRAIN, saved)
-
-
-async def _shell(target: Target, sandbox_id: str, token: str | None) -> int:
-    """An interactive login shell on envd's PTY, with keystrokes and resizes forwarded."""
-    stdin_fd = sys.stdin.fileno()
-    cols, rows = _terminal_size(stdin_fd)
-    request = {
-        "process": {
-            "cmd": "/bin/bash",
-            "args": ["-i", "-l"],
-            "envs": {"TERM": os.environ.get("TERM", "xterm-256color"), "LANG": "C.UTF-8"},
-        },
-        "pty": {"size": {"cols": cols, "rows": rows}},
-    }
-    loop = asyncio.get_running_loop()
-    keys: asyncio.Queue[bytes | None] = asyncio.Queue()
-    tasks: list[asyncio.Task[None]] = []
-    out = sys.stdout.buffer
-
-    async with _envd(target, sandbox_id, token) as http:
-
-        async def forward_keys(pid: int) -> None:
-            while (data := await keys.get()) is not None:
-                # Coalesce what piled up so fast typing costs one request.
-                while not keys.empty():
-                    more = keys.get_nowait()
-                    if more is None:
-                        return
-                    data += more
-                body = {"process": {"pid": pid}, "input": {"pty": base64.b64encode(data).decode()}}
-                await _unary(http, "SendInput", body)
-
-        def on_key() -> None:
-            try:
-                data = os.read(stdin_fd, 4096)
-            except OSError:
-                data = b""
-            keys.put_nowait(data or None)
-            if not data:
-                loop.remove_reader(stdin_fd)
-
-        def on_start(pid: int) -> None:
-            tasks.append(asyncio.create_task(forward_keys(pid)))
-            loop.add_reader(stdin_fd, on_key)
-
-            def resized() -> None:
-                c, r = _terminal_size(stdin_fd)
-                body = {"process": {"pid": pid}, "pty": {"size": {"cols": c, "rows": r}}}
-                tasks.append(asyncio.create_task(_unary(http, "Update", body)))
-
-            loop.add_signal_handler(signal.SIGWINCH, resized)
-
-        def on_data(_stream: str, data: bytes) -> None:
-            out.write(data)
-            out.flush()
-
-        with _raw_terminal(stdin_fd):
-            try:
-                return await _run_stream(http, request, None, on_start, on_data)
-            finally:
-                with contextlib.suppress(ValueError, OSError):
-                    loop.remove_reader(stdin_fd)
-                loop.remove_signal_handler(signal.SIGWINCH)
-                for task in tasks:
-                    task.cancel()
-                await asyncio.gather(*tasks, return_exceptions=True)
 
 
 template_app.command("logs")(build.template_logs)

@@ -12,8 +12,8 @@ from typing import Any
 
 import typer
 
-from agentenv.cli.client import _emit
 from agentenv.cli.connection import ClientError, _api, _guard
+from agentenv.cli.output import emit
 
 node_app = typer.Typer(
     help="Run this host's node agent (no subcommand), or list and cordon the server's nodes.",
@@ -60,7 +60,7 @@ def agent(ctx: typer.Context) -> None:
 def ls() -> None:
     """The server's nodes with their capacity and counts (a table, JSON when piped)."""
     rows: list[dict[str, Any]] = _guard(lambda: _api().call("GET", "/nodes").json())
-    _emit(rows, COLUMNS)
+    emit(rows, COLUMNS)
 
 
 @node_app.command()
@@ -70,7 +70,7 @@ def cordon(
 ) -> None:
     """Send no new sandboxes to NODE_ID; what runs there keeps running."""
     row = _guard(lambda: _api().call("POST", f"/nodes/{node_id}/cordon", json={"reason": reason}))
-    _emit([row.json()], COLUMNS)
+    emit([row.json()], COLUMNS)
 
 
 @node_app.command()
@@ -86,7 +86,7 @@ def drain(node_id: str) -> None:
         return body
 
     body = _guard(run)
-    _emit([body["node"]], COLUMNS)
+    emit([body["node"]], COLUMNS)
     typer.echo(f"paused: {' '.join(body['paused']) or 'none'}")
     if body["failed"]:
         for sandbox_id, why in body["failed"].items():
@@ -98,7 +98,7 @@ def drain(node_id: str) -> None:
 def uncordon(node_id: str) -> None:
     """Let NODE_ID take new sandboxes again."""
     row = _guard(lambda: _api().call("POST", f"/nodes/{node_id}/uncordon"))
-    _emit([row.json()], COLUMNS)
+    emit([row.json()], COLUMNS)
 
 
 __all__ = ["ClientError", "node_app"]
