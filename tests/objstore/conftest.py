@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from agentenv.objstore import ObjectStore
-from agentenv.objstore.client import MIN_PART_SIZE
+from agentenv.objstore.bucket import MIN_PART_SIZE
 
 from .seaweed import SeaweedFS
 

@@ -19,7 +19,7 @@ import pytest
 from objstore.seaweed import SeaweedFS
 
 from agentenv.objstore import BlobDigestMismatch, ObjectStore
-from agentenv.objstore.client import (
+from agentenv.objstore.bucket import (
     BLOB_PREFIX,
     MARK_PREFIX,
     MIN_PART_SIZE,

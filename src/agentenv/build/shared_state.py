@@ -44,7 +44,7 @@ from agentenv.build.state import (
 )
 from agentenv.cluster.etcd import Etcd, KeyValue, created_at, get_op, modified_at, put_op
 from agentenv.objstore import ObjectStore
-from agentenv.objstore.client import REFS_PREFIX
+from agentenv.objstore.bucket import REFS_PREFIX
 
 log = logging.getLogger(__name__)
 

@@ -9,8 +9,9 @@ entries. Configured by `Settings.object_store` (`AGENTENV_S3_*`); None means a s
 with no object storage.
 """
 
+from agentenv.objstore.bucket import TransferStats, blob_key
 from agentenv.objstore.cache import BlobCache, CacheEntry
-from agentenv.objstore.client import ObjectStore, TransferStats, blob_key
+from agentenv.objstore.client import ObjectStore
 from agentenv.objstore.errors import BlobDigestMismatch, BlobNotFound, ObjectStoreError
 from agentenv.objstore.source import BlobSink, BlobSource, FileSink, FileSource
 from agentenv.objstore.sparse import SparseSink, SparseSource

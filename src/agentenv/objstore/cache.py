@@ -25,7 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from agentenv.filelock import file_lock
-from agentenv.objstore.client import ObjectStore, blob_key
+from agentenv.objstore.bucket import blob_key
+from agentenv.objstore.client import ObjectStore
 
 PinSource = Callable[[], Collection[str]]
 # A `.partial` this old belongs to a download whose process died.

@@ -47,7 +47,7 @@ from pathlib import Path
 from agentenv.config import Settings
 from agentenv.filelock import file_lock
 from agentenv.objstore import ObjectStore, SparseSink, SparseSource
-from agentenv.objstore.client import BLOB_PREFIX, MARK_PREFIX, REFS_PREFIX, blob_key, mark_key
+from agentenv.objstore.bucket import BLOB_PREFIX, MARK_PREFIX, REFS_PREFIX, blob_key, mark_key
 from agentenv.objstore.errors import BlobNotFound
 from agentenv.snapshot.errors import SnapshotError, SnapshotNotFound
 from agentenv.snapshot.model import Snapshot
