@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse
 
 from agentenv.api.auth import api_key
 from agentenv.api.errors import error
-from agentenv.api.templates import TemplateBuilds
+from agentenv.api.template_builds import TemplateBuilds
 
 
 def mount_build_progress(app: FastAPI, builds: TemplateBuilds) -> None:

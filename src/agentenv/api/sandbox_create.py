@@ -18,7 +18,7 @@ from agentenv.api.auth import ApiError, Auth
 from agentenv.api.context import ControlContext
 from agentenv.api.ingress import BadIngress, check_ingress
 from agentenv.api.models import NewSandbox
-from agentenv.api.templates import TemplateBuilds
+from agentenv.api.template_builds import TemplateBuilds
 from agentenv.contract.errors import TemplateNotFound
 from agentenv.control.sandbox_base import DEFAULT_TIMEOUT_S, CreateSpec
 from agentenv.control.store import BUILD_METADATA, ApiKey

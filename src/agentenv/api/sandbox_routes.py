@@ -34,7 +34,7 @@ from agentenv.api.paging import (
     parse_time,
 )
 from agentenv.api.sandbox_create import check_targets
-from agentenv.api.templates import TemplateBuilds
+from agentenv.api.template_builds import TemplateBuilds
 from agentenv.build.templates import is_internal_name
 from agentenv.contract.errors import Conflict, SandboxNotFound
 from agentenv.control.store import ApiKey, SandboxRecord, SandboxState

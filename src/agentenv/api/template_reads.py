@@ -13,7 +13,7 @@ from agentenv.api import views
 from agentenv.api.auth import ApiError, Auth
 from agentenv.api.context import ControlContext
 from agentenv.api.paging import MAX_PAGE, decode_offset, encode_offset
-from agentenv.api.templates import TemplateBuilds
+from agentenv.api.template_builds import TemplateBuilds
 from agentenv.api.tenancy import template_team
 from agentenv.build.state import TemplateRecord
 from agentenv.build.templates import split_name

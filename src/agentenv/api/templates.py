@@ -4,16 +4,14 @@ app by `mount_templates`. The wire contract is in docs/template-build.md.
 A template's id is its name (so the older routes, `GET /templates/aliases/{alias}`,
 `GET`/`DELETE /templates/{id}`, and `Sandbox.create(name)` all see the same thing); build
 ids are UUIDs, as the SDK parses them. What `name:tag` resolves to is `build.templates`.
+
+The routes' shared state and steps are `template_builds.TemplateBuilds`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import hashlib
 import hmac
-import logging
-import re
 import secrets
 import time
 import uuid
@@ -24,248 +22,26 @@ from typing import Annotated, Any
 from fastapi import FastAPI, Query, Request, Response
 from fastapi.responses import JSONResponse
 
-from agentenv.api import views
 from agentenv.api.auth import api_key
-from agentenv.api.tenancy import Tenancy, template_team
-from agentenv.build.builder import Builder, template_record
+from agentenv.api.template_builds import (
+    HASH_RE,
+    NAME_RE,
+    REQUEST_FIELDS,
+    STATUS_PAGE,
+    TemplateBuilds,
+    error_response,
+    settings_of,
+)
+from agentenv.api.tenancy import template_team
+from agentenv.build.builder import template_record
 from agentenv.build.spec import SpecError, parse
-from agentenv.build.state import (
-    LEVELS,
-    BuildRecord,
-    BuildState,
-    LogLine,
-    TemplateRecord,
-    builds_dir,
-)
-from agentenv.build.templates import (
-    DEFAULT_TAG,
-    NO_BUILD,
-    BadTag,
-    BuiltTemplates,
-    clean_tags,
-    image_template_name,
-    is_internal_name,
-    repo_lookup,
-    split_name,
-)
-from agentenv.config import Settings
+from agentenv.build.state import LEVELS, BuildRecord, LogLine, TemplateRecord
+from agentenv.build.templates import DEFAULT_TAG, BadTag, clean_tags, is_internal_name, split_name
 from agentenv.contract.runtime import TemplateUnavailable
-from agentenv.control.store import BUILD_METADATA, LIVE_STATES, SandboxState
-from agentenv.snapshot.errors import SnapshotError
-from agentenv.snapshot.repository import SnapshotRepository
-from agentenv.storage import LayerStore
-from agentenv.template.catalog import TemplateNotFound
-
-log = logging.getLogger("agentenv.build")
-
-STATUS_PAGE = 100
-_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}$")
-_HASH_RE = re.compile(r"^[A-Za-z0-9]{1,128}$")
-_REQUEST_FIELDS = ("name", "alias", "tags", "cpuCount", "memoryMB", "minFreeDiskMb", "teamID")
-
-
-def _err(status: int, message: str) -> JSONResponse:
-    return JSONResponse({"code": status, "message": message}, status_code=status)
-
-
-class TemplateBuilds:
-    """State, builder and upload signing for one control app."""
-
-    def __init__(self, ctx: Any, settings: Settings) -> None:
-        self.ctx = ctx
-        self.settings = settings
-        built = ctx.templates
-        if not isinstance(built, BuiltTemplates):
-            # A context not made by `server.build_runtime`: the same wrapping, so the API
-            # and the sandbox manager resolve `name:tag` alike.
-            repo = SnapshotRepository(settings.home / "snapshots", LayerStore(settings.layers_dir))
-            state = BuildState(builds_dir(settings.home), snapshot_lookup=repo_lookup(repo))
-            built = BuiltTemplates(built, state, repo)
-            ctx.templates = ctx.manager.templates = built
-        self.built: BuiltTemplates = built
-        self.state = built.state
-        self.tenancy = Tenancy(ctx.manager.store, built)
-        # A cluster's replica (its lease): who runs a build, and who is still alive.
-        replica = ctx.manager.replicas
-        self.builder = Builder(
-            ctx.manager,
-            settings,
-            self.state,
-            runner=replica.replica_id if replica is not None else None,
-            live_runners=replica.live if replica is not None else None,
-            shared=built.shared,
-        )
-        # Upload links are signed, not authenticated: the SDK sends no API key with them. A
-        # cluster's replicas share the key (a link one signs, another accepts), derived from
-        # the secret they already share.
-        if settings.etcd_endpoints and settings.node_token:
-            self._secret = hashlib.sha256(
-                b"agentenv upload links\n" + settings.node_token.encode()
-            ).digest()
-        else:
-            self._secret = secrets.token_bytes(32)
-
-    async def start(self) -> None:
-        await self.builder.start()
-
-    async def close(self) -> None:
-        await self.builder.close()
-        await self.state.close()
-
-    async def owned(self, template_id: str, team_id: str) -> TemplateRecord | None:
-        """The team's built template of that id; another team's is None (a 404)."""
-        tpl = await self.state.template(template_id)
-        return tpl if tpl is not None and template_team(tpl) == team_id else None
-
-    def sign(self, template_id: str, files_hash: str, expires: int) -> str:
-        msg = f"{template_id}\n{files_hash}\n{expires}".encode()
-        return hmac.new(self._secret, msg, hashlib.sha256).hexdigest()
-
-    # -- built templates as E2B shows them -------------------------------------------------
-
-    async def template_view(
-        self, tpl: TemplateRecord, spawns: dict[str, tuple[int, float]]
-    ) -> dict[str, Any]:
-        """E2B's `Template`: the shape, disk and envd of the ready build the default tag
-        names (zeros and the nil buildID if none), the status of the newest build asked to
-        carry the default tag."""
-        default: BuildRecord | None = None
-        with contextlib.suppress(TemplateUnavailable):
-            default = await self.built.build_for(tpl, None)
-        snap = await self.built.snapshot_of(default) if default is not None else None
-        newest = None
-        for bid in reversed(tpl.builds):
-            b = await self.state.build(bid)
-            if b is not None and DEFAULT_TAG in b.tags:
-                newest = b
-                break
-        return views.built_template(
-            tpl.template_id,
-            build_id=default.build_id if default is not None and snap is not None else NO_BUILD,
-            snapshot=snap,
-            disk_mb=snap.size_mb if snap is not None else 0,
-            created_at=tpl.created_at,
-            updated_at=tpl.updated_at,
-            spawns=spawns.get(tpl.template_id),
-            build_count=len(tpl.builds),
-            build_status=newest.status if newest is not None else "waiting",
-        )
-
-    async def build_rows(self, tpl: TemplateRecord) -> list[dict[str, Any]]:
-        """E2B's `TemplateBuild`s, newest first."""
-        rows = []
-        for bid in reversed(tpl.builds):
-            rec = await self.state.build(bid)
-            if rec is None:
-                continue
-            snap = await self.built.snapshot_of(rec) if rec.status == "ready" else None
-            rows.append(
-                views.template_build(
-                    rec,
-                    snap,
-                    disk_mb=snap.size_mb if snap is not None else None,
-                    cpu=rec.cpu or self.settings.default_cpu,
-                    memory_mb=rec.memory_mb or self.settings.default_memory_mb,
-                )
-            )
-        return rows
-
-    # -- delete ----------------------------------------------------------------------------
-
-    async def refuse_delete(self, tpl: TemplateRecord) -> JSONResponse | None:
-        """E2B's rule: not while running or paused sandboxes use it; ours too: not while one
-        of its builds runs (its sandbox would capture into a template that is gone)."""
-        users = [
-            r
-            for r in await self.ctx.manager.store.select(LIVE_STATES)
-            if r.template == tpl.template_id and BUILD_METADATA not in r.metadata
-        ]
-        name = tpl.template_id
-        if any(r.state is not SandboxState.PAUSED for r in users):
-            return _err(
-                400, f"cannot delete template '{name}' because there are running sandboxes using it"
-            )
-        if users:
-            return _err(
-                400, f"cannot delete template '{name}' because there are paused sandboxes using it"
-            )
-        # A build in progress is `building` wherever it runs (here or on another replica).
-        for bid in tpl.builds:
-            rec = await self.state.build(bid)
-            if self.builder.running(bid) or (rec is not None and rec.status == "building"):
-                return _err(409, f"cannot delete template '{name}' while one of its builds runs")
-        return None
-
-    async def delete_template(self, tpl: TemplateRecord) -> None:
-        """Drops the template (no create resolves it from here on), then what only it held:
-        the snapshots of its builds that no other template's build uses, and the image it
-        was built from if no other template's build and no sandbox uses that. What still
-        runs from any of it keeps its own disk layers and memory mapping (the layer store
-        and the snapshot holders protect them); the step cache stays."""
-        await self.state.drop_template(tpl.template_id)
-        others = [
-            b
-            for t in await self.state.templates()
-            for b in [await self.state.build(bid) for bid in t.builds]
-            if b is not None
-        ]
-        mine = [b for b in [await self.state.build(bid) for bid in tpl.builds] if b is not None]
-        kept = {b.snapshot_id for b in others}
-        snapshots = {b.snapshot_id for b in mine if b.snapshot_id and b.snapshot_id not in kept}
-        theirs = {_image_of(b) for b in others}
-        live = {r.template for r in await self.ctx.manager.store.select(LIVE_STATES)}
-        images = {i for b in mine if (i := _image_of(b)) and i not in theirs and i not in live}
-        ours = {b.snapshot_id for b in mine if b.snapshot_id}
-        if self.built.shared:
-            # A cluster's snapshots are on its nodes and in the bucket, its imported images
-            # in the catalogs of the nodes that imported them: each node deletes its copy.
-            runtime = self.ctx.manager.runtime
-            for sid in sorted(snapshots):
-                try:
-                    await runtime.delete_snapshot(sid)
-                except Exception as exc:
-                    log.warning("template %s: snapshot %s not deleted: %s",
-                                tpl.template_id, sid, exc)  # fmt: skip
-            for image in sorted(images):
-                try:
-                    await runtime.remove_image(image)
-                except Exception as exc:
-                    log.warning("template %s: image %s not removed: %s",
-                                tpl.template_id, image, exc)  # fmt: skip
-        else:
-            await asyncio.to_thread(self._release, tpl.template_id, ours, snapshots, images)
-        for b in mine:
-            await self.state.drop_build(b.build_id)
-
-    def _release(self, name: str, ours: set[str], snapshots: set[str], images: set[str]) -> None:
-        from agentenv.template.image import remove_template  # the OCI stack, only if needed
-
-        repo = self.built.repo
-        with contextlib.suppress(SnapshotError):
-            # Builds before tags resolved through the records named their snapshot too; the
-            # name would go on resolving, to the catalog's snapshot path, if left.
-            if repo.get(name).id in ours:
-                repo.remove_name(name)
-        for sid in snapshots:
-            with contextlib.suppress(SnapshotError):
-                repo.delete(sid)
-        for image in images:
-            with contextlib.suppress(TemplateNotFound):
-                remove_template(self.settings, image)
-
-
-def _image_of(rec: BuildRecord) -> str | None:
-    ref = (rec.spec or {}).get("fromImage")
-    return image_template_name(ref) if isinstance(ref, str) else None
-
-
-def _settings_of(ctx: Any) -> Settings:
-    found = getattr(ctx.templates, "settings", None)
-    return found if isinstance(found, Settings) else Settings.from_env()
 
 
 def mount_templates(app: FastAPI, ctx: Any) -> TemplateBuilds:
-    builds = TemplateBuilds(ctx, _settings_of(ctx))
+    builds = TemplateBuilds(ctx, settings_of(ctx))
     app.state.builds = builds
     state = builds.state
 
@@ -280,10 +56,10 @@ def mount_templates(app: FastAPI, ctx: Any) -> TemplateBuilds:
         a field outside `fields` (named: never accepted and ignored)."""
         body = await body_of(request)
         if not isinstance(body, dict):
-            return _err(400, "request body must be a JSON object")
+            return error_response(400, "request body must be a JSON object")
         extra = sorted(set(body) - set(fields))
         if extra:
-            return _err(400, f"{extra[0]}: unknown field")
+            return error_response(400, f"{extra[0]}: unknown field")
         return body
 
     async def auth(request: Request) -> Any:
@@ -300,46 +76,54 @@ def mount_templates(app: FastAPI, ctx: Any) -> TemplateBuilds:
             or rec.template_id != template_id
             or await builds.owned(template_id, key.team_id) is None
         ):
-            return _err(404, f"build {build_id} of template {template_id!r} not found")
+            return error_response(404, f"build {build_id} of template {template_id!r} not found")
         return rec
 
     @app.post("/v3/templates", status_code=202, tags=["templates"])
     async def request_build(request: Request) -> Response:
         key = await auth(request)
-        body = await object_of(request, _REQUEST_FIELDS)
+        body = await object_of(request, REQUEST_FIELDS)
         if isinstance(body, JSONResponse):
             return body
         team = body.get("teamID")
         if team is not None and team != key.team_id:
             # A key acts for its own team only (E2B's answer, whether or not that team exists).
-            return _err(400, "Team ID param mismatch with the API key")
+            return error_response(400, "Team ID param mismatch with the API key")
         if body.get("minFreeDiskMb"):
-            return _err(400, "minFreeDiskMb: growing the disk after the build is not supported yet")
+            return error_response(
+                400, "minFreeDiskMb: growing the disk after the build is not supported yet"
+            )
         raw = body.get("name") or body.get("alias")
         if not isinstance(raw, str) or not raw:
-            return _err(400, "name: required ('name' or 'name:tag')")
+            return error_response(400, "name: required ('name' or 'name:tag')")
         name, tag = split_name(raw)
-        if not _NAME_RE.match(name):
-            return _err(400, f"name {name!r}: use 1-63 of a-z 0-9 . _ -, starting alphanumeric")
+        if not NAME_RE.match(name):
+            return error_response(
+                400, f"name {name!r}: use 1-63 of a-z 0-9 . _ -, starting alphanumeric"
+            )
         if is_internal_name(name):
-            return _err(400, f"name {name!r}: build-cache-* and build-final-* are the builder's")
+            return error_response(
+                400, f"name {name!r}: build-cache-* and build-final-* are the builder's"
+            )
         tags_raw = body.get("tags") or []
         if not isinstance(tags_raw, list) or not all(isinstance(t, str) for t in tags_raw):
-            return _err(400, "tags: must be a list of strings")
+            return error_response(400, "tags: must be a list of strings")
         try:
             # E2B: the name's tag first, then `tags`; none at all means the default tag.
             tags = clean_tags(([tag] if tag else []) + tags_raw) or [DEFAULT_TAG]
         except BadTag as exc:
-            return _err(400, f"tags: {exc}")
+            return error_response(400, f"tags: {exc}")
         cpu, memory = body.get("cpuCount"), body.get("memoryMB")
         for field_name, value in (("cpuCount", cpu), ("memoryMB", memory)):
             if value is not None and (not isinstance(value, int) or value < 1):
-                return _err(400, f"{field_name}: must be a positive integer")
+                return error_response(400, f"{field_name}: must be a positive integer")
         if name in await builds.tenancy.catalog_names():
-            return _err(409, f"template {name!r} is a built-in template; choose another name")
+            return error_response(
+                409, f"template {name!r} is a built-in template; choose another name"
+            )
         if await builds.tenancy.name_taken(name, key.team_id):
             # One name space per server: the name is another team's template or snapshot.
-            return _err(409, f"template name {name!r} is taken; choose another name")
+            return error_response(409, f"template name {name!r} is taken; choose another name")
         build_id = str(uuid.uuid4())
 
         def add_build(tpl: TemplateRecord | None) -> TemplateRecord | None:
@@ -366,7 +150,7 @@ def mount_templates(app: FastAPI, ctx: Any) -> TemplateBuilds:
         if tpl is None or template_team(tpl) != key.team_id:
             # Another team took the name between the check and the write.
             await state.drop_build(build_id)
-            return _err(409, f"template name {name!r} is taken; choose another name")
+            return error_response(409, f"template name {name!r} is taken; choose another name")
         return JSONResponse(
             {
                 "templateID": name,
@@ -383,9 +167,9 @@ def mount_templates(app: FastAPI, ctx: Any) -> TemplateBuilds:
     async def file_link(template_id: str, files_hash: str, request: Request) -> Response:
         key = await auth(request)
         if await builds.owned(template_id, key.team_id) is None:
-            return _err(404, f"template {template_id!r} not found")
-        if not _HASH_RE.match(files_hash):
-            return _err(400, f"files hash {files_hash!r} is not a hash")
+            return error_response(404, f"template {template_id!r} not found")
+        if not HASH_RE.match(files_hash):
+            return error_response(400, f"files hash {files_hash!r} is not a hash")
         if await state.has_files(files_hash):
             return JSONResponse({"present": True}, status_code=201)
         expires = int(time.time()) + 3600
@@ -401,7 +185,7 @@ def mount_templates(app: FastAPI, ctx: Any) -> TemplateBuilds:
     ) -> Response:
         good = builds.sign(template_id, files_hash, expires)
         if not hmac.compare_digest(good, sig) or expires < time.time():
-            return _err(
+            return error_response(
                 403, "upload link is invalid or expired; ask GET /templates/{id}/files/{hash} again"
             )
         tmp = state.staging() / f".{files_hash}.{secrets.token_hex(4)}.upload"
@@ -424,14 +208,14 @@ def mount_templates(app: FastAPI, ctx: Any) -> TemplateBuilds:
         if isinstance(found, JSONResponse):
             return found
         if found.status != "waiting" or builds.builder.running(build_id):
-            return _err(409, f"build {build_id} was already started ({found.status})")
+            return error_response(409, f"build {build_id} was already started ({found.status})")
         try:
             spec = parse(await body_of(request))
         except SpecError as exc:
-            return _err(400, str(exc))
+            return error_response(400, str(exc))
         for i, step in enumerate(spec.steps):
             if step.files_hash and not await state.has_files(step.files_hash):
-                return _err(
+                return error_response(
                     400,
                     f"steps[{i}].filesHash {step.files_hash}: not uploaded; ask "
                     f"GET /templates/{template_id}/files/{step.files_hash} for the upload link",
@@ -444,9 +228,11 @@ def mount_templates(app: FastAPI, ctx: Any) -> TemplateBuilds:
                     raise TemplateUnavailable(spec.from_template)
                 await builds.built.get(spec.from_template)
             except TemplateUnavailable as exc:
-                return _err(400, f"fromTemplate: template {spec.from_template!r} not found ({exc})")
+                return error_response(
+                    400, f"fromTemplate: template {spec.from_template!r} not found ({exc})"
+                )
         if not await builds.builder.submit(found, spec, key.id):
-            return _err(409, f"build {build_id} was already started")
+            return error_response(409, f"build {build_id} was already started")
         return Response(status_code=202)
 
     def level_ok(line: LogLine, level: str | None) -> bool:
@@ -454,7 +240,7 @@ def mount_templates(app: FastAPI, ctx: Any) -> TemplateBuilds:
 
     def check_level(level: str | None) -> JSONResponse | None:
         if level is not None and level not in LEVELS:
-            return _err(400, f"level {level!r}: use one of {', '.join(LEVELS)}")
+            return error_response(400, f"level {level!r}: use one of {', '.join(LEVELS)}")
         return None
 
     @app.get("/templates/{template_id}/builds/{build_id}/status", tags=["templates"])
@@ -505,9 +291,9 @@ def mount_templates(app: FastAPI, ctx: Any) -> TemplateBuilds:
         if (bad := check_level(level)) is not None:
             return bad
         if direction not in ("forward", "backward"):
-            return _err(400, f"direction {direction!r}: use forward or backward")
+            return error_response(400, f"direction {direction!r}: use forward or backward")
         if source not in (None, "persistent", "temporary"):
-            return _err(400, f"source {source!r}: use persistent or temporary")
+            return error_response(400, f"source {source!r}: use persistent or temporary")
         lines = [line for line in await state.logs(build_id) if level_ok(line, level)]
         if direction == "forward":
             lines = [x for x in lines if cursor is None or x.timestamp * 1000 >= cursor]
@@ -521,7 +307,7 @@ def mount_templates(app: FastAPI, ctx: Any) -> TemplateBuilds:
         key = await auth(request)
         tpl = await builds.owned(template_id, key.team_id)
         if tpl is None:
-            return _err(404, f"template {template_id!r} has no builds")
+            return error_response(404, f"template {template_id!r} has no builds")
         rows = []
         for bid in reversed(tpl.builds):
             rec = await state.build(bid)
@@ -561,7 +347,7 @@ def mount_templates(app: FastAPI, ctx: Any) -> TemplateBuilds:
     async def list_tags(template_id: str, request: Request) -> Response:
         key = await auth(request)
         if await builds.owned(template_id, key.team_id) is None:
-            return _err(404, f"template {template_id!r} not found")
+            return error_response(404, f"template {template_id!r} not found")
         return JSONResponse(await tag_rows(template_id))
 
     @app.post("/templates/tags", status_code=201, tags=["tags"])
@@ -574,21 +360,23 @@ def mount_templates(app: FastAPI, ctx: Any) -> TemplateBuilds:
             return body
         target, tags = body.get("target"), body.get("tags")
         if not isinstance(target, str) or not isinstance(tags, list):
-            return _err(400, "target ('name:tag') and tags (a list) are required")
+            return error_response(400, "target ('name:tag') and tags (a list) are required")
         if not tags or not all(isinstance(t, str) for t in tags):
-            return _err(400, "tags: at least one tag (a string) is required")
+            return error_response(400, "tags: at least one tag (a string) is required")
         try:
             tags = clean_tags(tags)
         except BadTag as exc:
-            return _err(400, f"tags: {exc}")
+            return error_response(400, f"tags: {exc}")
         name, tag = split_name(target)
         tpl = await builds.owned(name, key.team_id)
         if tpl is None:
-            return _err(404, f"template '{name}' not found")
+            return error_response(404, f"template '{name}' not found")
         try:
             bid = (await builds.built.build_for(tpl, tag)).build_id
         except TemplateUnavailable:
-            return _err(404, f"Template '{target}' with tag '{tag or DEFAULT_TAG}' not found")
+            return error_response(
+                404, f"Template '{target}' with tag '{tag or DEFAULT_TAG}' not found"
+            )
 
         def assign(found: TemplateRecord | None) -> TemplateRecord | None:
             if found is None:
@@ -599,7 +387,7 @@ def mount_templates(app: FastAPI, ctx: Any) -> TemplateBuilds:
             return found
 
         if await state.update_template(name, assign) is None:
-            return _err(404, f"template '{name}' not found")
+            return error_response(404, f"template '{name}' not found")
         return JSONResponse({"tags": tags, "buildID": bid}, status_code=201)
 
     @app.delete("/templates/tags", status_code=204, tags=["tags"])
@@ -611,22 +399,24 @@ def mount_templates(app: FastAPI, ctx: Any) -> TemplateBuilds:
             return body
         name, tags = body.get("name"), body.get("tags")
         if not isinstance(name, str) or not isinstance(tags, list):
-            return _err(400, "name and tags are required")
+            return error_response(400, "name and tags are required")
         if not all(isinstance(t, str) for t in tags):
-            return _err(400, "tags: must be a list of strings")
+            return error_response(400, "tags: must be a list of strings")
         try:
             tags = clean_tags(tags)
         except BadTag as exc:
-            return _err(400, f"tags: {exc}")
+            return error_response(400, f"tags: {exc}")
         if not tags:
-            return _err(400, "tags: at least one tag is required")
+            return error_response(400, "tags: at least one tag is required")
         if DEFAULT_TAG in tags:
-            return _err(400, f"Cannot delete the '{DEFAULT_TAG}' tag")
+            return error_response(400, f"Cannot delete the '{DEFAULT_TAG}' tag")
         base, tag = split_name(name)
         if tag is not None:
-            return _err(400, "name: give the template's name without a tag (tags go in 'tags')")
+            return error_response(
+                400, "name: give the template's name without a tag (tags go in 'tags')"
+            )
         if await builds.owned(base, key.team_id) is None:
-            return _err(404, f"template '{name}' not found")
+            return error_response(404, f"template '{name}' not found")
 
         def remove(found: TemplateRecord | None) -> TemplateRecord | None:
             if found is None:
