@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from agentenv.ports import ENVD_PORT
-from agentenv.proxy.forward import MASK_PORT_PLACEHOLDER, valid_authority
+from agentenv.proxy.upstream import MASK_PORT_PLACEHOLDER, valid_authority
 
 
 class BadIngress(ValueError):

@@ -4,6 +4,8 @@ Bodies are relayed chunk by chunk in both directions (Connect streams, SSE, larg
 nothing is buffered whole and a request body may stay open and idle for as long as the client
 wants (the SDK's async stdin sends a keepalive only every 50 s). Each sandbox gets its own
 connection pool to its slot address.
+
+The rules for the upstream request live in `upstream`, the ends of cut streams in `cuts`.
 """
 
 from __future__ import annotations
@@ -12,12 +14,9 @@ import asyncio
 import contextlib
 import json
 import logging
-import re
 import secrets
-import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from typing import Any, TypeVar
-from urllib.parse import unquote
+from typing import Any
 
 import httpx
 from websockets.asyncio.client import ClientConnection
@@ -26,195 +25,47 @@ from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidSta
 from websockets.typing import Subprotocol
 
 from agentenv.control.metrics import Metrics
-from agentenv.control.store import SandboxRecord, SandboxState
+from agentenv.control.store import SandboxRecord
 from agentenv.gateway.client import GatewayDialer, TunnelError
+from agentenv.proxy.cuts import (
+    CONNECT_STREAM,
+    ClientGone,
+    EnvelopeTracker,
+    SandboxGone,
+    connect_end_stream_error,
+    unless_cut,
+)
 from agentenv.proxy.routing import ENVD_PORT, ROUTING_HEADERS, TRAFFIC_TOKEN_HEADER, Sandbox
+from agentenv.proxy.upstream import (
+    HOP_BY_HOP,
+    UPSTREAM_LIMITS,
+    UPSTREAM_TIMEOUT,
+    UPSTREAM_TLS,
+    WS_OWN_HEADERS,
+    forwardable,
+    https_port,
+    not_found_body,
+    raw_target_path,
+    refusal,
+    upstream_host,
+    valid_authority,
+)
 from agentenv.proxy.wire import Receive, Scope, Send, abort_response, send_json
 
 log = logging.getLogger("agentenv.proxy")
 
+
 # The record of a running sandbox to forward to; a record in any other state (a paused sandbox
 # that was not resumed) or None is refused.
 Resolver = Callable[[str], Awaitable[SandboxRecord | None]]
+
+
 # Told about every request that reaches a sandbox (memory reclaim keys idleness off it).
 ActivityHook = Callable[[SandboxRecord], None]
+
+
 # node id -> its data gateway (HOST:PORT), None to reach its guests' addresses directly.
 GatewayOf = Callable[[str], Awaitable[str | None]]
-
-_HOP_BY_HOP = frozenset(
-    (
-        "connection",
-        "keep-alive",
-        "proxy-authenticate",
-        "proxy-authorization",
-        "proxy-connection",
-        "te",
-        "trailer",
-        "transfer-encoding",
-        "upgrade",
-    )
-)
-_WS_OWN_HEADERS = frozenset(
-    (
-        "host",
-        "sec-websocket-key",
-        "sec-websocket-version",
-        "sec-websocket-extensions",
-        "sec-websocket-protocol",
-        "sec-websocket-accept",
-    )
-)
-# Connect fails only if the guest does not accept; reads have no deadline because streams
-# (process output, watches, async stdin) legitimately stay silent for minutes.
-_UPSTREAM_TIMEOUT = httpx.Timeout(connect=5.0, read=None, write=None, pool=30.0)
-_UPSTREAM_LIMITS = httpx.Limits(
-    max_connections=256, max_keepalive_connections=32, keepalive_expiry=60.0
-)
-# `network.maskRequestHost`: E2B's placeholder for the sandbox port the request is for.
-MASK_PORT_PLACEHOLDER = "${PORT}"
-# A Host value we can put into a WebSocket URI as is (name or [v6], optional port).
-_AUTHORITY_RE = re.compile(r"^(?:[A-Za-z0-9._-]+|\[[0-9A-Fa-f:.]+\])(?::\d{1,5})?$")
-
-
-def valid_authority(value: str) -> bool:
-    return len(value) <= 260 and _AUTHORITY_RE.match(value) is not None
-
-
-def _unverified_tls() -> ssl.SSLContext:
-    # `network.httpsPorts`: the guest's own server speaks TLS with whatever certificate it
-    # has (self-signed, usually); the hop is host → its own slot, so nothing is verified.
-    ctx = ssl.create_default_context()
-    ctx.check_hostname = False
-    ctx.verify_mode = ssl.CERT_NONE
-    return ctx
-
-
-_UPSTREAM_TLS = _unverified_tls()
-
-
-def upstream_host(rec: SandboxRecord, port: int, incoming: str) -> tuple[str, str | None]:
-    """The Host header the guest sees, and the X-Forwarded-Host to add (or None).
-
-    As E2B's proxy: the client's own Host passes through, unless the sandbox was created
-    with `network.maskRequestHost`; then a request for any port but envd's carries the mask
-    (``${PORT}`` = that port) and the client's Host moves to X-Forwarded-Host."""
-    mask = rec.network.get("maskRequestHost")
-    if port == ENVD_PORT or not isinstance(mask, str) or not mask:
-        return incoming, None
-    return mask.replace(MASK_PORT_PLACEHOLDER, str(port)), incoming
-
-
-def _https_port(rec: SandboxRecord, port: int) -> bool:
-    ports = rec.network.get("httpsPorts") or ()
-    return port in ports
-
-
-T = TypeVar("T")
-
-
-def raw_target_path(scope: Scope, path: str) -> str:
-    """`path` (the decoded path routing chose to send upstream: the request's, or what
-    follows a `/proxy/{id}/{port}` prefix) as the client wrote it, percent-escapes kept.
-
-    Forwarding the decoded form would change what the app receives: `%2F` would become a
-    path separator, `%3F` and `%23` would start a query and a fragment. E2B's proxy (Go's
-    reverse proxy) passes the escaped path on as sent. The raw form is the tail of the raw
-    request path that decodes to `path`; without one (no raw path, or a rewritten one) the
-    decoded path goes, as before."""
-    raw = scope.get("raw_path")
-    if not isinstance(raw, bytes) or not raw:
-        return path
-    text = raw.decode("utf-8", "replace")
-    start = text.find("/")
-    while start != -1:
-        tail = text[start:]
-        if unquote(tail) == path:
-            return tail
-        start = text.find("/", start + 1)
-    return path
-
-
-# A Connect streaming response (`application/connect+json`, `+proto`): 5-byte-prefixed frames.
-_CONNECT_STREAM = "application/connect+"
-_END_STREAM_FLAG = 0b10
-
-
-class EnvelopeTracker:
-    """Where a relayed Connect stream stands in its framing (a 1-byte flag, a 4-byte
-    big-endian length, the payload), so a cut stream can be closed at a frame boundary."""
-
-    def __init__(self) -> None:
-        self._prefix = bytearray()
-        self._remaining = 0
-
-    def advance(self, data: bytes) -> None:
-        view = memoryview(data)
-        while view:
-            if len(self._prefix) < 5:
-                take = 5 - len(self._prefix)
-                self._prefix += view[:take]
-                view = view[take:]
-                if len(self._prefix) == 5:
-                    self._remaining = int.from_bytes(self._prefix[1:5], "big")
-            else:
-                step = min(len(view), self._remaining)
-                self._remaining -= step
-                view = view[step:]
-            if len(self._prefix) == 5 and self._remaining == 0:
-                self._prefix.clear()
-
-    @property
-    def at_boundary(self) -> bool:
-        return not self._prefix and self._remaining == 0
-
-
-def connect_end_stream_error(message: str) -> bytes:
-    """A Connect end-of-stream frame carrying an `unavailable` error."""
-    body = json.dumps({"error": {"code": "unavailable", "message": message}}).encode()
-    return bytes([_END_STREAM_FLAG]) + len(body).to_bytes(4, "big") + body
-
-
-class _ClientGone(Exception):
-    """The downstream client disconnected while we were relaying its request body."""
-
-
-class _SandboxGone(Exception):
-    """The sandbox was paused or killed (or its VM died) while a request to it was open."""
-
-
-async def _unless_cut(step: Awaitable[T], cut: asyncio.Event) -> T:
-    """Await `step` unless `cut` is set first. A paused or dead guest never answers (its
-    slot may already be gone, so no reset comes either), so an open request must not wait
-    for it: reads to guests have no deadline."""
-    task = asyncio.ensure_future(step)
-    waiter = asyncio.create_task(cut.wait())
-    try:
-        await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        waiter.cancel()
-        if not task.done():
-            task.cancel()
-            with contextlib.suppress(BaseException):
-                await task
-    if task.cancelled() and cut.is_set():
-        raise _SandboxGone
-    return task.result()
-
-
-def not_found_body(sandbox_id: str, *, paused: bool = False) -> dict[str, Any]:
-    # The SDK keys "sandbox not running" off the substring "was not found" in a 502.
-    message = f"The sandbox {sandbox_id} was not found"
-    if paused:
-        message += ": it is paused and auto-resume is off for it; resume it with connect"
-    return {"code": 502, "sandboxId": sandbox_id, "message": message}
-
-
-def _forwardable(rec: SandboxRecord | None) -> bool:
-    return rec is not None and rec.state is SandboxState.RUNNING and rec.address is not None
-
-
-def _refusal(sandbox_id: str, rec: SandboxRecord | None) -> dict[str, Any]:
-    return not_found_body(sandbox_id, paused=rec is not None and rec.state is SandboxState.PAUSED)
 
 
 class SandboxProxy:
@@ -283,14 +134,14 @@ class SandboxProxy:
         if via is not None:
             assert self._dialer is not None
             transport = self._dialer.transport(
-                via, rec.id, limits=_UPSTREAM_LIMITS, verify=_UPSTREAM_TLS
+                via, rec.id, limits=UPSTREAM_LIMITS, verify=UPSTREAM_TLS
             )
         client = httpx.AsyncClient(
-            timeout=_UPSTREAM_TIMEOUT,
-            limits=_UPSTREAM_LIMITS,
+            timeout=UPSTREAM_TIMEOUT,
+            limits=UPSTREAM_LIMITS,
             trust_env=False,
             # Only used for `httpsPorts` (plain http elsewhere); see `_unverified_tls`.
-            verify=_UPSTREAM_TLS,
+            verify=UPSTREAM_TLS,
             transport=transport,
         )
         if entry is not None:
@@ -303,10 +154,10 @@ class SandboxProxy:
         self, target: Sandbox, headers: dict[str, str], send: Send
     ) -> SandboxRecord | None:
         rec = await self._resolve(target.sandbox_id)
-        if not _forwardable(rec):
+        if not forwardable(rec):
             await self.drop(target.sandbox_id)
             self._metrics.proxy_requests.labels("not_found").inc()
-            await send_json(send, 502, _refusal(target.sandbox_id, rec))
+            await send_json(send, 502, refusal(target.sandbox_id, rec))
             return None
         assert rec is not None
         if target.port != ENVD_PORT and not rec.allow_public_traffic:
@@ -338,7 +189,7 @@ class SandboxProxy:
         fwd: list[tuple[bytes, bytes]] = []
         for k, v in scope["headers"]:
             name = k.decode("latin-1").lower()
-            if name in _HOP_BY_HOP or name in ROUTING_HEADERS:
+            if name in HOP_BY_HOP or name in ROUTING_HEADERS:
                 continue
             if forwarded_host is not None and name in ("host", "x-forwarded-host"):
                 continue
@@ -349,7 +200,7 @@ class SandboxProxy:
                 fwd.append((b"x-forwarded-host", forwarded_host.encode("latin-1")))
         has_body = "content-length" in headers or "chunked" in headers.get("transfer-encoding", "")
         query = scope.get("query_string", b"")
-        scheme = "https" if _https_port(rec, target.port) else "http"
+        scheme = "https" if https_port(rec, target.port) else "http"
         url = f"{scheme}://{rec.address}:{target.port}{raw_target_path(scope, target.path)}"
         if query:
             url += "?" + query.decode("latin-1")
@@ -360,7 +211,7 @@ class SandboxProxy:
             while True:
                 msg = await receive()
                 if msg["type"] == "http.disconnect":
-                    raise _ClientGone
+                    raise ClientGone
                 chunk = msg.get("body", b"")
                 if chunk:
                     sent_up += len(chunk)
@@ -387,11 +238,11 @@ class SandboxProxy:
         sent: Callable[[], int],
     ) -> None:
         try:
-            response = await _unless_cut(client.send(request, stream=True), cut)
-        except _ClientGone:
+            response = await unless_cut(client.send(request, stream=True), cut)
+        except ClientGone:
             self._metrics.proxy_requests.labels("client_gone").inc()
             return
-        except _SandboxGone:
+        except SandboxGone:
             self._metrics.proxy_requests.labels("sandbox_gone").inc()
             await send_json(send, 502, not_found_body(rec.id))
             return
@@ -420,13 +271,13 @@ class SandboxProxy:
         self._metrics.proxy_requests.labels("ok").inc()
         connect_stream = response.status_code == 200 and response.headers.get(
             "content-type", ""
-        ).startswith(_CONNECT_STREAM)
+        ).startswith(CONNECT_STREAM)
         frames = EnvelopeTracker() if connect_stream else None
         try:
             out_headers = [
                 (k, v)
                 for k, v in response.headers.raw
-                if k.decode("latin-1").lower() not in _HOP_BY_HOP
+                if k.decode("latin-1").lower() not in HOP_BY_HOP
             ]
             await send(
                 {
@@ -435,8 +286,8 @@ class SandboxProxy:
                     "headers": out_headers,
                 }
             )
-            await _unless_cut(self._relay_body(response, receive, send, frames), cut)
-        except (_SandboxGone, httpx.TransportError) as exc:
+            await unless_cut(self._relay_body(response, receive, send, frames), cut)
+        except (SandboxGone, httpx.TransportError) as exc:
             # Paused, killed or dead in the middle of a response. As E2B's proxy, which
             # resets its connections to a sandbox that stops: a Connect stream cut between
             # two frames is ended with an `unavailable` error frame (the SDKs probe
@@ -449,7 +300,7 @@ class SandboxProxy:
                 "sandbox %s port %d: response cut (%s)",
                 rec.id,
                 target.port,
-                "sandbox released" if isinstance(exc, _SandboxGone) else repr(exc),
+                "sandbox released" if isinstance(exc, SandboxGone) else repr(exc),
                 extra={"sandbox_id": rec.id},
             )
             if frames is not None and frames.at_boundary:
@@ -505,8 +356,8 @@ class SandboxProxy:
         if first["type"] != "websocket.connect":
             return
         rec = await self._resolve(target.sandbox_id)
-        if not _forwardable(rec):
-            await _ws_reject(send, 502, _refusal(target.sandbox_id, rec))
+        if not forwardable(rec):
+            await _ws_reject(send, 502, refusal(target.sandbox_id, rec))
             return
         assert rec is not None
         if target.port != ENVD_PORT and not rec.allow_public_traffic:
@@ -519,7 +370,7 @@ class SandboxProxy:
         if self._on_activity is not None:
             self._on_activity(rec)
         query = scope.get("query_string", b"")
-        https = _https_port(rec, target.port)
+        https = https_port(rec, target.port)
         # The URI's authority becomes the Host header (the same one a plain HTTP request
         # passes on); the socket goes to the slot address whatever it says.
         host, forwarded_host = upstream_host(rec, target.port, headers.get("host", ""))
@@ -530,9 +381,9 @@ class SandboxProxy:
         extra = [
             (k, v)
             for k, v in headers.items()
-            if k not in _HOP_BY_HOP
+            if k not in HOP_BY_HOP
             and k not in ROUTING_HEADERS
-            and k not in _WS_OWN_HEADERS
+            and k not in WS_OWN_HEADERS
             and not (forwarded_host is not None and k == "x-forwarded-host")
         ]
         if forwarded_host:
@@ -552,7 +403,7 @@ class SandboxProxy:
             upstream = await ws_connect(
                 url,
                 **where,
-                ssl=_UPSTREAM_TLS if https else None,
+                ssl=UPSTREAM_TLS if https else None,
                 additional_headers=extra,
                 subprotocols=[Subprotocol(s) for s in subprotocols if s] or None,
                 open_timeout=10,
@@ -588,8 +439,8 @@ class SandboxProxy:
                 await send({"type": "websocket.accept", "subprotocol": upstream.subprotocol})
                 with self._opened(rec.id) as cut:
                     try:
-                        await _unless_cut(self._ws_pump(upstream, receive, send), cut)
-                    except _SandboxGone:
+                        await unless_cut(self._ws_pump(upstream, receive, send), cut)
+                    except SandboxGone:
                         # As E2B's proxy, which resets its connections to a sandbox that
                         # stops: no close frame, the client's connection is dropped (returning
                         # without a close makes uvicorn close the socket), so the client
