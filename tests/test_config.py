@@ -7,7 +7,8 @@ import os
 
 import pytest
 
-from agentenv.config import ConfigError, Settings
+from agentenv.config import Settings
+from agentenv.config_env import ConfigError
 
 
 def test_defaults_stay_out_of_rfc1918(monkeypatch: pytest.MonkeyPatch) -> None:

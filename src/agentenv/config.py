@@ -3,6 +3,8 @@
 Every knob has a default that works on a fresh Debian host, so `aenv serve` needs no config
 file. Environment variables (``AGENTENV_*``) override the defaults; tests point ``home`` at a
 temporary directory and keep the shared build ``cache``.
+
+How a variable's text becomes a value (and `ConfigError`) is `config_env`.
 """
 
 from __future__ import annotations
@@ -13,6 +15,22 @@ import socket
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from agentenv.config_env import (
+    ConfigError,
+    default_cache,
+    default_max_starts,
+    dns_servers_from_env,
+    env_bool,
+    env_bounded,
+    env_int,
+    env_opt_path,
+    env_path,
+    env_switch,
+    etcd_endpoints_from_env,
+    gateway_bind_from_env,
+    parse_net,
+    parse_node_id,
+)
 from agentenv.ports import ENVD_PORT as ENVD_PORT  # for node/ and cli/, which import it here
 
 # The guest side of every network slot is identical, so a snapshot taken in one slot restores
@@ -27,71 +45,6 @@ MAX_NET_RATE_MBIT = 32000
 MAX_SLOT_CONNECTIONS = 262144
 # Largest disk throttle values QEMU takes (`THROTTLE_VALUE_MAX`, 10^15 per second).
 MAX_DISK_LIMIT = {"AGENTENV_DISK_BPS_MB": 10**15 // 2**20, "AGENTENV_DISK_IOPS": 10**15}
-
-
-class ConfigError(ValueError):
-    """A setting has a value the platform cannot use."""
-
-
-def _env_path(name: str, default: Path) -> Path:
-    raw = os.environ.get(name)
-    return Path(raw).expanduser() if raw else default
-
-
-def default_cache() -> Path:
-    """The shared build cache: `AGENTENV_CACHE`, else ~/.cache/agentenv."""
-    return _env_path("AGENTENV_CACHE", Path.home() / ".cache" / "agentenv")
-
-
-def _env_int(name: str, default: int) -> int:
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        return int(raw)
-    except ValueError as exc:
-        raise ConfigError(f"{name}={raw!r} is not an integer") from exc
-
-
-def _env_bounded(name: str, default: int, most: int) -> int:
-    """A limit that is 0 (off) or 1..`most`."""
-    value = _env_int(name, default)
-    if not 0 <= value <= most:
-        raise ConfigError(f"{name}={value}: expected 0 (no limit) to {most}")
-    return value
-
-
-def _env_bool(name: str, default: bool) -> bool:
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
-        return default
-    value = raw.strip().lower()
-    if value in ("1", "true"):
-        return True
-    if value in ("0", "false"):
-        return False
-    raise ConfigError(f"{name}={raw!r}: expected 1, 0, true or false")
-
-
-def _env_switch(name: str, default: bool) -> bool:
-    """`on`/`off` (and what `_env_bool` takes)."""
-    raw = (os.environ.get(name) or "").strip().lower()
-    if raw in ("on", "yes"):
-        return True
-    if raw in ("off", "no"):
-        return False
-    return _env_bool(name, default)
-
-
-def _env_opt_path(name: str) -> Path | None:
-    raw = os.environ.get(name)
-    return Path(raw).expanduser() if raw else None
-
-
-def default_max_starts() -> int:
-    """Concurrent sandbox starts: one per core, at least two (a start mostly waits on QEMU
-    and the guest, so two overlap even on one core)."""
-    return max(2, os.cpu_count() or 1)
 
 
 @dataclass(frozen=True)
@@ -207,13 +160,13 @@ class NodeRpcConfig:
             if not 0 < value <= 24 * 3600:
                 raise ConfigError(f"{name}={raw!r}: expected more than 0 and at most a day")
             values[attr] = value
-        cert = _env_opt_path("AGENTENV_NODE_TLS_CERT")
-        key = _env_opt_path("AGENTENV_NODE_TLS_KEY")
+        cert = env_opt_path("AGENTENV_NODE_TLS_CERT")
+        key = env_opt_path("AGENTENV_NODE_TLS_KEY")
         if (cert is None) != (key is None):
             raise ConfigError(
                 "AGENTENV_NODE_TLS_CERT and AGENTENV_NODE_TLS_KEY go together: set both or neither"
             )
-        ca = _env_opt_path("AGENTENV_NODE_TLS_CA")
+        ca = env_opt_path("AGENTENV_NODE_TLS_CA")
         for name, path in (
             ("AGENTENV_NODE_TLS_CERT", cert),
             ("AGENTENV_NODE_TLS_KEY", key),
@@ -329,37 +282,37 @@ class Settings:
     def from_env(cls) -> Settings:
         net = NetworkPlan()
         if raw := os.environ.get("AGENTENV_GUEST_CIDR"):
-            net = replace(net, guest_cidr=_parse_net("AGENTENV_GUEST_CIDR", raw, 30))
+            net = replace(net, guest_cidr=parse_net("AGENTENV_GUEST_CIDR", raw, 30))
         if raw := os.environ.get("AGENTENV_SLOT_CIDR"):
-            net = replace(net, slot_cidr=_parse_net("AGENTENV_SLOT_CIDR", raw, 30))
+            net = replace(net, slot_cidr=parse_net("AGENTENV_SLOT_CIDR", raw, 30))
         net = replace(
             net,
-            rate_mbit=_env_bounded("AGENTENV_NET_RATE_MBIT", net.rate_mbit, MAX_NET_RATE_MBIT),
-            max_connections=_env_bounded(
+            rate_mbit=env_bounded("AGENTENV_NET_RATE_MBIT", net.rate_mbit, MAX_NET_RATE_MBIT),
+            max_connections=env_bounded(
                 "AGENTENV_SLOT_MAX_CONNECTIONS", net.max_connections, MAX_SLOT_CONNECTIONS
             ),
         )
         accel = os.environ.get("AGENTENV_ACCEL") or None
         if accel is not None and accel not in ("kvm", "pvm", "tcg"):
             raise ConfigError(f"AGENTENV_ACCEL={accel!r}: expected kvm, pvm or tcg")
-        pressure = _env_int("AGENTENV_MEMORY_PRESSURE_PCT", 80)
+        pressure = env_int("AGENTENV_MEMORY_PRESSURE_PCT", 80)
         if not 0 <= pressure <= 100:
             raise ConfigError(f"AGENTENV_MEMORY_PRESSURE_PCT={pressure}: expected 0..100")
-        floor = _env_int("AGENTENV_BALLOON_FLOOR_MB", 128)
+        floor = env_int("AGENTENV_BALLOON_FLOOR_MB", 128)
         if floor < 64:
             raise ConfigError(f"AGENTENV_BALLOON_FLOOR_MB={floor}: a guest needs at least 64")
-        idle = _env_int("AGENTENV_IDLE_RECLAIM_S", 60)
+        idle = env_int("AGENTENV_IDLE_RECLAIM_S", 60)
         if idle < 0:
             raise ConfigError(f"AGENTENV_IDLE_RECLAIM_S={idle}: expected 0 (off) or more")
-        warm_low = _env_int("AGENTENV_WARM_LOW", cls.warm_low)
-        warm_high = _env_int("AGENTENV_WARM_HIGH", cls.warm_high)
+        warm_low = env_int("AGENTENV_WARM_LOW", cls.warm_low)
+        warm_high = env_int("AGENTENV_WARM_HIGH", cls.warm_high)
         if not 0 <= warm_low <= warm_high:
             raise ConfigError(
                 f"AGENTENV_WARM_LOW={warm_low}, AGENTENV_WARM_HIGH={warm_high}: "
                 "expected 0 <= low <= high"
             )
         limits = {
-            name: _env_int(name, default)
+            name: env_int(name, default)
             for name, default in (
                 ("AGENTENV_MAX_SANDBOXES", cls.max_sandboxes),
                 ("AGENTENV_MAX_STARTS", default_max_starts()),
@@ -384,16 +337,16 @@ class Settings:
         etcd_prefix = os.environ.get("AGENTENV_ETCD_PREFIX") or cls.etcd_prefix
         if not (etcd_prefix.startswith("/") and etcd_prefix.endswith("/")):
             raise ConfigError(f"AGENTENV_ETCD_PREFIX={etcd_prefix!r}: expected /name/")
-        node_ttl = _env_int("AGENTENV_NODE_TTL_S", cls.node_ttl_s)
+        node_ttl = env_int("AGENTENV_NODE_TTL_S", cls.node_ttl_s)
         # etcd raises shorter leases to 1.5 election timeouts; 2 s is the shortest we promise.
         if node_ttl < 2:
             raise ConfigError(f"AGENTENV_NODE_TTL_S={node_ttl}: expected 2 or more")
-        reconcile = _env_int("AGENTENV_NODE_RECONCILE_S", cls.node_reconcile_s)
-        replica_ttl = _env_int("AGENTENV_REPLICA_TTL_S", cls.replica_ttl_s)
+        reconcile = env_int("AGENTENV_NODE_RECONCILE_S", cls.node_reconcile_s)
+        replica_ttl = env_int("AGENTENV_REPLICA_TTL_S", cls.replica_ttl_s)
         if replica_ttl < 2:
             raise ConfigError(f"AGENTENV_REPLICA_TTL_S={replica_ttl}: expected 2 or more")
-        sweep_period = _env_int("AGENTENV_SWEEP_PERIOD_S", cls.sweep_period_s)
-        sweep_grace = _env_int("AGENTENV_SWEEP_GRACE_S", cls.sweep_grace_s)
+        sweep_period = env_int("AGENTENV_SWEEP_PERIOD_S", cls.sweep_period_s)
+        sweep_grace = env_int("AGENTENV_SWEEP_GRACE_S", cls.sweep_grace_s)
         if sweep_period < 1 or sweep_grace < 0:
             raise ConfigError(
                 f"AGENTENV_SWEEP_PERIOD_S={sweep_period}, AGENTENV_SWEEP_GRACE_S={sweep_grace}: "
@@ -401,7 +354,7 @@ class Settings:
             )
         if reconcile < 1:
             raise ConfigError(f"AGENTENV_NODE_RECONCILE_S={reconcile}: expected 1 or more")
-        bucket_gc = _env_int("AGENTENV_BUCKET_GC_S", cls.bucket_gc_s)
+        bucket_gc = env_int("AGENTENV_BUCKET_GC_S", cls.bucket_gc_s)
         if bucket_gc < 0:
             raise ConfigError(f"AGENTENV_BUCKET_GC_S={bucket_gc}: expected 0 (off) or more")
         node_rpc = NodeRpcConfig.from_env()
@@ -413,9 +366,9 @@ class Settings:
                 "(AGENTENV_NODE_TLS_CERT), so its URL must be https://"
             )
         return cls(
-            home=_env_path("AGENTENV_HOME", Path("/var/lib/agentenv")),
+            home=env_path("AGENTENV_HOME", Path("/var/lib/agentenv")),
             cache=default_cache(),
-            etcd_endpoints=_etcd_endpoints(),
+            etcd_endpoints=etcd_endpoints_from_env(),
             etcd_prefix=etcd_prefix,
             node_ttl_s=node_ttl,
             node_reconcile_s=reconcile,
@@ -425,35 +378,37 @@ class Settings:
             sweep_grace_s=sweep_grace,
             node_token=os.environ.get("AGENTENV_NODE_TOKEN") or None,
             node_rpc=node_rpc,
-            node_id=_node_id(os.environ.get("AGENTENV_NODE_ID") or socket.gethostname()),
+            node_id=parse_node_id(os.environ.get("AGENTENV_NODE_ID") or socket.gethostname()),
             node_bind=os.environ.get("AGENTENV_NODE_BIND") or cls.node_bind,
             node_url=node_url,
-            node_gateway_bind=_gateway_bind(os.environ.get("AGENTENV_NODE_BIND") or cls.node_bind),
+            node_gateway_bind=gateway_bind_from_env(
+                os.environ.get("AGENTENV_NODE_BIND") or cls.node_bind
+            ),
             node_gateway_addr=os.environ.get("AGENTENV_NODE_GATEWAY_ADDR", ""),
-            kernel=_env_opt_path("AGENTENV_KERNEL"),
-            initramfs=_env_opt_path("AGENTENV_INITRAMFS"),
+            kernel=env_opt_path("AGENTENV_KERNEL"),
+            initramfs=env_opt_path("AGENTENV_INITRAMFS"),
             accel=accel,
-            pvm_kernel=_env_opt_path("AGENTENV_PVM_KERNEL"),
+            pvm_kernel=env_opt_path("AGENTENV_PVM_KERNEL"),
             qemu_binary=os.environ.get("AGENTENV_QEMU", "qemu-system-x86_64"),
             network=net,
-            slot_pool_low=_env_int("AGENTENV_SLOT_POOL_LOW", 0),
-            slot_pool_high=_env_int("AGENTENV_SLOT_POOL_HIGH", 0),
+            slot_pool_low=env_int("AGENTENV_SLOT_POOL_LOW", 0),
+            slot_pool_high=env_int("AGENTENV_SLOT_POOL_HIGH", 0),
             warm_low=warm_low,
             warm_high=warm_high,
-            boot_timeout_s=float(_env_int("AGENTENV_BOOT_TIMEOUT", 120)),
-            snapshots=_env_int("AGENTENV_SNAPSHOTS", 1) != 0,
-            paused_retention_s=float(_env_int("AGENTENV_PAUSED_RETENTION", 7 * 24 * 3600)),
-            dns=_dns_servers(),
+            boot_timeout_s=float(env_int("AGENTENV_BOOT_TIMEOUT", 120)),
+            snapshots=env_int("AGENTENV_SNAPSHOTS", 1) != 0,
+            paused_retention_s=float(env_int("AGENTENV_PAUSED_RETENTION", 7 * 24 * 3600)),
+            dns=dns_servers_from_env(),
             idle_reclaim_s=float(idle),
             balloon_floor_mb=floor,
             memory_pressure_pct=float(pressure),
-            auto_resume=_env_bool("AGENTENV_AUTO_RESUME", False),
+            auto_resume=env_bool("AGENTENV_AUTO_RESUME", False),
             max_sandboxes=limits["AGENTENV_MAX_SANDBOXES"],
             max_starts=limits["AGENTENV_MAX_STARTS"],
             start_queue=limits["AGENTENV_START_QUEUE"],
             min_free_memory_mb=limits["AGENTENV_MIN_FREE_MEMORY_MB"],
             min_free_disk_mb=limits["AGENTENV_MIN_FREE_DISK_MB"],
-            confine=_env_switch("AGENTENV_CONFINE", True),
+            confine=env_switch("AGENTENV_CONFINE", True),
             disk_bps_mb=limits["AGENTENV_DISK_BPS_MB"],
             disk_iops=limits["AGENTENV_DISK_IOPS"],
             object_store=ObjectStoreConfig.from_env(),
@@ -499,83 +454,3 @@ class Settings:
     def slots_dir(self) -> Path:
         """One marker per network slot this data dir holds (`network.slot`)."""
         return self.run_dir / "slots"
-
-
-def _node_id(raw: str) -> str:
-    """A node id is one etcd key part and a DNS label: lowercase letters, digits and '-'."""
-    value = raw.strip().lower()
-    if not (
-        value.isascii() and 0 < len(value) <= 63 and all(c.isalnum() or c == "-" for c in value)
-    ):
-        raise ConfigError(f"AGENTENV_NODE_ID={raw!r}: expected letters, digits and '-'")
-    return value
-
-
-def _gateway_bind(node_bind: str) -> str:
-    """`AGENTENV_NODE_GATEWAY_BIND`, by default the node RPC's host on a free port."""
-    raw = os.environ.get("AGENTENV_NODE_GATEWAY_BIND", "").strip()
-    if raw == "off":
-        return raw
-    if not raw:
-        return f"{node_bind.rpartition(':')[0] or '127.0.0.1'}:0"
-    host, sep, port = raw.rpartition(":")
-    if not sep or not host or not port.isdigit() or int(port) > 65535:
-        raise ConfigError(f"AGENTENV_NODE_GATEWAY_BIND={raw!r}: expected HOST:PORT or off")
-    return raw
-
-
-def _etcd_endpoints() -> tuple[str, ...]:
-    """AGENTENV_ETCD: `host:port,host:port` (an http:// scheme is dropped)."""
-    endpoints: list[str] = []
-    for item in os.environ.get("AGENTENV_ETCD", "").split(","):
-        text = item.strip().removeprefix("http://").rstrip("/")
-        if not text:
-            continue
-        host, sep, port = text.rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ConfigError(f"AGENTENV_ETCD: {item.strip()!r} is not host:port")
-        endpoints.append(f"{host}:{int(port)}")
-    return tuple(endpoints)
-
-
-def _dns_servers() -> tuple[str, ...]:
-    """Upstream resolvers of the node's per-slot DNS forwarder (`network.dns`):
-    `AGENTENV_DNS` (comma-separated `ip` or `ip:port`), else the host's own IPv4 resolvers,
-    loopback ones included (the forwarder asks from the host)."""
-    raw = os.environ.get("AGENTENV_DNS")
-    if raw is not None:
-        servers = [s.strip() for s in raw.split(",") if s.strip()]
-        for server in servers:
-            host, _, port = server.partition(":")
-            try:
-                ipaddress.IPv4Address(host)
-                if port and not 0 < int(port) < 65536:
-                    raise ValueError(port)
-            except ValueError as exc:
-                raise ConfigError(f"AGENTENV_DNS: {server!r} is not IPv4[:port]") from exc
-        return tuple(servers)
-    found: list[str] = []
-    try:
-        lines = Path("/etc/resolv.conf").read_text().splitlines()
-    except OSError:
-        return ()
-    for line in lines:
-        parts = line.split()
-        if len(parts) >= 2 and parts[0] == "nameserver":
-            try:
-                addr = ipaddress.ip_address(parts[1])
-            except ValueError:
-                continue
-            if addr.version == 4:
-                found.append(str(addr))
-    return tuple(found)
-
-
-def _parse_net(name: str, raw: str, max_prefix: int) -> ipaddress.IPv4Network:
-    try:
-        net = ipaddress.IPv4Network(raw, strict=True)
-    except ValueError as exc:
-        raise ConfigError(f"{name}={raw!r} is not an IPv4 network: {exc}") from exc
-    if net.prefixlen > max_prefix:
-        raise ConfigError(f"{name}={raw!r} is too small (need /{max_prefix} or larger)")
-    return net

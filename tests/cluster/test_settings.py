@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from agentenv.cluster.etcd import Etcd
-from agentenv.config import ConfigError, Settings
+from agentenv.config import Settings
+from agentenv.config_env import ConfigError
 
 
 def test_settings(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -14,7 +14,8 @@ from dataclasses import replace
 import pytest
 from pyroute2 import AsyncIPRoute
 
-from agentenv.config import ConfigError, NetworkPlan, Settings
+from agentenv.config import NetworkPlan, Settings
+from agentenv.config_env import ConfigError
 from agentenv.network import create_slot, destroy_slot, nft, slot_for
 from agentenv.network.slot import (
     Slot,

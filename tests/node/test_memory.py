@@ -17,7 +17,8 @@ from typing import Any
 
 import pytest
 
-from agentenv.config import ConfigError, Settings
+from agentenv.config import Settings
+from agentenv.config_env import ConfigError
 from agentenv.guest.envd.client import EnvdClient
 from agentenv.node.host import Node, SandboxHandle
 from agentenv.node.memory import (

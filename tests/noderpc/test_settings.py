@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from agentenv.config import ConfigError, NodeRpcConfig, Settings
+from agentenv.config import NodeRpcConfig, Settings
+from agentenv.config_env import ConfigError
 from agentenv.gateway.server import DataGateway
 from agentenv.node.agent import NodeAgent
 from agentenv.noderpc.client import RemoteRuntime

@@ -15,7 +15,8 @@ from agentenv.api.auth import api_key
 from agentenv.api.keys import KeyRing, key_file
 from agentenv.api.logs import configure as configure_logs
 from agentenv.api.nodes import mount_nodes
-from agentenv.config import ConfigError, Settings
+from agentenv.config import Settings
+from agentenv.config_env import ConfigError
 from agentenv.contract.errors import SandboxNotFound
 from agentenv.contract.nodes import NodeDirectory
 from agentenv.contract.runtime import Runtime, TemplateSource

@@ -60,7 +60,7 @@ def serve(
 ) -> None:
     """Run the server: E2B-compatible API and sandbox proxy on one port."""
     from agentenv.api.server import serve as run_server
-    from agentenv.config import ConfigError
+    from agentenv.config_env import ConfigError
 
     try:
         run_server(

@@ -45,7 +45,8 @@ def agent(ctx: typer.Context) -> None:
     from agentenv.api.logs import configure as configure_logs
     from agentenv.cluster.etcd import ClusterUnavailable
     from agentenv.cluster.leases import DuplicateMember
-    from agentenv.config import ConfigError, Settings
+    from agentenv.config import Settings
+    from agentenv.config_env import ConfigError
     from agentenv.node.agent import run
 
     configure_logs("info", os.environ.get("AGENTENV_LOG_FORMAT", "text"))

@@ -27,7 +27,8 @@ from agentenv.cluster.etcd import Etcd
 from agentenv.cluster.locations import Locations
 from agentenv.cluster.membership import Capacity, Load, NodeInfo, NodeRegistration
 from agentenv.cluster.tombstones import SnapshotTombstones
-from agentenv.config import ConfigError, Settings
+from agentenv.config import Settings
+from agentenv.config_env import ConfigError
 from agentenv.gateway.client import TLS_SCHEME
 from agentenv.gateway.server import DataGateway
 from agentenv.node.runtime import TEMPLATE_SOURCE, CatalogTemplates, NodeRuntime

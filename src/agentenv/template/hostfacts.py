@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from agentenv.config import default_cache
+from agentenv.config_env import default_cache
 
 FACTS_FILE = "host-facts.json"
 # What dpkg-query reads.
