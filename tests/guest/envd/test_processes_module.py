@@ -18,13 +18,9 @@ from pathlib import Path
 import pytest
 
 from agentenv.guest.envd import processes
-from agentenv.guest.envd.processes import (
-    EndInfo,
-    Output,
-    ProcessSpec,
-    ProcessTable,
-    Subscription,
-)
+from agentenv.guest.envd.output_hub import EndInfo, Output, Subscription
+from agentenv.guest.envd.process_table import ProcessTable
+from agentenv.guest.envd.processes import ProcessSpec
 from agentenv.guest.envd.users import User, lookup_user
 
 

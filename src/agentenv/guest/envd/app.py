@@ -27,7 +27,7 @@ from .filesystem_service import FilesystemService
 from .gen.filesystem.filesystem_connect import FilesystemASGIApplication
 from .gen.process.process_connect import ProcessASGIApplication
 from .process_service import ProcessService
-from .processes import ProcessTable
+from .process_table import ProcessTable
 from .rpc import StrictJSONCodec
 from .state import EnvdState
 from .users import User, lookup_user, user_from_authorization

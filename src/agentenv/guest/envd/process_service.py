@@ -15,7 +15,9 @@ from . import paths
 from .errors import InvalidArgument
 from .gen.process import process_pb as pb
 from .gen.process.process_connect import Process
-from .processes import EndInfo, ManagedProcess, Output, ProcessSpec, ProcessTable, Subscription
+from .output_hub import EndInfo, Output, Subscription
+from .process_table import ProcessTable
+from .processes import ManagedProcess, ProcessSpec
 from .rpc import acting_user, streaming, timeout_seconds, unary
 from .state import EnvdState
 

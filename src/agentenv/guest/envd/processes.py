@@ -12,6 +12,8 @@ then the end event goes out. The pipes stay open and are read (and dropped) unti
 holder closes them, so a background server that logs to them keeps working. (Upstream envd's
 handler.Wait waits for the pipes' EOF before it reaps, so there `server &` without
 `background=True` lasts until the command's timeout.)
+
+The output fan-out is `output_hub`; the table of running processes is `process_table`.
 """
 
 from __future__ import annotations
@@ -27,11 +29,10 @@ import struct
 import termios
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
-from typing import Literal
+from dataclasses import dataclass
 
-from .errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
-from .users import User
+from .errors import FailedPrecondition, InvalidArgument, NotFound
+from .output_hub import EndInfo, Output, OutputHub, Stream
 
 log = logging.getLogger("agentenv.envd")
 
@@ -40,7 +41,6 @@ log = logging.getLogger("agentenv.envd")
 # every message's JSON and base64 runs under CPU emulation.
 PIPE_CHUNK = 256 * 1024
 PTY_CHUNK = 16 * 1024
-QUEUE_DEPTH = 16
 # After the process exits, output still in flight is drained; if nothing arrives for this long
 # the pipes are held by a background child and the stream ends without waiting for it.
 EXIT_DRAIN_QUIET = 0.3
@@ -48,71 +48,6 @@ EXIT_DRAIN_QUIET = 0.3
 # the process itself left in the pipes has been delivered).
 EXIT_DRAIN_MAX = 2.0
 _DRAIN_POLL = 0.05
-
-Stream = Literal["stdout", "stderr", "pty"]
-
-
-@dataclass(frozen=True)
-class EndInfo:
-    exit_code: int
-    exited: bool
-    status: str
-    error: str | None
-
-
-@dataclass(frozen=True)
-class Output:
-    stream: Stream
-    data: bytes
-
-
-Event = Output | EndInfo
-
-
-class Subscription:
-    """One attached stream: a bounded queue of output, then the end."""
-
-    def __init__(self, hub: OutputHub) -> None:
-        self._hub = hub
-        self.queue: asyncio.Queue[Event] = asyncio.Queue(QUEUE_DEPTH)
-        self._end_put: asyncio.Task[None] | None = None
-
-    def deliver_end(self, end: EndInfo) -> None:
-        """The end is the last item; when the queue is full it waits for the reader."""
-        try:
-            self.queue.put_nowait(end)
-        except asyncio.QueueFull:
-            self._end_put = asyncio.create_task(self.queue.put(end))
-
-    def close(self) -> None:
-        self._hub.subscribers.discard(self)
-        if self._end_put is not None:
-            self._end_put.cancel()
-
-
-@dataclass
-class OutputHub:
-    subscribers: set[Subscription] = field(default_factory=set)
-    end: EndInfo | None = None
-
-    def subscribe(self) -> Subscription:
-        sub = Subscription(self)
-        if self.end is not None:
-            sub.queue.put_nowait(self.end)
-        else:
-            self.subscribers.add(sub)
-        return sub
-
-    async def publish(self, event: Event) -> None:
-        for sub in list(self.subscribers):
-            if sub in self.subscribers:
-                await sub.queue.put(event)
-
-    def finish(self, end: EndInfo) -> None:
-        self.end = end
-        for sub in list(self.subscribers):
-            sub.deliver_end(end)
-        self.subscribers.clear()
 
 
 @dataclass(frozen=True)
@@ -140,7 +75,7 @@ def describe_status(returncode: int) -> EndInfo:
     return EndInfo(-1, False, text, text)
 
 
-def _cwd_problem(cwd: str) -> str | None:
+def cwd_problem(cwd: str) -> str | None:
     # Upstream's words (handler.New) when it is missing; InvalidArgument either way.
     if not os.path.exists(cwd):
         return f"cwd '{cwd}' does not exist"
@@ -149,11 +84,11 @@ def _cwd_problem(cwd: str) -> str | None:
     return None
 
 
-def _set_winsize(fd: int, cols: int, rows: int) -> None:
+def set_winsize(fd: int, cols: int, rows: int) -> None:
     fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
 
 
-def _take_controlling_tty() -> None:
+def take_controlling_tty() -> None:
     # Runs in the child after setsid(): stdin is the PTY slave; make it the controlling
     # terminal so job control and `tty`/`stty` behave as in a real login.
     fcntl.ioctl(0, termios.TIOCSCTTY, 0)
@@ -185,7 +120,7 @@ class _ExitProtocol(asyncio.subprocess.SubprocessStreamProtocol):
             self.exited.set_result(None)
 
 
-async def _spawn(
+async def spawn(
     program: str, *args: str, **kwargs: object
 ) -> tuple[asyncio.subprocess.Process, _ExitProtocol]:
     loop = asyncio.get_running_loop()
@@ -419,134 +354,6 @@ class ManagedProcess:
             raise FailedPrecondition(f"process {self.pid} has no terminal to resize")
         if cols <= 0 or rows <= 0:
             raise InvalidArgument(f"terminal size must be positive, got {cols}x{rows}")
-        _set_winsize(self.master_fd, cols, rows)
+        set_winsize(self.master_fd, cols, rows)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.pid, signal.SIGWINCH)
-
-
-class ProcessTable:
-    """Every running process envd started, by pid and by tag."""
-
-    def __init__(self) -> None:
-        self.by_pid: dict[int, ManagedProcess] = {}
-        # Output readers of ended commands whose pipes a background child still holds.
-        self.lingering: set[asyncio.Task[None]] = set()
-
-    def find(self, pid: int | None = None, tag: str | None = None) -> ManagedProcess:
-        if pid is not None:
-            found = self.by_pid.get(pid)
-            if found is None:
-                raise NotFound(f"process with pid {pid} not found")
-            return found
-        if tag is not None:
-            for candidate in self.by_pid.values():
-                if candidate.spec.tag == tag:
-                    return candidate
-            raise NotFound(f"process with tag {tag!r} not found")
-        raise InvalidArgument("process selector needs a pid or a tag")
-
-    async def start(
-        self,
-        spec: ProcessSpec,
-        user: User,
-        env: Mapping[str, str],
-        cwd: str,
-        timeout_s: float | None,
-    ) -> tuple[ManagedProcess, Subscription]:
-        if not spec.cmd:
-            raise InvalidArgument("process.cmd is empty")
-        if (problem := _cwd_problem(cwd)) is not None:
-            raise InvalidArgument(problem)
-        if spec.tag is not None and any(p.spec.tag == spec.tag for p in self.by_pid.values()):
-            raise InvalidArgument(f"a process with tag {spec.tag!r} is already running")
-        creds: dict[str, object] = {}
-        if os.geteuid() == 0:
-            creds = {"user": user.uid, "group": user.gid, "extra_groups": list(user.groups)}
-        elif os.geteuid() != user.uid:
-            raise PermissionDenied(f"envd is not root and cannot run processes as {user.name}")
-        outputs: dict[Stream, int] = {}
-        try:
-            if spec.pty_size is not None:
-                master_fd, slave_fd = os.openpty()
-                outputs["pty"] = master_fd
-                try:
-                    cols, rows = spec.pty_size
-                    _set_winsize(slave_fd, cols or 80, rows or 24)
-                    proc, protocol = await _spawn(
-                        spec.cmd,
-                        *spec.args,
-                        stdin=slave_fd,
-                        stdout=slave_fd,
-                        stderr=slave_fd,
-                        cwd=cwd,
-                        env=dict(env),
-                        start_new_session=True,
-                        preexec_fn=_take_controlling_tty,
-                        **creds,
-                    )
-                finally:
-                    os.close(slave_fd)
-            else:
-                # Our own pipes rather than asyncio's: envd decides when the output is over.
-                write_ends: list[int] = []
-                try:
-                    for stream in ("stdout", "stderr"):
-                        read_end, write_end = os.pipe2(os.O_CLOEXEC)
-                        outputs[stream] = read_end
-                        write_ends.append(write_end)
-                    proc, protocol = await _spawn(
-                        spec.cmd,
-                        *spec.args,
-                        stdin=asyncio.subprocess.PIPE if spec.stdin else asyncio.subprocess.DEVNULL,
-                        stdout=write_ends[0],
-                        stderr=write_ends[1],
-                        cwd=cwd,
-                        env=dict(env),
-                        start_new_session=True,
-                        **creds,
-                    )
-                finally:
-                    for write_end in write_ends:
-                        os.close(write_end)
-        except BaseException as exc:
-            for fd in outputs.values():
-                os.close(fd)
-            if isinstance(exc, OSError):
-                raise InvalidArgument(
-                    f"error starting process {spec.cmd!r}: {exc.strerror or exc}"
-                ) from None
-            raise
-        for fd in outputs.values():
-            os.set_blocking(fd, False)
-        managed = ManagedProcess(spec, proc, protocol.exited, outputs, time.time())
-        self.by_pid[managed.pid] = managed
-        first = managed.hub.subscribe()
-        managed.start_io(self._forget, timeout_s)
-        # Arguments only at debug level: envd's log reaches the serial console, and command
-        # lines often carry secrets.
-        log.info("started pid %d as %s: %s", managed.pid, user.name, spec.cmd)
-        log.debug("pid %d args: %s", managed.pid, list(spec.args))
-        return managed, first
-
-    def _forget(self, managed: ManagedProcess) -> None:
-        if self.by_pid.get(managed.pid) is managed:
-            del self.by_pid[managed.pid]
-        for task in managed.lingering:
-            self.lingering.add(task)
-            task.add_done_callback(self._lingering_done)
-
-    def _lingering_done(self, task: asyncio.Task[None]) -> None:
-        self.lingering.discard(task)
-        if not task.cancelled() and (exc := task.exception()) is not None:
-            log.warning("output reader of an ended process failed: %s", exc)
-
-    async def shutdown(self) -> None:
-        for managed in list(self.by_pid.values()):
-            with contextlib.suppress(Exception):
-                managed.signal(signal.SIGKILL)
-        for managed in list(self.by_pid.values()):
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(managed.done.wait(), 5)
-        for task in list(self.lingering):
-            task.cancel()
-        await asyncio.gather(*self.lingering, return_exceptions=True)
