@@ -172,9 +172,9 @@ def test_diff_id_mismatch_and_garbage(tmp_path: Path) -> None:
 def test_in_process_decompression_when_the_zstd_cli_is_missing(
     tmp_path: Path, compression: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from agentenv.oci import unpack
+    from agentenv.oci import layer_stream
 
-    monkeypatch.setattr(unpack, "ZSTD_BIN", None)
+    monkeypatch.setattr(layer_stream, "ZSTD_BIN", None)
     root = tmp_path / "root"
     root.mkdir()
     _apply(tmp_path, root, base_layer(), compression)
@@ -200,9 +200,9 @@ def test_a_bad_gzip_checksum_fails_after_the_last_entry(tmp_path: Path) -> None:
 def test_progress_reports_uncompressed_bytes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from agentenv.oci import unpack
+    from agentenv.oci import layer_stream
 
-    monkeypatch.setattr(unpack, "PROGRESS_EVERY", 64 * 1024)
+    monkeypatch.setattr(layer_stream, "PROGRESS_EVERY", 64 * 1024)
     layer = Layer().file("a", os.urandom(3 * 1024 * 1024)).file("b", b"b" * 200_000)
     blob, diff_id = _write(tmp_path, layer)
     root = tmp_path / "root"

@@ -19,6 +19,8 @@ and the caller can check it against the image config. Compression is detected fr
 bytes (media types are sometimes wrong). gzip and zstd are decompressed by a ``zstd -dc``
 child process (the zstd CLI reads both), so on a host with two cores the inflating runs beside
 the Python that parses the tar and creates the entries; without the CLI, in-process.
+
+Reading the blob (decompression, hashing) is `layer_stream`.
 """
 
 from __future__ import annotations
@@ -26,34 +28,26 @@ from __future__ import annotations
 import base64
 import errno
 import gzip
-import hashlib
 import io
 import os
-import queue
 import shutil
 import stat
-import subprocess
 import tarfile
-import threading
 import urllib.parse
 import zlib
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, BinaryIO, cast
+from typing import BinaryIO
 
 import zstandard
 
 from agentenv.oci.errors import DigestMismatch, LayerError
+from agentenv.oci.layer_stream import COPY_CHUNK, DecompressError, HashingReader, open_uncompressed
 
 WHITEOUT = ".wh."
 OPAQUE = ".wh..wh..opq"
 MAX_SYMLINK_HOPS = 40
-COPY_CHUNK = 1024 * 1024
-# Uncompressed bytes between two progress calls.
-PROGRESS_EVERY = 4 * 1024 * 1024
-ZSTD_BIN = shutil.which("zstd")
 
 
 @dataclass(frozen=True)
@@ -64,158 +58,6 @@ class LayerStats:
     file_bytes: int
     whiteouts: int = 0
     xattrs_skipped: int = 0
-
-
-class _ShaThread:
-    """sha256 in a thread of its own: hashlib lets go of the GIL while it hashes, so the
-    diffID is computed on the core the tar parsing is not using. `close` must be called."""
-
-    def __init__(self) -> None:
-        self.sha = hashlib.sha256()
-        self._chunks: queue.Queue[bytes | None] = queue.Queue(maxsize=8)
-        self._thread = threading.Thread(target=self._run, name="layer-sha256", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while (data := self._chunks.get()) is not None:
-            self.sha.update(data)
-
-    def update(self, data: bytes) -> None:
-        self._chunks.put(data)
-
-    def close(self) -> None:
-        if self._thread.is_alive():
-            self._chunks.put(None)
-            self._thread.join()
-
-    def hexdigest(self) -> str:
-        self.close()
-        return self.sha.hexdigest()
-
-
-class _Hashing(io.RawIOBase):
-    """A read-only stream that hashes (and counts) everything read through it, and reports
-    the count every `PROGRESS_EVERY` bytes. `hash=False` only counts (a scan whose diffID is
-    checked by the apply that follows)."""
-
-    def __init__(
-        self,
-        inner: IO[bytes],
-        *,
-        hash: bool = True,
-        progress: Callable[[int], None] | None = None,
-    ) -> None:
-        self.inner = inner
-        self.sha = _ShaThread() if hash else None
-        self.count = 0
-        self.progress = progress
-        self._next_report = PROGRESS_EVERY
-        self._reported = -1
-
-    def readable(self) -> bool:
-        return True
-
-    def _took(self, data: bytes) -> None:
-        if self.sha is not None:
-            self.sha.update(data)
-        self.count += len(data)
-        if self.progress is not None and self.count >= self._next_report:
-            self._next_report = self.count + PROGRESS_EVERY
-            self._reported = self.count
-            self.progress(self.count)
-
-    def readinto(self, buf: memoryview) -> int:  # type: ignore[override]
-        data = self.inner.read(len(buf))
-        n = len(data)
-        buf[:n] = data
-        self._took(data)
-        return n
-
-    def finish(self) -> str:
-        # The archive's end padding counts toward the diffID too.
-        while True:
-            data = self.inner.read(COPY_CHUNK)
-            if not data:
-                break
-            self._took(data)
-        if self.progress is not None and self._reported != self.count:
-            self.progress(self.count)
-        return "sha256:" + (self.sha.hexdigest() if self.sha is not None else "")
-
-    def close(self) -> None:
-        if self.sha is not None:
-            self.sha.close()
-        super().close()
-
-
-class _DecompressError(Exception):
-    """The decompressor child exited with an error (corrupt or truncated data)."""
-
-
-class _ChildStream(io.RawIOBase):
-    """The stdout of the decompressor child; at its end, the child's exit status is checked,
-    so a bad checksum or a truncated input fails the read instead of ending it quietly."""
-
-    def __init__(self, proc: subprocess.Popen[bytes]) -> None:
-        assert proc.stdout is not None
-        self.proc = proc
-        self.out = proc.stdout
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, buf: memoryview) -> int:  # type: ignore[override]
-        n = self.out.readinto(buf)  # type: ignore[attr-defined]
-        if not n:
-            code = self.proc.wait()
-            if code != 0:
-                assert self.proc.stderr is not None
-                tail = self.proc.stderr.read().decode(errors="replace").strip()
-                raise _DecompressError(tail.splitlines()[-1] if tail else f"zstd exit {code}")
-        return int(n or 0)
-
-
-@contextmanager
-def _child_decompressor(raw: IO[bytes]) -> Iterator[IO[bytes]]:
-    assert ZSTD_BIN is not None
-    # The child reads the descriptor itself: from byte 0, whatever Python buffered.
-    os.lseek(raw.fileno(), 0, os.SEEK_SET)
-    proc = subprocess.Popen(
-        [ZSTD_BIN, "-d", "-c", "-q", "--no-progress"],
-        stdin=raw,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-    )
-    try:
-        yield cast(IO[bytes], io.BufferedReader(_ChildStream(proc), COPY_CHUNK))
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait()
-        for pipe in (proc.stdout, proc.stderr):
-            if pipe is not None:
-                pipe.close()
-
-
-@contextmanager
-def open_uncompressed(blob: Path) -> Iterator[IO[bytes]]:
-    """The blob's tar stream, decompressed according to its magic bytes."""
-    with blob.open("rb") as raw:
-        head = raw.read(4)
-        raw.seek(0)
-        compressed = head[:2] == b"\x1f\x8b" or head == b"\x28\xb5\x2f\xfd"
-        if compressed and ZSTD_BIN is not None:
-            with _child_decompressor(raw) as out:
-                yield out
-        elif head[:2] == b"\x1f\x8b":
-            with gzip.GzipFile(fileobj=raw) as gz:
-                yield cast(IO[bytes], gz)
-        elif head == b"\x28\xb5\x2f\xfd":
-            dctx = zstandard.ZstdDecompressor()
-            with dctx.stream_reader(raw, read_across_frames=True) as zs:
-                yield cast(IO[bytes], zs)
-        else:
-            yield raw
 
 
 def _split(name: str, what: str) -> list[str]:
@@ -469,7 +311,7 @@ class _Applier:
 
 # Decompression failures, whichever decompressor saw them; and those plus a bad tar.
 _BAD_STREAM: tuple[type[Exception], ...] = (
-    EOFError, zstandard.ZstdError, gzip.BadGzipFile, zlib.error, _DecompressError,
+    EOFError, zstandard.ZstdError, gzip.BadGzipFile, zlib.error, DecompressError,
 )  # fmt: skip
 _BAD_ARCHIVE: tuple[type[Exception], ...] = (tarfile.TarError, *_BAD_STREAM)
 
@@ -497,7 +339,7 @@ def apply_layer(
     The diffID is only known once the whole archive has been read, so a mismatching layer
     has been applied by then: callers apply into a scratch tree or image they can discard."""
     with open_uncompressed(blob) as raw:
-        hashing = _Hashing(raw, progress=progress)
+        hashing = HashingReader(raw, progress=progress)
         try:
             applier = _Applier(root, what)
             stream = io.BufferedReader(hashing, COPY_CHUNK)
@@ -529,7 +371,7 @@ def scan_layer(blob: Path, what: str = "layer", *, hash: bool = True) -> LayerSt
     """Read a layer without applying it: diffID, sizes and the number of entries. Without
     `hash` the diffID is left empty (``"sha256:"``): for a caller whose apply checks it."""
     with open_uncompressed(blob) as raw:
-        hashing = _Hashing(raw, hash=hash)
+        hashing = HashingReader(raw, hash=hash)
         try:
             stream = io.BufferedReader(hashing, COPY_CHUNK)
             entries = 0
