@@ -33,7 +33,7 @@ from agentenv.contract.runtime import (
     TemplateInfo,
 )
 from agentenv.network.egress import OPEN, Egress
-from agentenv.noderpc import client as client_mod
+from agentenv.noderpc import node_streams
 from agentenv.noderpc.client import RemoteRuntime
 from agentenv.noderpc.errors import KINDS, NodeError, NodeUnreachable
 from agentenv.noderpc.server import NodeServer
@@ -685,14 +685,14 @@ async def test_note_activity_is_bounded_and_drops_the_oldest(
 ) -> None:
     runtime, server = node
     remote = RemoteRuntime(server.url, TOKEN, config=FAST)
-    over = client_mod.ACTIVITY_PENDING_MAX + 5
+    over = node_streams.ACTIVITY_PENDING_MAX + 5
     for i in range(over):  # not started: nothing is sent, the queue only fills
         remote.note_activity(f"sb-{i}")
     remote.note_activity("sb-10")  # already queued: not twice
     assert remote.activity_dropped == 5
     await remote.start()
     try:
-        await wait_for(lambda: len(runtime.activity) >= client_mod.ACTIVITY_PENDING_MAX, 10)
+        await wait_for(lambda: len(runtime.activity) >= node_streams.ACTIVITY_PENDING_MAX, 10)
         assert sorted(runtime.activity) == sorted(f"sb-{i}" for i in range(5, over))
     finally:
         await remote.close()

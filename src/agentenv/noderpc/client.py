@@ -5,6 +5,9 @@ and the node's failures come back as the contract's classes. A node that does no
 `NodeUnreachable` (an `Unavailable`: the API answers 503 with a Retry-After) naming the node.
 `note_activity` never waits: ids are batched and sent by a background task. `watch_lost`
 follows the node's lost-sandbox stream in the background, reconnecting when it breaks.
+
+Its parts: `channel` (the client, deadlines, error translation) and `node_streams` (activity
+batches, the lost watch); this module holds the contract's calls, start and close.
 """
 
 from __future__ import annotations
@@ -12,17 +15,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import logging
-import random
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
-from connectrpc.code import Code
-from connectrpc.errors import ConnectError
 from pyqwest import Client as HTTPClient
 from pyqwest import HTTPTransport, Proxy
 
-from agentenv.config import NodeRpcConfig, Settings
+from agentenv.config import Settings
 from agentenv.contract.runtime import (
     Found,
     HostMemory,
@@ -34,64 +33,21 @@ from agentenv.contract.runtime import (
     TemplateInfo,
 )
 from agentenv.network.egress import Egress
+from agentenv.noderpc.node_streams import NodeStreams
 
 from . import convert
 from .convert import opt_str
-from .errors import NodeError, NodeUnreachable, failure_of, from_failure
+from .errors import NodeError
 from .gen import node_pb as pb
 from .gen.node_connect import NodeServiceClient
 
-log = logging.getLogger("agentenv.noderpc")
-
-T = TypeVar("T")
-
-# note_activity: ids waiting to be sent at most (the oldest are dropped beyond), ids per
-# call, and how long a first id waits for others to join its batch.
-ACTIVITY_PENDING_MAX = 16384
-ACTIVITY_BATCH = 2048
-ACTIVITY_LINGER_S = 0.2
-ACTIVITY_RETRY_S = 1.0
-# WatchLost: reconnect backoff, and silence (no event, no heartbeat) that means a dead stream.
-WATCH_BACKOFF_MIN_S = 0.2
-WATCH_BACKOFF_MAX_S = 5.0
-WATCH_SILENCE_S = 15.0
 # An image import pulls every layer it lacks: minutes for a large image on a slow link.
 IMPORT_DEADLINE_S = 1800.0
 
 
-class RemoteRuntime:
+class RemoteRuntime(NodeStreams):
     """A node's `Runtime`, reached at `url` (`http(s)://host:port`) with the node token; an
     https node's certificate is checked against `config.tls_ca` (else the system store)."""
-
-    def __init__(
-        self,
-        url: str,
-        token: str,
-        *,
-        timeout_s: float | None = None,
-        config: NodeRpcConfig | None = None,
-        watch_silence_s: float = WATCH_SILENCE_S,
-    ) -> None:
-        if not token:
-            raise ValueError("a node RPC client needs the node token")
-        cfg = config or NodeRpcConfig()
-        self.url = url.rstrip("/")
-        self.config = cfg
-        # `timeout_s` shortens every deadline at once (tests, a caller in a hurry).
-        self._query_s = cfg.query_s if timeout_s is None else min(cfg.query_s, timeout_s)
-        self._change_s = cfg.change_s if timeout_s is None else min(cfg.change_s, timeout_s)
-        self._long_s = cfg.long_s if timeout_s is None else min(cfg.long_s, timeout_s)
-        self._headers = {"authorization": f"Bearer {token}"}
-        self._watch_silence_s = watch_silence_s
-        self._transport: HTTPTransport | None = None
-        self._rpc: NodeServiceClient | None = None
-        self._handlers: list[Callable[[str, str], None]] = []
-        self._watch_task: asyncio.Task[None] | None = None
-        # Insertion-ordered set: an id noted twice before a flush is sent once.
-        self._activity: dict[str, None] = {}
-        self._activity_wake = asyncio.Event()
-        self._activity_task: asyncio.Task[None] | None = None
-        self.activity_dropped = 0
 
     @classmethod
     def from_settings(cls, url: str, settings: Settings) -> RemoteRuntime:
@@ -99,22 +55,6 @@ class RemoteRuntime:
         if not settings.node_token:
             raise ValueError("AGENTENV_NODE_TOKEN is not set: the node RPC needs it")
         return cls(url, settings.node_token, config=settings.node_rpc)
-
-    # lifecycle ---------------------------------------------------------------------------
-
-    async def _tls_options(self) -> dict[str, Any]:
-        """How the transport verifies a node's certificate: against the configured CA bundle,
-        else (an https URL) against the system store. Never unverified."""
-        ca = self.config.tls_ca
-        if ca is not None:
-            try:
-                pem = await asyncio.to_thread(ca.read_bytes)
-            except OSError as exc:
-                raise NodeError(f"node {self.url}: cannot read the node CA {ca}: {exc}") from exc
-            return {"tls_ca_cert": pem}
-        if self.url.startswith("https://"):
-            return {"tls_include_system_certs": True}
-        return {}
 
     async def start(self) -> None:
         if self._rpc is not None:
@@ -158,53 +98,6 @@ class RemoteRuntime:
             await rpc.close()
         if transport is not None:
             await transport.aclose()
-
-    # calls -------------------------------------------------------------------------------
-
-    def _client(self) -> NodeServiceClient:
-        if self._rpc is None:
-            raise RuntimeError(f"RemoteRuntime({self.url}) used before start() or after close()")
-        return self._rpc
-
-    async def _call(self, method: str, deadline_s: float, call: Callable[[int], Awaitable[T]]) -> T:
-        """One unary call within `deadline_s`; Connect errors become the contract's."""
-        self._client()
-        timeout_ms = max(1, int(deadline_s * 1000))
-        # The library's own deadline covers the HTTP exchange; this one also covers anything
-        # around it, so no call outlives its deadline (by more than a second).
-        guard = asyncio.timeout(deadline_s + 1.0)
-        try:
-            async with guard:
-                return await call(timeout_ms)
-        except TimeoutError:
-            raise self._unreachable(method, f"no answer within {deadline_s:g} s") from None
-        except ConnectError as err:
-            if guard.expired():
-                # The library turned our guard's cancellation into its own error.
-                raise self._unreachable(method, f"no answer within {deadline_s:g} s") from None
-            raise self._translate(method, err, deadline_s) from None
-
-    def _translate(self, method: str, err: ConnectError, deadline_s: float) -> BaseException:
-        task = asyncio.current_task()
-        if err.code is Code.CANCELED and task is not None and task.cancelling():
-            # The library turns our own cancellation into an error; give it back as one.
-            return asyncio.CancelledError()
-        failure = failure_of(err)
-        if failure is not None:
-            exc = from_failure(failure)
-            if exc is not None:
-                return exc
-            return NodeError(f"node {self.url}: {method}: {failure.kind}: {failure.message}")
-        if err.code is Code.DEADLINE_EXCEEDED:
-            return self._unreachable(method, f"no answer within {deadline_s:g} s")
-        if err.code is Code.UNAVAILABLE:
-            return self._unreachable(method, err.message or "connection failed")
-        return NodeError(f"node {self.url}: {method} failed ({err.code.value}): {err.message}")
-
-    def _unreachable(self, method: str, why: str) -> NodeUnreachable:
-        return NodeUnreachable(
-            f"node {self.url} unreachable ({method}: {why})", self.config.retry_after_s
-        )
 
     async def create(self, spec: SandboxSpec) -> Placement:
         req = pb.CreateRequest(spec=convert.spec_to_pb(spec))
@@ -424,122 +317,9 @@ class RemoteRuntime:
         )
         return None if res.memory is None else convert.memory_from_pb(res.memory)
 
-    # activity ----------------------------------------------------------------------------
-
     async def gateway(self, node_id: str) -> str | None:
         """Guests of this node are reached at their slot addresses."""
         return None
-
-    def note_activity(self, sandbox_id: str) -> None:
-        pending = self._activity
-        if sandbox_id in pending:
-            return
-        if len(pending) >= ACTIVITY_PENDING_MAX:
-            # Drop the oldest: the newest traffic is what decides whether a sandbox is idle.
-            del pending[next(iter(pending))]
-            self.activity_dropped += 1
-        pending[sandbox_id] = None
-        self._activity_wake.set()
-
-    async def _send_activity(self) -> None:
-        while True:
-            await self._activity_wake.wait()
-            await asyncio.sleep(ACTIVITY_LINGER_S)
-            self._activity_wake.clear()
-            while self._activity:
-                batch: list[str] = []
-                for sandbox_id in self._activity:
-                    batch.append(sandbox_id)
-                    if len(batch) >= ACTIVITY_BATCH:
-                        break
-                for sandbox_id in batch:
-                    del self._activity[sandbox_id]
-                try:
-                    await self._note(batch)
-                except asyncio.CancelledError:
-                    raise
-                except Exception as exc:
-                    # Activity is a hint: a node that missed it sees the next traffic. A node
-                    # that is down is not asked again at once (nor logged about every time).
-                    log.warning("node %s: %d activity notes lost: %s", self.url, len(batch), exc)
-                    await asyncio.sleep(ACTIVITY_RETRY_S)
-
-    async def _note(self, batch: list[str]) -> None:
-        req = pb.NoteActivityRequest(sandbox_ids=batch)
-        await self._call(
-            "NoteActivity",
-            self._query_s,
-            lambda ms: self._client().note_activity(req, headers=self._headers, timeout_ms=ms),
-        )
-
-    # lost sandboxes ----------------------------------------------------------------------
-
-    def watch_lost(self, handler: Callable[[str, str], None]) -> None:
-        self._handlers.append(handler)
-        if self._rpc is not None:
-            self._start_watch()
-
-    def _start_watch(self) -> None:
-        if self._watch_task is None or self._watch_task.done():
-            self._watch_task = asyncio.create_task(self._watch())
-
-    async def _watch(self) -> None:
-        epoch, seq = "", 0
-        backoff = WATCH_BACKOFF_MIN_S
-        while True:
-            try:
-                stream = self._client().watch_lost(
-                    pb.WatchLostRequest(epoch=epoch, after_seq=seq), headers=self._headers
-                )
-                async for event in _with_silence_limit(stream, self._watch_silence_s):
-                    backoff = WATCH_BACKOFF_MIN_S
-                    if event.epoch != epoch:
-                        epoch, seq = event.epoch, 0
-                    seq = max(seq, event.seq)
-                    if not event.heartbeat:
-                        self._deliver(event.sandbox_id, event.why)
-                why = "stream ended"
-            except asyncio.CancelledError:
-                raise
-            except TimeoutError:
-                why = f"silent for {self._watch_silence_s:g} s"
-            except ConnectError as err:
-                task = asyncio.current_task()
-                if task is not None and task.cancelling():
-                    raise asyncio.CancelledError() from None
-                why = f"{err.code.value}: {err.message}"
-            except Exception as exc:
-                why = f"{type(exc).__name__}: {exc}"
-            log.info(
-                "node %s: lost-sandbox stream broke (%s); again in %.1f s", self.url, why, backoff
-            )
-            await asyncio.sleep(backoff * random.uniform(0.8, 1.2))
-            backoff = min(backoff * 2, WATCH_BACKOFF_MAX_S)
-
-    def _deliver(self, sandbox_id: str, why: str) -> None:
-        for handler in list(self._handlers):
-            try:
-                handler(sandbox_id, why)
-            except Exception:
-                log.exception("lost handler failed for %s", sandbox_id)
-
-
-async def _with_silence_limit(stream: AsyncIterator[T], silence_s: float) -> AsyncIterator[T]:
-    """`stream`'s items; TimeoutError if none comes for `silence_s` (then the stream is closed)."""
-    it = aiter(stream)
-    try:
-        while True:
-            try:
-                async with asyncio.timeout(silence_s):
-                    item = await anext(it)
-            except StopAsyncIteration:
-                return
-            yield item
-    finally:
-        close = getattr(it, "aclose", None)
-        if close is not None:
-            with contextlib.suppress(Exception):
-                await close()
 
 
 if TYPE_CHECKING:
