@@ -10,6 +10,8 @@ endpoints tried and the last error, so no caller ever waits on etcd without a bo
 Retrying is safe because every write the cluster package makes is either idempotent (a put of
 the same value) or a transaction whose failure branch reads back what is there, so a retried
 write whose first answer was lost can tell that it had already won.
+
+Which errors mean "try another member" is `etcd_failures`.
 """
 
 from __future__ import annotations
@@ -22,9 +24,9 @@ from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
 import aetcd
-from aetcd import rpc as grpc  # grpc's StatusCode and aio errors, as aetcd re-exports them
 from aetcd import transactions as tx
 
+from agentenv.cluster.etcd_failures import describe, lease_missing, retryable
 from agentenv.config import Settings
 
 log = logging.getLogger(__name__)
@@ -43,17 +45,6 @@ DEFAULT_DEADLINE_S = 6.0
 FIRST_ATTEMPT_S = 0.5
 DEFAULT_ATTEMPT_TIMEOUT_S = 2.0
 
-# gRPC codes that say "this member cannot answer now", not "the request is wrong".
-_RETRY_CODES = frozenset(
-    {
-        grpc.StatusCode.UNAVAILABLE,
-        grpc.StatusCode.DEADLINE_EXCEEDED,
-        grpc.StatusCode.RESOURCE_EXHAUSTED,
-        grpc.StatusCode.ABORTED,
-        grpc.StatusCode.CANCELLED,
-        grpc.StatusCode.UNKNOWN,
-    }
-)
 
 # A dead member's channel backs off its reconnects (gRPC's default grows to 2 minutes), which
 # would keep a restarted member unused long after it is back; keepalives find a member that
@@ -77,7 +68,7 @@ class ClusterUnavailable(Exception):
         self.tried = tuple(tried)
         self.last_error = last_error
         members = ", ".join(self.tried) or "none"
-        last = _describe(last_error) if last_error is not None else "none"
+        last = describe(last_error) if last_error is not None else "none"
         super().__init__(
             f"etcd {what}: no member answered within {deadline_s:g} s "
             f"(tried {members}); last error: {last}"
@@ -173,41 +164,6 @@ def parse_endpoints(raw: str | Sequence[str]) -> tuple[str, ...]:
             raise ValueError(f"etcd endpoint {item.strip()!r}: expected host:port")
         endpoints.append(f"{host}:{int(port)}")
     return tuple(endpoints)
-
-
-def _describe(error: BaseException) -> str:
-    if isinstance(error, TimeoutError):
-        return "no answer in time"
-    cause = error.__cause__
-    if isinstance(cause, grpc.AioRpcError):
-        return f"{cause.code().name}: {cause.details()}"
-    if isinstance(error, grpc.AioRpcError):
-        return f"{error.code().name}: {error.details()}"
-    return f"{type(error).__name__}: {error}"
-
-
-def _grpc_code(error: BaseException) -> Any:
-    for candidate in (error, error.__cause__):
-        if isinstance(candidate, grpc.AioRpcError):
-            return candidate.code()
-    return None
-
-
-def _lease_missing(error: BaseException) -> bool:
-    return _grpc_code(error) == grpc.StatusCode.NOT_FOUND and "lease" in str(error)
-
-
-def _retryable(error: BaseException) -> bool:
-    """True when the error says something about the member, not about the request."""
-    if isinstance(error, TimeoutError | aetcd.exceptions.WatchTimeoutError):
-        return True
-    if isinstance(error, aetcd.ConnectionFailedError | aetcd.ConnectionTimeoutError):
-        return True
-    if isinstance(error, aetcd.ClientError | grpc.AioRpcError):
-        code = _grpc_code(error)
-        # aetcd wraps a few non-gRPC failures of a broken channel without a code.
-        return code is None or code in _RETRY_CODES
-    return False
 
 
 def _kv(raw: Any) -> KeyValue:
@@ -327,16 +283,16 @@ class Etcd:
             except Exception as error:
                 if isinstance(error, TimeoutError):
                     timeouts += 1
-                if _lease_missing(error):
+                if lease_missing(error):
                     raise LeaseNotFound(str(error)) from error
-                if not _retryable(error):
+                if not retryable(error):
                     raise
                 last_error = error
                 if member.endpoint not in tried:
                     tried.append(member.endpoint)
                 self._failed(member.index)
                 failures += 1
-                log.debug("etcd %s on %s failed: %s", what, member.endpoint, _describe(error))
+                log.debug("etcd %s on %s failed: %s", what, member.endpoint, describe(error))
             # A refused connection fails at once: pause a little between tries, and longer
             # after each full round of members, so a dead cluster is not spun on.
             rounds = failures // len(self.endpoints)
@@ -426,7 +382,7 @@ class Etcd:
                 async with asyncio.timeout(self.attempt_timeout_s):
                     await member.client.close()
             except Exception as error:  # closing a channel to a dead member may fail; it is gone
-                log.debug("closing etcd client of %s: %s", member.endpoint, _describe(error))
+                log.debug("closing etcd client of %s: %s", member.endpoint, describe(error))
 
     async def __aenter__(self) -> Etcd:
         return self
@@ -470,9 +426,9 @@ class PrefixWatch:
                 await self._close_stream()
                 raise WatchCompacted(int(error.compacted_revision)) from error
             except Exception as error:
-                if not _retryable(error):
+                if not retryable(error):
                     raise
-                log.info("etcd watch on %s broke (%s); reopening", self._where(), _describe(error))
+                log.info("etcd watch on %s broke (%s); reopening", self._where(), describe(error))
                 if self._member is not None:
                     self._etcd._failed(self._member.index)
                 await self._close_stream()
@@ -505,7 +461,7 @@ class PrefixWatch:
                 async with asyncio.timeout(self._etcd.attempt_timeout_s):
                     await watch.cancel()
             except Exception as error:  # the stream is already broken; nothing left to cancel
-                log.debug("cancelling etcd watch: %s", _describe(error))
+                log.debug("cancelling etcd watch: %s", describe(error))
 
     async def stop(self) -> None:
         self._stopped = True
