@@ -24,31 +24,18 @@ from agentenv.contract.errors import Unavailable
 from agentenv.noderpc.client import RemoteRuntime
 
 log = logging.getLogger("agentenv.cluster.runtime")
-
 # Nodes sampled per placement ("power of K choices"): spreads concurrent creates, which all
 # see the same published load, instead of sending every one to the emptiest node.
 SAMPLE_K = 2
-
-
 # What a node needs besides the guest's RAM (its QEMU), as the node's admission counts it.
 VMM_OVERHEAD_MB = 128
-
-
 # Retry-After when no node can take a sandbox now.
 NO_NODE_RETRY_S = 5
-
-
 # etcd reads in one node's reconciliation (each within the client's own deadline, 6 s).
 RECONCILE_ETCD_S = 15.0
-
-
 # Questions about missing sandboxes one node's check has in flight at once.
 RECONCILE_ASKS = 16
-
-
 T = TypeVar("T")
-
-
 # How long a node's gateway address is used before its record is read again.
 GATEWAY_FRESH_S = 10.0
 

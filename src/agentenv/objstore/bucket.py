@@ -27,42 +27,23 @@ from agentenv.config import ObjectStoreConfig
 from agentenv.objstore.errors import BlobNotFound, ObjectStoreError
 
 log = logging.getLogger("agentenv.objstore.client")
-
 T = TypeVar("T")
-
-
 MIB = 1024 * 1024
-
-
 # S3 wants parts of at least 5 MiB (all but the last) and at most 10000 of them.
 MIN_PART_SIZE = 5 * MIB
-
-
 MAX_PARTS = 10000
-
-
 DEFAULT_PART_SIZE = 64 * MIB
-
-
 BLOB_PREFIX = "blobs/sha256/"
-
-
 # `blob-marks/<digest>`: an empty object rewritten whenever a blob is uploaded or found and
 # reused, so its LastModified says when some writer last counted on the blob; the bucket's
 # garbage collection (`snapshot.remote.RemoteSnapshots.gc_blobs`) spares recently marked ones.
 MARK_PREFIX = "blob-marks/"
-
-
 # `refs/<kind>/<name>.json` = {"blobs": [...]}: blobs something other than a snapshot or
 # paused-sandbox manifest counts on (a cluster's uploaded build archives); kept by the
 # collection too.
 REFS_PREFIX = "refs/"
-
-
 # Below this rate a transfer counts as stuck: a call's deadline grows with its size.
 MIN_RATE_BYTES_S = 4 * MIB
-
-
 _DIGEST = re.compile(r"^[0-9a-f]{64}$")
 
 

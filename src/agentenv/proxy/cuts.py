@@ -12,12 +12,8 @@ from collections.abc import Awaitable
 from typing import TypeVar
 
 T = TypeVar("T")
-
-
 # A Connect streaming response (`application/connect+json`, `+proto`): 5-byte-prefixed frames.
 CONNECT_STREAM = "application/connect+"
-
-
 _END_STREAM_FLAG = 0b10
 
 

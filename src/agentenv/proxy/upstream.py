@@ -30,7 +30,6 @@ HOP_BY_HOP = frozenset(
     )
 )
 
-
 WS_OWN_HEADERS = frozenset(
     (
         "host",
@@ -42,21 +41,16 @@ WS_OWN_HEADERS = frozenset(
     )
 )
 
-
 # Connect fails only if the guest does not accept; reads have no deadline because streams
 # (process output, watches, async stdin) legitimately stay silent for minutes.
 UPSTREAM_TIMEOUT = httpx.Timeout(connect=5.0, read=None, write=None, pool=30.0)
-
 
 UPSTREAM_LIMITS = httpx.Limits(
     max_connections=256, max_keepalive_connections=32, keepalive_expiry=60.0
 )
 
-
 # `network.maskRequestHost`: E2B's placeholder for the sandbox port the request is for.
 MASK_PORT_PLACEHOLDER = "${PORT}"
-
-
 # A Host value we can put into a WebSocket URI as is (name or [v6], optional port).
 _AUTHORITY_RE = re.compile(r"^(?:[A-Za-z0-9._-]+|\[[0-9A-Fa-f:.]+\])(?::\d{1,5})?$")
 

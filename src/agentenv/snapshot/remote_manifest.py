@@ -11,24 +11,14 @@ from agentenv.snapshot.errors import SnapshotError
 from agentenv.snapshot.model import Snapshot
 
 MANIFEST_PREFIX = "snapshots/"
-
-
 PAUSED_PREFIX = "paused/"
-
-
 # A blob nobody references is deleted only when neither it nor its mark changed for this
 # long: longer than any push takes between uploading (or reusing) a blob and writing the
 # manifest that names it.
 GC_GRACE_S = 3600.0
-
-
 # A push whose blob a collection deleted meanwhile is done again (it uploads what is missing).
 PUSH_ATTEMPTS = 3
-
-
 MANIFEST_VERSION = 1
-
-
 PULL_LOCK_TIMEOUT_S = 3600.0
 
 

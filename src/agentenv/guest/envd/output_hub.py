@@ -10,8 +10,6 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 QUEUE_DEPTH = 16
-
-
 Stream = Literal["stdout", "stderr", "pty"]
 
 
