@@ -32,8 +32,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 from agentenv import snapshot as snaps
 from agentenv.aio import thread_whole
 from agentenv.config import ENVD_PORT, Settings
@@ -817,23 +815,22 @@ class Node:
         return handle
 
     async def _wait_healthy(self, sb: SandboxHandle) -> None:
-        deadline = time.monotonic() + self.settings.boot_timeout_s
-        last: str | None = "no answer"
+        def exited() -> str | None:
+            code = sb.vm.exit_code
+            return None if code is None else f"VM exited with {code} during boot"
+
         async with EnvdClient(sb.envd_url, timeout=HEALTH_REQUEST_TIMEOUT_S) as envd:
-            while time.monotonic() < deadline:
-                if sb.vm.exit_code is not None:
-                    raise BootFailed(
-                        f"sandbox {sb.id}: VM exited with {sb.vm.exit_code} during boot: "
-                        f"{_tail(sb.serial_log)}"
-                    )
-                last = await envd.unhealthy(HEALTH_REQUEST_TIMEOUT_S)
-                if last is None:
-                    return
-                await asyncio.sleep(HEALTH_POLL_S)
-        raise BootFailed(
-            f"sandbox {sb.id}: envd not healthy after {self.settings.boot_timeout_s:.0f}s "
-            f"({last}); console: {_tail(sb.serial_log)}"
-        )
+            try:
+                await envd.wait_healthy(
+                    self.settings.boot_timeout_s,
+                    HEALTH_POLL_S,
+                    probe_s=HEALTH_REQUEST_TIMEOUT_S,
+                    gone=exited,
+                )
+            except EnvdError as exc:
+                raise BootFailed(
+                    f"sandbox {sb.id}: {exc.message}; console: {_tail(sb.serial_log)}"
+                ) from exc
 
     async def delete(self, sandbox_id: str) -> None:
         sb = self._sandboxes.pop(sandbox_id, None)
@@ -999,7 +996,7 @@ class Node:
                     default_workdir=d.workdir,
                     entropy=os.urandom(ENTROPY_BYTES),
                 )
-        except (EnvdError, httpx.HTTPError) as exc:
+        except EnvdError as exc:
             raise BootFailed(f"sandbox {handle.id}: envd refused its /init: {exc}") from exc
         handle.envd_token = init.envd_token
 
@@ -1019,7 +1016,7 @@ class Node:
         try:
             async with EnvdClient(sb.envd_url, envd_token, timeout=5.0) as envd:
                 return await envd.metrics()
-        except (EnvdError, httpx.HTTPError, ValueError) as exc:
+        except (EnvdError, ValueError) as exc:
             log.info("sandbox %s metrics unavailable: %r", sandbox_id, exc)
             return None
 
@@ -1070,7 +1067,7 @@ class Node:
                     timeout=GROW_TIMEOUT_S,
                     shell="/bin/sh",
                 )
-        except (VMMError, EnvdError, httpx.HTTPError) as exc:
+        except (VMMError, EnvdError) as exc:
             raise BootFailed(
                 f"sandbox {handle.id}: growing its disk to {disk_mb} MB failed: {exc}"
             ) from exc
