@@ -1,0 +1,150 @@
+"""What the sandbox proxy holds per sandbox (`ProxyConnections`): its httpx pool to the slot
+address (through the node's data gateway on a cluster), the requests open to it so a
+release ends them (`drop`), and admitting a request (resolve the record, refuse one that is
+not running, note activity). Split from `forward.py`; HTTP (`forward`) and WebSocket
+(`websocket`) relaying are built over it."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+from collections.abc import Awaitable, Callable, Iterator
+
+import httpx
+
+from agentenv.control.metrics import Metrics
+from agentenv.control.store import SandboxRecord
+from agentenv.gateway.client import GatewayDialer
+from agentenv.proxy.routing import ENVD_PORT, TRAFFIC_TOKEN_HEADER, Sandbox
+from agentenv.proxy.upstream import (
+    UPSTREAM_LIMITS,
+    UPSTREAM_TIMEOUT,
+    UPSTREAM_TLS,
+    forwardable,
+    refusal,
+)
+from agentenv.proxy.wire import Send, send_json
+
+log = logging.getLogger("agentenv.proxy")
+# The record of a running sandbox to forward to; a record in any other state (a paused sandbox
+# that was not resumed) or None is refused.
+Resolver = Callable[[str], Awaitable[SandboxRecord | None]]
+# Told about every request that reaches a sandbox (memory reclaim keys idleness off it).
+ActivityHook = Callable[[SandboxRecord], None]
+# node id -> its data gateway (HOST:PORT), None to reach its guests' addresses directly.
+GatewayOf = Callable[[str], Awaitable[str | None]]
+
+
+class ProxyConnections:
+    """Per-sandbox pools and open requests of the proxy."""
+
+    def __init__(
+        self,
+        resolve: Resolver,
+        metrics: Metrics,
+        on_activity: ActivityHook | None = None,
+        *,
+        gateway_of: GatewayOf | None = None,
+        dialer: GatewayDialer | None = None,
+    ) -> None:
+        """With `gateway_of` and `dialer` (a cluster replica), a sandbox on a node that has a
+        data gateway is reached through tunnels that node's gateway opens."""
+        self._resolve = resolve
+        self._metrics = metrics
+        self._on_activity = on_activity
+        self._gateway_of = gateway_of
+        self._dialer = dialer
+        # Per sandbox: (slot address, gateway or None) the pool goes to, and the pool.
+        self._pools: dict[str, tuple[tuple[str, str | None], httpx.AsyncClient]] = {}
+        # Per sandbox, one event per open request; `drop` sets them.
+        self._open: dict[str, set[asyncio.Event]] = {}
+
+    async def close(self) -> None:
+        pools = list(self._pools.values())
+        self._pools.clear()
+        for _, client in pools:
+            await client.aclose()
+
+    async def drop(self, sandbox_id: str) -> None:
+        """The sandbox stopped being reachable: end its open requests and its pool."""
+        for cut in self._open.pop(sandbox_id, set()):
+            cut.set()
+        entry = self._pools.pop(sandbox_id, None)
+        if entry is not None:
+            await entry[1].aclose()
+
+    @contextlib.contextmanager
+    def _opened(self, sandbox_id: str) -> Iterator[asyncio.Event]:
+        cut = asyncio.Event()
+        self._open.setdefault(sandbox_id, set()).add(cut)
+        try:
+            yield cut
+        finally:
+            open_here = self._open.get(sandbox_id)
+            if open_here is not None:
+                open_here.discard(cut)
+                if not open_here:
+                    del self._open[sandbox_id]
+
+    async def _via(self, rec: SandboxRecord) -> str | None:
+        """The data gateway the sandbox is reached through, None for its address itself."""
+        if rec.node_id is None or self._gateway_of is None or self._dialer is None:
+            return None
+        return await self._gateway_of(rec.node_id)
+
+    async def _pool(self, rec: SandboxRecord) -> httpx.AsyncClient:
+        assert rec.address is not None
+        key = (rec.address, await self._via(rec))
+        entry = self._pools.get(rec.id)
+        if entry is not None and entry[0] == key:
+            return entry[1]
+        via = key[1]
+        transport = None
+        if via is not None:
+            assert self._dialer is not None
+            transport = self._dialer.transport(
+                via, rec.id, limits=UPSTREAM_LIMITS, verify=UPSTREAM_TLS
+            )
+        client = httpx.AsyncClient(
+            timeout=UPSTREAM_TIMEOUT,
+            limits=UPSTREAM_LIMITS,
+            trust_env=False,
+            # Only used for `httpsPorts` (plain http elsewhere); see `_unverified_tls`.
+            verify=UPSTREAM_TLS,
+            transport=transport,
+        )
+        if entry is not None:
+            # A resumed sandbox may sit on another slot or node; the old pool points nowhere.
+            asyncio.get_running_loop().create_task(entry[1].aclose())
+        self._pools[rec.id] = (key, client)
+        return client
+
+    async def _admit(
+        self, target: Sandbox, headers: dict[str, str], send: Send
+    ) -> SandboxRecord | None:
+        rec = await self._resolve(target.sandbox_id)
+        if not forwardable(rec):
+            await self.drop(target.sandbox_id)
+            self._metrics.proxy_requests.labels("not_found").inc()
+            await send_json(send, 502, refusal(target.sandbox_id, rec))
+            return None
+        assert rec is not None
+        if target.port != ENVD_PORT and not rec.allow_public_traffic:
+            given = headers.get(TRAFFIC_TOKEN_HEADER, "")
+            if not rec.traffic_token or not secrets.compare_digest(given, rec.traffic_token):
+                self._metrics.proxy_requests.labels("forbidden").inc()
+                await send_json(
+                    send,
+                    403,
+                    {
+                        "code": 403,
+                        "message": f"sandbox {rec.id} requires a valid {TRAFFIC_TOKEN_HEADER} "
+                        f"header for port {target.port}",
+                    },
+                )
+                return None
+        if self._on_activity is not None:
+            self._on_activity(rec)
+        return rec
