@@ -17,6 +17,7 @@ from typing import Any
 from fastapi.responses import JSONResponse
 
 from agentenv.api import views
+from agentenv.api.errors import error
 from agentenv.api.tenancy import Tenancy, template_team
 from agentenv.build.builder import Builder
 from agentenv.build.state import BuildRecord, BuildState, TemplateRecord, builds_dir
@@ -41,10 +42,6 @@ STATUS_PAGE = 100
 NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}$")
 HASH_RE = re.compile(r"^[A-Za-z0-9]{1,128}$")
 REQUEST_FIELDS = ("name", "alias", "tags", "cpuCount", "memoryMB", "minFreeDiskMb", "teamID")
-
-
-def error_response(status: int, message: str) -> JSONResponse:
-    return JSONResponse({"code": status, "message": message}, status_code=status)
 
 
 class TemplateBuilds:
@@ -161,20 +158,18 @@ class TemplateBuilds:
         ]
         name = tpl.template_id
         if any(r.state is not SandboxState.PAUSED for r in users):
-            return error_response(
+            return error(
                 400, f"cannot delete template '{name}' because there are running sandboxes using it"
             )
         if users:
-            return error_response(
+            return error(
                 400, f"cannot delete template '{name}' because there are paused sandboxes using it"
             )
         # A build in progress is `building` wherever it runs (here or on another replica).
         for bid in tpl.builds:
             rec = await self.state.build(bid)
             if self.builder.running(bid) or (rec is not None and rec.status == "building"):
-                return error_response(
-                    409, f"cannot delete template '{name}' while one of its builds runs"
-                )
+                return error(409, f"cannot delete template '{name}' while one of its builds runs")
         return None
 
     async def delete_template(self, tpl: TemplateRecord) -> None:

@@ -23,13 +23,13 @@ from fastapi import FastAPI, Query, Request, Response
 from fastapi.responses import JSONResponse
 
 from agentenv.api.auth import api_key
+from agentenv.api.errors import error
 from agentenv.api.template_builds import (
     HASH_RE,
     NAME_RE,
     REQUEST_FIELDS,
     STATUS_PAGE,
     TemplateBuilds,
-    error_response,
     settings_of,
 )
 from agentenv.api.tenancy import template_team
@@ -56,10 +56,10 @@ def mount_templates(app: FastAPI, ctx: Any) -> TemplateBuilds:
         a field outside `fields` (named: never accepted and ignored)."""
         body = await body_of(request)
         if not isinstance(body, dict):
-            return error_response(400, "request body must be a JSON object")
+            return error(400, "request body must be a JSON object")
         extra = sorted(set(body) - set(fields))
         if extra:
-            return error_response(400, f"{extra[0]}: unknown field")
+            return error(400, f"{extra[0]}: unknown field")
         return body
 
     async def auth(request: Request) -> Any:
@@ -76,7 +76,7 @@ def mount_templates(app: FastAPI, ctx: Any) -> TemplateBuilds:
             or rec.template_id != template_id
             or await builds.owned(template_id, key.team_id) is None
         ):
-            return error_response(404, f"build {build_id} of template {template_id!r} not found")
+            return error(404, f"build {build_id} of template {template_id!r} not found")
         return rec
 
     @app.post("/v3/templates", status_code=202, tags=["templates"])
@@ -88,42 +88,36 @@ def mount_templates(app: FastAPI, ctx: Any) -> TemplateBuilds:
         team = body.get("teamID")
         if team is not None and team != key.team_id:
             # A key acts for its own team only (E2B's answer, whether or not that team exists).
-            return error_response(400, "Team ID param mismatch with the API key")
+            return error(400, "Team ID param mismatch with the API key")
         if body.get("minFreeDiskMb"):
-            return error_response(
+            return error(
                 400, "minFreeDiskMb: growing the disk after the build is not supported yet"
             )
         raw = body.get("name") or body.get("alias")
         if not isinstance(raw, str) or not raw:
-            return error_response(400, "name: required ('name' or 'name:tag')")
+            return error(400, "name: required ('name' or 'name:tag')")
         name, tag = split_name(raw)
         if not NAME_RE.match(name):
-            return error_response(
-                400, f"name {name!r}: use 1-63 of a-z 0-9 . _ -, starting alphanumeric"
-            )
+            return error(400, f"name {name!r}: use 1-63 of a-z 0-9 . _ -, starting alphanumeric")
         if is_internal_name(name):
-            return error_response(
-                400, f"name {name!r}: build-cache-* and build-final-* are the builder's"
-            )
+            return error(400, f"name {name!r}: build-cache-* and build-final-* are the builder's")
         tags_raw = body.get("tags") or []
         if not isinstance(tags_raw, list) or not all(isinstance(t, str) for t in tags_raw):
-            return error_response(400, "tags: must be a list of strings")
+            return error(400, "tags: must be a list of strings")
         try:
             # E2B: the name's tag first, then `tags`; none at all means the default tag.
             tags = clean_tags(([tag] if tag else []) + tags_raw) or [DEFAULT_TAG]
         except BadTag as exc:
-            return error_response(400, f"tags: {exc}")
+            return error(400, f"tags: {exc}")
         cpu, memory = body.get("cpuCount"), body.get("memoryMB")
         for field_name, value in (("cpuCount", cpu), ("memoryMB", memory)):
             if value is not None and (not isinstance(value, int) or value < 1):
-                return error_response(400, f"{field_name}: must be a positive integer")
+                return error(400, f"{field_name}: must be a positive integer")
         if name in await builds.tenancy.catalog_names():
-            return error_response(
-                409, f"template {name!r} is a built-in template; choose another name"
-            )
+            return error(409, f"template {name!r} is a built-in template; choose another name")
         if await builds.tenancy.name_taken(name, key.team_id):
             # One name space per server: the name is another team's template or snapshot.
-            return error_response(409, f"template name {name!r} is taken; choose another name")
+            return error(409, f"template name {name!r} is taken; choose another name")
         build_id = str(uuid.uuid4())
 
         def add_build(tpl: TemplateRecord | None) -> TemplateRecord | None:
@@ -150,7 +144,7 @@ def mount_templates(app: FastAPI, ctx: Any) -> TemplateBuilds:
         if tpl is None or template_team(tpl) != key.team_id:
             # Another team took the name between the check and the write.
             await state.drop_build(build_id)
-            return error_response(409, f"template name {name!r} is taken; choose another name")
+            return error(409, f"template name {name!r} is taken; choose another name")
         return JSONResponse(
             {
                 "templateID": name,
@@ -167,9 +161,9 @@ def mount_templates(app: FastAPI, ctx: Any) -> TemplateBuilds:
     async def file_link(template_id: str, files_hash: str, request: Request) -> Response:
         key = await auth(request)
         if await builds.owned(template_id, key.team_id) is None:
-            return error_response(404, f"template {template_id!r} not found")
+            return error(404, f"template {template_id!r} not found")
         if not HASH_RE.match(files_hash):
-            return error_response(400, f"files hash {files_hash!r} is not a hash")
+            return error(400, f"files hash {files_hash!r} is not a hash")
         if await state.has_files(files_hash):
             return JSONResponse({"present": True}, status_code=201)
         expires = int(time.time()) + 3600
@@ -185,7 +179,7 @@ def mount_templates(app: FastAPI, ctx: Any) -> TemplateBuilds:
     ) -> Response:
         good = builds.sign(template_id, files_hash, expires)
         if not hmac.compare_digest(good, sig) or expires < time.time():
-            return error_response(
+            return error(
                 403, "upload link is invalid or expired; ask GET /templates/{id}/files/{hash} again"
             )
         tmp = state.staging() / f".{files_hash}.{secrets.token_hex(4)}.upload"
@@ -208,14 +202,14 @@ def mount_templates(app: FastAPI, ctx: Any) -> TemplateBuilds:
         if isinstance(found, JSONResponse):
             return found
         if found.status != "waiting" or builds.builder.running(build_id):
-            return error_response(409, f"build {build_id} was already started ({found.status})")
+            return error(409, f"build {build_id} was already started ({found.status})")
         try:
             spec = parse(await body_of(request))
         except SpecError as exc:
-            return error_response(400, str(exc))
+            return error(400, str(exc))
         for i, step in enumerate(spec.steps):
             if step.files_hash and not await state.has_files(step.files_hash):
-                return error_response(
+                return error(
                     400,
                     f"steps[{i}].filesHash {step.files_hash}: not uploaded; ask "
                     f"GET /templates/{template_id}/files/{step.files_hash} for the upload link",
@@ -228,11 +222,11 @@ def mount_templates(app: FastAPI, ctx: Any) -> TemplateBuilds:
                     raise TemplateUnavailable(spec.from_template)
                 await builds.built.get(spec.from_template)
             except TemplateUnavailable as exc:
-                return error_response(
+                return error(
                     400, f"fromTemplate: template {spec.from_template!r} not found ({exc})"
                 )
         if not await builds.builder.submit(found, spec, key.id):
-            return error_response(409, f"build {build_id} was already started")
+            return error(409, f"build {build_id} was already started")
         return Response(status_code=202)
 
     def level_ok(line: LogLine, level: str | None) -> bool:
@@ -240,7 +234,7 @@ def mount_templates(app: FastAPI, ctx: Any) -> TemplateBuilds:
 
     def check_level(level: str | None) -> JSONResponse | None:
         if level is not None and level not in LEVELS:
-            return error_response(400, f"level {level!r}: use one of {', '.join(LEVELS)}")
+            return error(400, f"level {level!r}: use one of {', '.join(LEVELS)}")
         return None
 
     @app.get("/templates/{template_id}/builds/{build_id}/status", tags=["templates"])
@@ -291,9 +285,9 @@ def mount_templates(app: FastAPI, ctx: Any) -> TemplateBuilds:
         if (bad := check_level(level)) is not None:
             return bad
         if direction not in ("forward", "backward"):
-            return error_response(400, f"direction {direction!r}: use forward or backward")
+            return error(400, f"direction {direction!r}: use forward or backward")
         if source not in (None, "persistent", "temporary"):
-            return error_response(400, f"source {source!r}: use persistent or temporary")
+            return error(400, f"source {source!r}: use persistent or temporary")
         lines = [line for line in await state.logs(build_id) if level_ok(line, level)]
         if direction == "forward":
             lines = [x for x in lines if cursor is None or x.timestamp * 1000 >= cursor]
@@ -307,7 +301,7 @@ def mount_templates(app: FastAPI, ctx: Any) -> TemplateBuilds:
         key = await auth(request)
         tpl = await builds.owned(template_id, key.team_id)
         if tpl is None:
-            return error_response(404, f"template {template_id!r} has no builds")
+            return error(404, f"template {template_id!r} has no builds")
         rows = []
         for bid in reversed(tpl.builds):
             rec = await state.build(bid)
@@ -347,7 +341,7 @@ def mount_templates(app: FastAPI, ctx: Any) -> TemplateBuilds:
     async def list_tags(template_id: str, request: Request) -> Response:
         key = await auth(request)
         if await builds.owned(template_id, key.team_id) is None:
-            return error_response(404, f"template {template_id!r} not found")
+            return error(404, f"template {template_id!r} not found")
         return JSONResponse(await tag_rows(template_id))
 
     @app.post("/templates/tags", status_code=201, tags=["tags"])
@@ -360,23 +354,21 @@ def mount_templates(app: FastAPI, ctx: Any) -> TemplateBuilds:
             return body
         target, tags = body.get("target"), body.get("tags")
         if not isinstance(target, str) or not isinstance(tags, list):
-            return error_response(400, "target ('name:tag') and tags (a list) are required")
+            return error(400, "target ('name:tag') and tags (a list) are required")
         if not tags or not all(isinstance(t, str) for t in tags):
-            return error_response(400, "tags: at least one tag (a string) is required")
+            return error(400, "tags: at least one tag (a string) is required")
         try:
             tags = clean_tags(tags)
         except BadTag as exc:
-            return error_response(400, f"tags: {exc}")
+            return error(400, f"tags: {exc}")
         name, tag = split_name(target)
         tpl = await builds.owned(name, key.team_id)
         if tpl is None:
-            return error_response(404, f"template '{name}' not found")
+            return error(404, f"template '{name}' not found")
         try:
             bid = (await builds.built.build_for(tpl, tag)).build_id
         except TemplateUnavailable:
-            return error_response(
-                404, f"Template '{target}' with tag '{tag or DEFAULT_TAG}' not found"
-            )
+            return error(404, f"Template '{target}' with tag '{tag or DEFAULT_TAG}' not found")
 
         def assign(found: TemplateRecord | None) -> TemplateRecord | None:
             if found is None:
@@ -387,7 +379,7 @@ def mount_templates(app: FastAPI, ctx: Any) -> TemplateBuilds:
             return found
 
         if await state.update_template(name, assign) is None:
-            return error_response(404, f"template '{name}' not found")
+            return error(404, f"template '{name}' not found")
         return JSONResponse({"tags": tags, "buildID": bid}, status_code=201)
 
     @app.delete("/templates/tags", status_code=204, tags=["tags"])
@@ -399,24 +391,22 @@ def mount_templates(app: FastAPI, ctx: Any) -> TemplateBuilds:
             return body
         name, tags = body.get("name"), body.get("tags")
         if not isinstance(name, str) or not isinstance(tags, list):
-            return error_response(400, "name and tags are required")
+            return error(400, "name and tags are required")
         if not all(isinstance(t, str) for t in tags):
-            return error_response(400, "tags: must be a list of strings")
+            return error(400, "tags: must be a list of strings")
         try:
             tags = clean_tags(tags)
         except BadTag as exc:
-            return error_response(400, f"tags: {exc}")
+            return error(400, f"tags: {exc}")
         if not tags:
-            return error_response(400, "tags: at least one tag is required")
+            return error(400, "tags: at least one tag is required")
         if DEFAULT_TAG in tags:
-            return error_response(400, f"Cannot delete the '{DEFAULT_TAG}' tag")
+            return error(400, f"Cannot delete the '{DEFAULT_TAG}' tag")
         base, tag = split_name(name)
         if tag is not None:
-            return error_response(
-                400, "name: give the template's name without a tag (tags go in 'tags')"
-            )
+            return error(400, "name: give the template's name without a tag (tags go in 'tags')")
         if await builds.owned(base, key.team_id) is None:
-            return error_response(404, f"template '{name}' not found")
+            return error(404, f"template '{name}' not found")
 
         def remove(found: TemplateRecord | None) -> TemplateRecord | None:
             if found is None:
