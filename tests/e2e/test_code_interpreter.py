@@ -5,12 +5,16 @@ One server on a fresh (seeded) data dir that has never built the template: the f
 by the alias `code-interpreter`, is answered 503 + Retry-After while the node builds it
 (`node.ondemand`: the image from `base`'s, which `scripts/test` may have built ahead, then the
 template snapshot with the python kernel running), and succeeds once it is built. Then one
-sandbox carries the SDK checks, its state is kept across pause/resume and by fork children.
+sandbox carries the SDK checks, its state is kept across pause/resume and by fork children;
+the JS SDK (npm `@e2b/code-interpreter`, tests/e2e/js/code_interpreter.mjs) runs its scenarios
+on that sandbox, and a smolagents CodeAgent (E2BExecutor, a scripted model) makes one more
+sandbox on the same server.
 """
 
 from __future__ import annotations
 
 import time
+import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -19,6 +23,8 @@ import pytest
 from api.conftest import REQUEST_TIMEOUT_S, stop_and_check, use_sdk_env
 from e2b import TimeoutException
 from e2b_code_interpreter import Sandbox
+from jsrun import JsEnv, js_workdir, node
+from smolagents import ChatMessage, CodeAgent, MessageRole, Model
 
 from agentenv.api.devserver import ServerProcess, prepare_home
 
@@ -152,3 +158,61 @@ def test_kernel_state_survives_pause_and_fork(sbx: Sandbox, api: httpx.Client) -
     finally:
         for kid in kids:
             kid.kill()
+
+
+class ScriptedModel(Model):  # type: ignore[misc]
+    """A model with no LLM behind it: it answers each step with the next scripted action and
+    records the messages it was shown."""
+
+    def __init__(self, actions: list[str]) -> None:
+        super().__init__(model_id="scripted")
+        self.actions = list(actions)
+        self.seen: list[str] = []
+
+    def generate(self, messages: list[Any], **kwargs: Any) -> ChatMessage:
+        self.seen.append(str(messages[-1].content if messages else ""))
+        code = self.actions.pop(0)
+        return ChatMessage(
+            role=MessageRole.ASSISTANT, content=f"Thought: next.\n<code>\n{code}\n</code>"
+        )
+
+
+def test_a_smolagents_codeagent_keeps_state_between_steps(sbx: Sandbox) -> None:
+    # The executor makes its own sandbox by the SDK's default template (built by `sbx`) and
+    # reaches the server through the env vars use_sdk_env set. numpy is an authorized import:
+    # E2BExecutor runs `!pip install numpy`, a no-op offline since the template has it.
+    model = ScriptedModel(
+        [
+            "import numpy as np\nbase = int(np.arange(5).sum())\nprint('base is', base)",
+            "total = base * 4 + 2\nprint('total is', total)",
+            "final_answer(total)",
+        ]
+    )
+    agent = CodeAgent(
+        tools=[],
+        model=model,
+        executor_type="e2b",
+        executor_kwargs={"timeout": 300, "request_timeout": RT},
+        additional_authorized_imports=["numpy"],
+        max_steps=5,
+    )
+    try:
+        answer = agent.run("Compute 42 the long way.")
+    finally:
+        agent.python_executor.cleanup()
+    assert answer == 42
+    assert model.actions == [], "the agent stopped before its final answer"
+    # Each step's observation (the sandbox's stdout) reached the model for the next step.
+    joined = "\n".join(model.seen)
+    assert "base is 10" in joined and "total is 42" in joined, joined
+
+
+@pytest.fixture(scope="module")
+def js(server: ServerProcess, tmp_path_factory: pytest.TempPathFactory) -> JsEnv:
+    return JsEnv(server, js_workdir(tmp_path_factory.mktemp("ci-js")), uuid.uuid4().hex[:12])
+
+
+@pytest.mark.parametrize("scenario", ["run_code", "chart", "contexts", "interrupt"])
+def test_the_js_sdk_on_the_same_sandbox(js: JsEnv, sbx: Sandbox, scenario: str) -> None:
+    # npm `@e2b/code-interpreter` (tests/e2e/js/code_interpreter.mjs), in its own node process.
+    node(js, "code_interpreter.mjs", scenario, sbx.sandbox_id)
