@@ -180,7 +180,8 @@ class ScriptedModel(Model):  # type: ignore[misc]
 def test_a_smolagents_codeagent_keeps_state_between_steps(sbx: Sandbox) -> None:
     # The executor makes its own sandbox by the SDK's default template (built by `sbx`) and
     # reaches the server through the env vars use_sdk_env set. numpy is an authorized import:
-    # E2BExecutor runs `!pip install numpy`, a no-op offline since the template has it.
+    # E2BExecutor runs `!pip install numpy` at start; the guest has no pip, so the shell says
+    # so and the cell succeeds: nothing is installed, numpy is the template's.
     model = ScriptedModel(
         [
             "import numpy as np\nbase = int(np.arange(5).sum())\nprint('base is', base)",
