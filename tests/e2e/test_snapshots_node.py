@@ -15,7 +15,7 @@ import pytest
 
 from agentenv.config import Settings
 from agentenv.guest.envd.client import EnvdClient
-from agentenv.node import host as node_module
+from agentenv.node import host_create as node_module
 from agentenv.node.errors import BootFailed, SandboxPaused, UnknownSandbox
 from agentenv.node.host import Node, SandboxHandle
 from agentenv.snapshot.errors import RestoreFailed

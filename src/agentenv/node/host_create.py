@@ -1,0 +1,416 @@
+"""Creating a sandbox: validation, then a restore of the template's snapshot, a warm pool entry,
+a named snapshot or a cold boot, each step's undo registered. Split from `host.py`."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from pathlib import Path
+
+from agentenv import snapshot as snaps
+from agentenv.aio import thread_whole
+from agentenv.contract.ids import is_sandbox_id, new_sandbox_id
+from agentenv.faults import crash_point
+from agentenv.guest.envd.client import EnvdClient, EnvdError
+from agentenv.network import OPEN, Egress, Slot
+from agentenv.node.errors import (
+    BootFailed,
+    DiskTooSmallForTemplate,
+    InvalidResources,
+    SandboxError,
+)
+from agentenv.node.host_base import NodeBase
+from agentenv.node.sandbox import (
+    GROW_FS,
+    GROW_TIMEOUT_S,
+    NO_INIT,
+    ROOTFS,
+    GuestInit,
+    SandboxHandle,
+    TemplateDefaults,
+    tail,
+)
+from agentenv.node.warm import Shape
+from agentenv.snapshot import Machine, MemoryMode, Snapshot, SnapshotError
+from agentenv.snapshot.machine import new_vm
+from agentenv.snapshot.restore import (
+    Prepared,
+    discard,
+    load,
+    relocate,
+    unlink_relocated,
+)
+from agentenv.snapshot.restore import (
+    rename as rename_prepared,
+)
+from agentenv.storage import (
+    DiskTooSmall,
+    create_upper,
+)
+from agentenv.vmm.errors import VMMError
+
+log = logging.getLogger(__name__)
+
+
+class NodeCreate(NodeBase):
+    """The create paths of a `host.Node`."""
+
+    async def create(
+        self,
+        template: str = "base",
+        cpu: int = 1,
+        memory_mb: int = 512,
+        disk_size_mb: int | None = None,
+        *,
+        egress: Egress = OPEN,
+        sandbox_id: str | None = None,
+        init: GuestInit = NO_INIT,
+        metadata: Mapping[str, str] | None = None,
+    ) -> SandboxHandle:
+        """`egress` (`network.egress`: internet off, destinations allowed or denied) holds
+        from before the guest first runs, on every resume and in its fork children. The
+        sandbox runs as `sandbox_id` (a new id if None); its envd gets one `/init` with its
+        hostname, clock, entropy, the template's defaults and `init`. `metadata` is kept
+        with it."""
+        if self._boot is None or self._accel is None:
+            raise SandboxError("node is not started")
+        if sandbox_id is not None:
+            await asyncio.to_thread(self._check_new_id, sandbox_id)
+        named = await asyncio.to_thread(self._named_snapshot, template)
+        if named is not None:
+            return await self._create_from_snapshot(
+                named, template, egress, sandbox_id, init, metadata
+            )
+        top, top_path, disk_mb, base_mb, defaults = await asyncio.to_thread(
+            self._validate, template, cpu, memory_mb, disk_size_mb
+        )
+        async with self.admission.start(f"a create of {template!r}", memory_mb):
+            return await self._create(
+                template, cpu, memory_mb, disk_size_mb, top, top_path, disk_mb, base_mb, egress,
+                defaults, sandbox_id, init, metadata,
+            )  # fmt: skip
+
+    def _check_new_id(self, sandbox_id: str) -> None:
+        """An id the caller chose: a DNS label of ours, not held by anything here."""
+        if not is_sandbox_id(sandbox_id):
+            raise InvalidResources(
+                f"sandbox id {sandbox_id!r} is not 'i' and 19 lowercase letters or digits"
+            )
+        if sandbox_id in self._sandboxes or (self.settings.sandboxes_dir / sandbox_id).exists():
+            raise InvalidResources(f"sandbox id {sandbox_id!r} is already in use on this node")
+
+    async def _create(
+        self,
+        template: str,
+        cpu: int,
+        memory_mb: int,
+        disk_size_mb: int | None,
+        top: str,
+        top_path: Path,
+        disk_mb: int,
+        base_mb: int,
+        egress: Egress,
+        defaults: TemplateDefaults | None = None,
+        given_id: str | None = None,
+        init: GuestInit = NO_INIT,
+        metadata: Mapping[str, str] | None = None,
+    ) -> SandboxHandle:
+        """`create` once the input is valid and the start admitted. `defaults` (the
+        template's env, user and workdir for commands) and `init` reach envd in its one
+        `/init`, on a restore and on a cold boot alike."""
+        if self._boot is None or self._accel is None:
+            raise SandboxError("node is not started")
+        snap = None
+        if self.snapshots:
+            snap = await self._template_snapshot(template, cpu, memory_mb)
+        t0 = time.monotonic()
+        warm: Prepared | None = None
+        if snap is not None:
+            warm = self.warm.take(Shape(template, cpu, memory_mb), snap.id)
+        sandbox_id = given_id or (warm.name if warm is not None else new_sandbox_id())
+        workdir = self.settings.sandboxes_dir / sandbox_id
+        undo: list[Callable[[], Awaitable[None]]] = []
+        try:
+            if warm is None:
+                await asyncio.to_thread(workdir.mkdir, 0o700, False, False)
+            undo.append(lambda: asyncio.to_thread(shutil.rmtree, workdir, True))
+            if warm is not None:
+                prep = warm
+                slot = prep.slot
+                warm_workdir = prep.workdir
+                undo.append(lambda: self.pool.release(prep.slot))
+                undo.append(lambda: discard(prep, self.repo, self.layers))
+                undo.append(lambda: asyncio.to_thread(shutil.rmtree, warm_workdir, True))
+                undo.append(lambda: asyncio.to_thread(unlink_relocated, warm_workdir))
+                if prep.name != sandbox_id:
+                    # The entry was made before anyone knew the id; it takes the caller's.
+                    await rename_prepared(prep, sandbox_id, self.repo, self.layers)
+                # From here on it is an ordinary sandbox, in the sandboxes dir.
+                await relocate(prep, workdir)
+                crash_point("create:relocated")
+
+            await thread_whole(self.layers.ref, top, sandbox_id)
+            undo.append(lambda: asyncio.to_thread(self.layers.unref, top, sandbox_id))
+
+            if warm is None:
+                slot = await self.pool.acquire()
+                undo.append(lambda: self.pool.release(slot))
+            if not egress.open:
+                # Before the guest runs (a warm entry's QEMU waits for its state).
+                await self.pool.set_egress(slot, egress)
+
+            upper = workdir / ROOTFS
+            await self._write_meta(
+                workdir, template, cpu, memory_mb, disk_mb, top, egress, defaults, metadata
+            )
+            if snap is not None:
+                handle = await self._restore(
+                    snap.id, sandbox_id, template, workdir, slot, top, prepared=warm,
+                    defaults=defaults, init=init,
+                )  # fmt: skip
+                handle.egress = egress
+                if warm is not None:
+                    handle.warm_link = warm_workdir
+                undo.append(lambda: self._release(handle))
+                if disk_mb > base_mb:
+                    await self._grow_disk(handle, disk_mb)
+                handle.boot_s = time.monotonic() - t0
+                self._sandboxes[sandbox_id] = handle
+                log.info("sandbox %s restored in %.2fs at %s", sandbox_id, handle.boot_s, slot)
+                crash_point("create:restored")
+                return handle
+            try:
+                await create_upper(top_path, upper, disk_mb if disk_size_mb is not None else None)
+            except DiskTooSmall as exc:
+                raise DiskTooSmallForTemplate(str(exc)) from exc
+
+            vm = new_vm(
+                self.image,
+                name=sandbox_id,
+                workdir=workdir,
+                vcpus=cpu,
+                memory_mb=memory_mb,
+                mem_file=workdir / "memory" if self.mem_file else None,
+                shared=True,
+                upper=upper,
+                tools_image=self._boot.tools_image,
+                slot=slot,
+                incoming=False,
+            )
+            await vm.start()
+            undo.append(vm.kill)
+
+            handle = SandboxHandle(
+                id=sandbox_id,
+                template=template,
+                cpu=cpu,
+                memory_mb=memory_mb,
+                disk_size_mb=disk_mb,
+                slot=slot,
+                workdir=workdir,
+                upper=upper,
+                top_layer=top,
+                vm=vm,
+                egress=egress,
+            )
+            if self.snapshots:
+                handle.machine = Machine(
+                    name=sandbox_id,
+                    workdir=workdir,
+                    vcpus=cpu,
+                    memory_mb=memory_mb,
+                    slot=slot,
+                    vm=vm,
+                    memory=MemoryMode.OWN,
+                    tools_image=self._boot.tools_image,
+                )
+            await self._wait_healthy(handle)
+            await self._init_booted(handle, defaults, init)
+            now = time.monotonic()
+            handle.boot_s = now - t0
+            handle.spawn_to_healthy_s = now - (vm.started_at or t0)
+        except BaseException:
+            # The sandbox dir (and its console log) is about to go: keep the console in the log.
+            console = tail(workdir / "serial.log", 40)
+            log.warning("create of %s failed; console tail: %s", sandbox_id, console)
+            for step in reversed(undo):
+                try:
+                    await step()
+                except Exception:
+                    log.exception("cleanup after failed create of %s", sandbox_id)
+            raise
+        self._sandboxes[sandbox_id] = handle
+        log.info("sandbox %s up in %.2fs at %s", sandbox_id, handle.boot_s, handle.address)
+        return handle
+
+    async def _restore(
+        self,
+        ref: str,
+        sandbox_id: str,
+        template: str,
+        workdir: Path,
+        slot: Slot,
+        top: str,
+        origin: str = "restore",
+        prepared: Prepared | None = None,
+        defaults: TemplateDefaults | None = None,
+        init: GuestInit = NO_INIT,
+    ) -> SandboxHandle:
+        """Restore `ref` as `sandbox_id` (into `prepared`, a warm pool's guest spawned for
+        it, if given) and give it, in one `/init`, its hostname, the template's defaults and
+        `init`; cleans up after itself."""
+        t0 = time.monotonic()
+        if prepared is not None:
+            machine = await load(prepared, self.repo, self.layers)
+        else:
+            machine = await snaps.restore(
+                self.repo, self.layers, self.image, ref, name=sandbox_id, workdir=workdir, slot=slot
+            )
+        handle = self._handle(machine, template, top)
+        handle.origin = "warm" if prepared is not None else origin
+        token = (await asyncio.to_thread(self.repo.get, ref)).envd_token
+        try:
+            d = defaults or TemplateDefaults()
+            env = init.env_over(d)
+            await snaps.identify(
+                machine.envd_url,
+                hostname=sandbox_id,
+                current_token=token,
+                # The captured guest's token (if any) is replaced by the sandbox's own.
+                access_token=init.envd_token or ("" if token else None),
+                env_vars=env or None,
+                default_user=d.user,
+                default_workdir=d.workdir,
+            )
+            handle.envd_token = init.envd_token
+        except BaseException:
+            await self._release(handle)
+            raise
+        handle.spawn_to_healthy_s = time.monotonic() - t0
+        return handle
+
+    async def _grow_disk(self, handle: SandboxHandle, disk_mb: int) -> None:
+        """A restored guest has the template's disk: grow the virtual disk under it, then
+        its ext4 online, before anyone uses the sandbox."""
+        size = disk_mb * 1024 * 1024
+        t0 = time.monotonic()
+        try:
+            await handle.vm.resize_disk("vda", size)
+            async with EnvdClient(handle.envd_url, handle.envd_token) as envd:
+                res = await envd.run(
+                    GROW_FS.format(sectors=size // 512),
+                    user="root",
+                    timeout=GROW_TIMEOUT_S,
+                    shell="/bin/sh",
+                )
+        except (VMMError, EnvdError) as exc:
+            raise BootFailed(
+                f"sandbox {handle.id}: growing its disk to {disk_mb} MB failed: {exc}"
+            ) from exc
+        if res.exit_code != 0:
+            detail = (res.stderr.strip().splitlines() or [f"exit code {res.exit_code}"])[-1]
+            raise BootFailed(
+                f"sandbox {handle.id}: growing its filesystem to {disk_mb} MB failed: {detail}"
+            )
+        handle.disk_size_mb = disk_mb
+        log.info(
+            "sandbox %s: disk grown to %d MB in %.2fs", handle.id, disk_mb, time.monotonic() - t0
+        )
+
+    async def _create_from_snapshot(
+        self,
+        snap: Snapshot,
+        ref: str,
+        egress: Egress,
+        sandbox_id: str | None = None,
+        init: GuestInit = NO_INIT,
+        metadata: Mapping[str, str] | None = None,
+    ) -> SandboxHandle:
+        async with self.admission.start(f"a create from snapshot {ref!r}", snap.memory_mb):
+            return await self._from_snapshot(
+                snap, ref, egress, sandbox_id or new_sandbox_id(), init, metadata
+            )
+
+    async def _from_snapshot(
+        self,
+        snap: Snapshot,
+        ref: str,
+        egress: Egress,
+        sandbox_id: str,
+        init: GuestInit,
+        metadata: Mapping[str, str] | None,
+    ) -> SandboxHandle:
+        workdir = self.settings.sandboxes_dir / sandbox_id
+        t0 = time.monotonic()
+        await asyncio.to_thread(workdir.mkdir, 0o700, False, False)
+        slot: Slot | None = None
+        try:
+            slot = await self.pool.acquire()
+            if not egress.open:
+                await self.pool.set_egress(slot, egress)
+            await self._write_meta(
+                workdir, ref, snap.vcpus, snap.memory_mb, 0, snap.top_layer, egress,
+                metadata=metadata,
+            )  # fmt: skip
+            if snap.memory:
+                handle = await self._restore(
+                    snap.id, sandbox_id, ref, workdir, slot, snap.top_layer, init=init
+                )
+            else:
+                handle = await self._boot_snapshot(snap, sandbox_id, ref, workdir, slot)
+                try:
+                    await self._init_booted(handle, None, init)
+                except BaseException:
+                    await handle.vm.kill()
+                    await asyncio.to_thread(self.layers.unref_holder, sandbox_id)
+                    raise
+            handle.egress = egress
+        except BaseException:
+            if slot is not None:
+                await self.pool.release(slot)
+            await asyncio.to_thread(shutil.rmtree, workdir, True)
+            raise
+        handle.boot_s = time.monotonic() - t0
+        self._sandboxes[sandbox_id] = handle
+        return handle
+
+    async def _boot_snapshot(
+        self, snap: Snapshot, sandbox_id: str, ref: str, workdir: Path, slot: Slot
+    ) -> SandboxHandle:
+        """A sandbox from a filesystem-only snapshot: a cold boot over a fresh upper on its
+        top layer (which the sandbox holds), in the snapshot's shape."""
+        t0 = time.monotonic()
+        top = snap.top_layer
+        machine: Machine | None = None
+        try:
+            await thread_whole(self.layers.ref, top, sandbox_id)
+            upper = workdir / ROOTFS
+            await create_upper(await asyncio.to_thread(self.layers.path, top), upper, None)
+            machine = await snaps.boot(
+                self.image,
+                name=sandbox_id,
+                workdir=workdir,
+                vcpus=snap.vcpus,
+                memory_mb=snap.memory_mb,
+                upper=upper,
+                slot=slot,
+                timeout_s=self.settings.boot_timeout_s,
+            )
+            handle = await asyncio.to_thread(self._handle, machine, ref, top)
+        except BaseException as exc:
+            if machine is not None:
+                await machine.vm.kill()
+            await asyncio.to_thread(self.layers.unref_holder, sandbox_id)
+            if isinstance(exc, (SnapshotError, VMMError)):
+                raise BootFailed(
+                    f"sandbox {sandbox_id} from snapshot {ref!r}: {exc}; console: "
+                    f"{tail(workdir / 'serial.log')}"
+                ) from exc
+            raise
+        handle.origin = "boot"
+        handle.booted = True
+        handle.spawn_to_healthy_s = time.monotonic() - t0
+        return handle
