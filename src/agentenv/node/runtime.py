@@ -18,7 +18,6 @@ from agentenv.config import Settings
 from agentenv.contract.errors import BadRequest, InsufficientStorage, Unavailable
 from agentenv.contract.nodes import NodeDirectory, NodeStatus, UnknownNode
 from agentenv.contract.runtime import (
-    ON_DEMAND_TEMPLATES,
     SNAPSHOT_ID,
     Found,
     HostMemory,
@@ -30,9 +29,9 @@ from agentenv.contract.runtime import (
     TemplateInfo,
     TemplateUnavailable,
     Unsupported,
-    on_demand_info,
 )
 from agentenv.network.egress import Egress
+from agentenv.node.catalog_templates import CatalogTemplates
 from agentenv.node.errors import (
     BootFailed,
     InvalidResources,
@@ -49,10 +48,11 @@ from agentenv.snapshot.fork import MAX_CHILDREN
 from agentenv.snapshot.pause import DISK
 from agentenv.snapshot.remote import RemoteSnapshots
 from agentenv.snapshot.remote_cache import CACHE_HOLDER
-from agentenv.storage import LayerStore, info
-from agentenv.template.catalog import Template, TemplateCatalog, TemplateNotFound
+from agentenv.template.catalog import TemplateNotFound
 
 # Snapshots made by `POST /sandboxes/{id}/snapshots` (templates and fork captures are not).
+__all__ = ["TEMPLATE_SOURCE", "CatalogTemplates", "LocalNodes", "NodeRuntime"]
+
 TEMPLATE_SOURCE = "template:"
 
 
@@ -506,77 +506,6 @@ class NodeRuntime:
             except ObjectStoreError as exc:
                 raise Unavailable(f"snapshot {snapshot_id}: the bucket's copy: {exc}") from exc
         return found
-
-
-class CatalogTemplates:
-    """The host's template catalog, seen as ``TemplateInfo`` rows; persistent snapshots are
-    templates too (created from by id or name, deleted through `delete`)."""
-
-    def __init__(self, settings: Settings) -> None:
-        self.settings = settings
-        self.catalog = TemplateCatalog(settings)
-        self.layers = LayerStore(settings.layers_dir)
-        self.repo = snaps.SnapshotRepository(settings.home / "snapshots", self.layers)
-
-    def _snapshot(self, ref: str) -> TemplateInfo:
-        try:
-            s = self.repo.get(ref)
-            size = -(-info(self.layers.path(s.top_layer)).virtual_size // (1024 * 1024))
-        except (snaps.SnapshotError, Exception) as exc:
-            raise TemplateUnavailable(ref) from exc
-        return TemplateInfo(ref, size, s.created_at, s.created_at, s.vcpus, s.memory_mb)
-
-    def info_of(self, tpl: Template) -> TemplateInfo:
-        return self._info(tpl)
-
-    def _info(self, tpl: Template) -> TemplateInfo:
-        return TemplateInfo(
-            name=tpl.name,
-            size_mb=tpl.size_mb,
-            created_at=tpl.created_at,
-            updated_at=tpl.created_at,
-            cpu=self.settings.default_cpu,
-            memory_mb=self.settings.default_memory_mb,
-            layers=tuple(tpl.layers),
-            env=tuple(sorted(tpl.env.items())),
-            user=tpl.user,
-            workdir=tpl.workdir,
-        )
-
-    async def get(self, name: str) -> TemplateInfo:
-        return await asyncio.to_thread(self._lookup, name)
-
-    def _lookup(self, name: str) -> TemplateInfo:
-        real = ON_DEMAND_TEMPLATES.get(name, name)
-        try:
-            found = self._info(self.catalog.get(real))
-        except TemplateNotFound:
-            pending = on_demand_info(name)
-            return pending if pending is not None else self._snapshot(name)
-        # An alias: its sandboxes report the template it stands for.
-        return found if real == name else dataclasses.replace(found, template_id=real)
-
-    def catalog_infos(self) -> list[TemplateInfo]:
-        return [self._info(t) for t in self.catalog.list()]
-
-    async def list(self) -> list[TemplateInfo]:
-        return await asyncio.to_thread(self.catalog_infos)
-
-    async def delete(self, name: str) -> bool:
-        return await asyncio.to_thread(self._delete, name)
-
-    def _delete(self, name: str) -> bool:
-        try:
-            self.catalog.delete(name)
-        except TemplateNotFound:
-            pass
-        else:
-            return True
-        try:
-            self.repo.delete(name)
-        except snaps.SnapshotNotFound:
-            return False
-        return True
 
 
 class LocalNodes:
