@@ -14,6 +14,7 @@ from agentenv.contract.runtime import (
     TemplateUnavailable,
     on_demand_info,
 )
+from agentenv.node.files import snapshots_dir
 from agentenv.storage import LayerStore, info
 from agentenv.template.catalog import Template, TemplateCatalog, TemplateNotFound
 
@@ -28,7 +29,7 @@ class CatalogTemplates:
         self.settings = settings
         self.catalog = TemplateCatalog(settings)
         self.layers = LayerStore(settings.layers_dir)
-        self.repo = snaps.SnapshotRepository(settings.home / "snapshots", self.layers)
+        self.repo = snaps.SnapshotRepository(snapshots_dir(settings), self.layers)
 
     def _snapshot(self, ref: str) -> TemplateInfo:
         try:

@@ -32,10 +32,10 @@ from agentenv.network.slot import NETNS_PREFIX
 from agentenv.node.errors import (
     SandboxError,
 )
+from agentenv.node.files import SandboxFiles
 from agentenv.node.host_pause import NodePause
 from agentenv.node.sandbox import (
     ADOPT_HEALTH_TIMEOUT_S,
-    META,
     Boot,
     GuestInit,
     SandboxHandle,
@@ -181,7 +181,7 @@ class Node(NodePause):
         middle of is rolled forward: a guest stopped for a pause or capture runs on; one
         that never got its state (a restore cut short) cannot be adopted."""
         workdir = Path(rec.workdir)
-        meta = json.loads(await asyncio.to_thread((workdir / META).read_text))
+        meta = json.loads(await asyncio.to_thread((SandboxFiles(workdir).meta).read_text))
         vm = await QemuVM.adopt(
             rec,
             pid,

@@ -33,11 +33,11 @@ from agentenv.node.errors import (
     UnknownSandbox,
     UnknownTemplate,
 )
+from agentenv.node.files import SandboxFiles, sandbox_files, snapshots_dir
 from agentenv.node.memory import MemoryManager, MemoryPolicy, host_memory
 from agentenv.node.sandbox import (
     HEALTH_POLL_S,
     HEALTH_REQUEST_TIMEOUT_S,
-    META,
     Boot,
     GuestInit,
     SandboxHandle,
@@ -80,7 +80,7 @@ class NodeBase:
         # Snapshots need guest RAM in a file (pause saves only device state over it).
         self.mem_file = mem_file or self.snapshots
         self.layers = LayerStore(settings.layers_dir)
-        self.repo = snaps.SnapshotRepository(settings.home / "snapshots", self.layers)
+        self.repo = snaps.SnapshotRepository(snapshots_dir(settings), self.layers)
         self.pool = SlotPool(
             settings.network,
             settings.slot_pool_low,
@@ -199,7 +199,7 @@ class NodeBase:
         if self.running(sandbox_id) is not None or not self._paused_on_disk(sandbox_id):
             return None
         try:
-            record = snaps.paused_state(self.settings.sandboxes_dir / sandbox_id)
+            record = snaps.paused_state(sandbox_files(self.settings, sandbox_id).workdir)
         except SnapshotError:
             return None
         return None if record is None else record.kind != DISK
@@ -207,7 +207,7 @@ class NodeBase:
     def _on_disk(self, sandbox_id: str, what: str = "") -> bool:
         if "/" in sandbox_id or sandbox_id in ("", ".", ".."):
             return False
-        return (self.settings.sandboxes_dir / sandbox_id / what).exists()
+        return sandbox_files(self.settings, sandbox_id).file(what).exists()
 
     def _paused_on_disk(self, sandbox_id: str) -> bool:
         return self._on_disk(sandbox_id, PAUSED)
@@ -280,7 +280,7 @@ class NodeBase:
             # Paused, or what is left of one that was lost while resuming.
             if not self._on_disk(sandbox_id):
                 raise UnknownSandbox(f"sandbox {sandbox_id!r} does not exist")
-            workdir = self.settings.sandboxes_dir / sandbox_id
+            workdir = sandbox_files(self.settings, sandbox_id).workdir
         else:
             workdir = sb.workdir
         try:
@@ -369,7 +369,7 @@ class NodeBase:
                                 "workdir": defaults.workdir}  # fmt: skip
         if metadata:
             meta["metadata"] = dict(metadata)
-        await asyncio.to_thread(replace_json, workdir / META, meta)
+        await asyncio.to_thread(replace_json, SandboxFiles(workdir).meta, meta)
 
     async def _init_booted(
         self, handle: SandboxHandle, defaults: TemplateDefaults | None, init: GuestInit
@@ -399,7 +399,7 @@ class NodeBase:
         sb = self.get(sandbox_id)
         if sb.paused:
             raise SandboxPaused(f"sandbox {sandbox_id} is paused")
-        meta = await asyncio.to_thread((sb.workdir / META).read_text)
+        meta = await asyncio.to_thread(SandboxFiles(sb.workdir).meta.read_text)
         await self._init_booted(sb, defaults_of(json.loads(meta)), init)
 
     async def guest_metrics(self, sandbox_id: str, envd_token: str | None) -> dict[str, Any] | None:
@@ -435,15 +435,15 @@ class NodeBase:
         sb = self._sandboxes.get(sandbox_id)
         if (sb is None or sb.paused) and not self._paused_on_disk(sandbox_id):
             raise UnknownSandbox(f"sandbox {sandbox_id!r} does not exist")
-        workdir = self.settings.sandboxes_dir / sandbox_id
+        workdir = sandbox_files(self.settings, sandbox_id).workdir
         if sb is not None and not sb.paused:
             await self.pool.set_egress(sb.slot, egress)
             sb.egress = egress
 
         def rewrite() -> None:
-            meta = json.loads((workdir / META).read_text())
+            meta = json.loads(SandboxFiles(workdir).meta.read_text())
             meta["egress"] = egress.to_json()
-            replace_json(workdir / META, meta)
+            replace_json(SandboxFiles(workdir).meta, meta)
 
         await asyncio.to_thread(rewrite)
 

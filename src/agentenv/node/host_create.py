@@ -22,12 +22,12 @@ from agentenv.node.errors import (
     InvalidResources,
     SandboxError,
 )
+from agentenv.node.files import SandboxFiles, sandbox_files
 from agentenv.node.host_base import NodeBase
 from agentenv.node.sandbox import (
     GROW_FS,
     GROW_TIMEOUT_S,
     NO_INIT,
-    ROOTFS,
     GuestInit,
     SandboxHandle,
     TemplateDefaults,
@@ -99,7 +99,10 @@ class NodeCreate(NodeBase):
             raise InvalidResources(
                 f"sandbox id {sandbox_id!r} is not 'i' and 19 lowercase letters or digits"
             )
-        if sandbox_id in self._sandboxes or (self.settings.sandboxes_dir / sandbox_id).exists():
+        if (
+            sandbox_id in self._sandboxes
+            or sandbox_files(self.settings, sandbox_id).workdir.exists()
+        ):
             raise InvalidResources(f"sandbox id {sandbox_id!r} is already in use on this node")
 
     async def _create(
@@ -131,7 +134,7 @@ class NodeCreate(NodeBase):
         if snap is not None:
             warm = self.warm.take(Shape(template, cpu, memory_mb), snap.id)
         sandbox_id = given_id or (warm.name if warm is not None else new_sandbox_id())
-        workdir = self.settings.sandboxes_dir / sandbox_id
+        workdir = sandbox_files(self.settings, sandbox_id).workdir
         undo: list[Callable[[], Awaitable[None]]] = []
         try:
             if warm is None:
@@ -162,7 +165,7 @@ class NodeCreate(NodeBase):
                 # Before the guest runs (a warm entry's QEMU waits for its state).
                 await self.pool.set_egress(slot, egress)
 
-            upper = workdir / ROOTFS
+            upper = SandboxFiles(workdir).upper
             await self._write_meta(
                 workdir, template, cpu, memory_mb, disk_mb, top, egress, defaults, metadata
             )
@@ -193,7 +196,7 @@ class NodeCreate(NodeBase):
                 workdir=workdir,
                 vcpus=cpu,
                 memory_mb=memory_mb,
-                mem_file=workdir / "memory" if self.mem_file else None,
+                mem_file=SandboxFiles(workdir).memory if self.mem_file else None,
                 shared=True,
                 upper=upper,
                 tools_image=self._boot.tools_image,
@@ -234,7 +237,7 @@ class NodeCreate(NodeBase):
             handle.spawn_to_healthy_s = now - (vm.started_at or t0)
         except BaseException:
             # The sandbox dir (and its console log) is about to go: keep the console in the log.
-            console = tail(workdir / "serial.log", 40)
+            console = tail(SandboxFiles(workdir).serial_log, 40)
             log.warning("create of %s failed; console tail: %s", sandbox_id, console)
             for step in reversed(undo):
                 try:
@@ -343,7 +346,7 @@ class NodeCreate(NodeBase):
         init: GuestInit,
         metadata: Mapping[str, str] | None,
     ) -> SandboxHandle:
-        workdir = self.settings.sandboxes_dir / sandbox_id
+        workdir = sandbox_files(self.settings, sandbox_id).workdir
         t0 = time.monotonic()
         await asyncio.to_thread(workdir.mkdir, 0o700, False, False)
         slot: Slot | None = None
@@ -387,7 +390,7 @@ class NodeCreate(NodeBase):
         machine: Machine | None = None
         try:
             await thread_whole(self.layers.ref, top, sandbox_id)
-            upper = workdir / ROOTFS
+            upper = SandboxFiles(workdir).upper
             await create_upper(await asyncio.to_thread(self.layers.path, top), upper, None)
             machine = await snaps.boot(
                 self.image,
@@ -407,7 +410,7 @@ class NodeCreate(NodeBase):
             if isinstance(exc, (SnapshotError, VMMError)):
                 raise BootFailed(
                     f"sandbox {sandbox_id} from snapshot {ref!r}: {exc}; console: "
-                    f"{tail(workdir / 'serial.log')}"
+                    f"{tail(SandboxFiles(workdir).serial_log)}"
                 ) from exc
             raise
         handle.origin = "boot"

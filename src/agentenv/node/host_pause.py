@@ -20,9 +20,9 @@ from agentenv.node.errors import (
     SandboxNotPaused,
     UnknownSandbox,
 )
+from agentenv.node.files import SandboxFiles, sandbox_files
 from agentenv.node.host_create import NodeCreate
 from agentenv.node.sandbox import (
-    META,
     NO_INIT,
     GuestInit,
     SandboxHandle,
@@ -93,7 +93,7 @@ class NodePause(NodeCreate):
             sb = await self._resume(sandbox_id, memory)
             try:
                 if sb.booted:
-                    meta = await asyncio.to_thread((sb.workdir / META).read_text)
+                    meta = await asyncio.to_thread(SandboxFiles(sb.workdir).meta.read_text)
                     await self._init_booted(sb, defaults_of(json.loads(meta)), init)
                 else:
                     sb.envd_token = init.envd_token
@@ -117,7 +117,7 @@ class NodePause(NodeCreate):
     def _paused_record(self, sandbox_id: str) -> snaps.PausedState:
         record = None
         if self._paused_on_disk(sandbox_id):
-            record = snaps.paused_state(self.settings.sandboxes_dir / sandbox_id)
+            record = snaps.paused_state(sandbox_files(self.settings, sandbox_id).workdir)
         if record is None:
             raise UnknownSandbox(f"sandbox {sandbox_id!r} does not exist")
         return record
@@ -128,10 +128,10 @@ class NodePause(NodeCreate):
             raise SandboxNotPaused(f"sandbox {sandbox_id} is running")
         if sb is None and not self._paused_on_disk(sandbox_id):
             raise UnknownSandbox(f"sandbox {sandbox_id!r} does not exist")
-        workdir = self.settings.sandboxes_dir / sandbox_id
+        workdir = sandbox_files(self.settings, sandbox_id).workdir
         t0 = time.monotonic()
         await self.conversions.settle(sandbox_id)
-        meta = json.loads(await asyncio.to_thread((workdir / META).read_text))
+        meta = json.loads(await asyncio.to_thread(SandboxFiles(workdir).meta.read_text))
         egress = Egress.from_json(meta.get("egress"))
         slot = await self.pool.acquire()
         booted = False
@@ -242,7 +242,7 @@ class NodePause(NodeCreate):
             # the capture and the first children's restores run.
             try:
                 for fut, (child_id, child_init) in zip(futures, named, strict=True):
-                    workdir = self.settings.sandboxes_dir / child_id
+                    workdir = sandbox_files(self.settings, child_id).workdir
                     # Synchronous (one mkdir), so that no cancel falls between it and its undo.
                     workdir.mkdir(0o700)
                     try:

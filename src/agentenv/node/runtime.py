@@ -40,6 +40,7 @@ from agentenv.node.errors import (
     UnknownSandbox,
     UnknownTemplate,
 )
+from agentenv.node.files import sandbox_files
 from agentenv.node.host import GuestInit, Node, SandboxHandle
 from agentenv.node.ondemand import OnDemandTemplates
 from agentenv.objstore import ObjectStore, ObjectStoreError
@@ -203,7 +204,9 @@ class NodeRuntime:
         try:
             # A RAM stream is converted to its mapped file first: that is what travels.
             await self.node.conversions.settle(sandbox_id)
-            await self.remote.push_paused(self.node.settings.sandboxes_dir / sandbox_id, sandbox_id)
+            await self.remote.push_paused(
+                sandbox_files(self.node.settings, sandbox_id).workdir, sandbox_id
+            )
         except Exception as exc:
             log.error("sandbox %s: paused, but not uploaded (%s); it resumes here only",
                       sandbox_id, exc)  # fmt: skip
@@ -219,7 +222,9 @@ class NodeRuntime:
                 CORDONED_RETRY_S,
             )
         try:
-            await self.remote.pull_paused(sandbox_id, self.node.settings.sandboxes_dir / sandbox_id)
+            await self.remote.pull_paused(
+                sandbox_id, sandbox_files(self.node.settings, sandbox_id).workdir
+            )
         except (snaps.SnapshotError, ObjectStoreError) as exc:
             raise Unavailable(
                 f"sandbox {sandbox_id} is not on this node and could not be fetched from "

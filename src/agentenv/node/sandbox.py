@@ -19,6 +19,7 @@ from agentenv.network import OPEN, Egress, Slot
 from agentenv.node.errors import (
     SandboxError,
 )
+from agentenv.node.files import SandboxFiles
 from agentenv.snapshot import Machine
 from agentenv.template.catalog import Template
 from agentenv.vmm.qemu import QemuVM
@@ -28,9 +29,6 @@ log = logging.getLogger(__name__)
 
 HEALTH_POLL_S = 0.1
 HEALTH_REQUEST_TIMEOUT_S = 2.0
-ROOTFS = "rootfs.qcow2"
-# What a paused sandbox needs besides `snapshot.pause`'s record to come back as a handle.
-META = "sandbox.json"
 # Growing a restored guest's ext4 after its disk grew: wait (bounded) until the kernel has
 # taken the new capacity from the config-change interrupt, then resize2fs on the mounted
 # root, both from the tools layer so it works whatever the rootfs has. `{sectors}` is
@@ -155,7 +153,7 @@ def defaults_of(meta: dict[str, object]) -> TemplateDefaults | None:
 
 def meta_defaults(workdir: Path) -> TemplateDefaults | None:
     try:
-        return defaults_of(json.loads((workdir / META).read_text()))
+        return defaults_of(json.loads(SandboxFiles(workdir).meta.read_text()))
     except (OSError, ValueError):
         return None
 
