@@ -7,7 +7,7 @@ import asyncio
 import logging
 import shutil
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 
 from agentenv import snapshot as snaps
@@ -16,6 +16,7 @@ from agentenv.contract.ids import is_sandbox_id, new_sandbox_id
 from agentenv.faults import crash_point
 from agentenv.guest.envd.client import EnvdClient, EnvdError
 from agentenv.network import OPEN, Egress, Slot
+from agentenv.node.cleanup import Cleanup, CleanupFailed
 from agentenv.node.errors import (
     BootFailed,
     DiskTooSmallForTemplate,
@@ -135,19 +136,21 @@ class NodeCreate(NodeBase):
             warm = self.warm.take(Shape(template, cpu, memory_mb), snap.id)
         sandbox_id = given_id or (warm.name if warm is not None else new_sandbox_id())
         workdir = sandbox_files(self.settings, sandbox_id).workdir
-        undo: list[Callable[[], Awaitable[None]]] = []
+        cleanup = Cleanup(sandbox_id)
         try:
             if warm is None:
                 await asyncio.to_thread(workdir.mkdir, 0o700, False, False)
-            undo.append(lambda: asyncio.to_thread(shutil.rmtree, workdir, True))
+            cleanup.push("workdir", lambda: asyncio.to_thread(shutil.rmtree, workdir, True))
             if warm is not None:
                 prep = warm
                 slot = prep.slot
                 warm_workdir = prep.workdir
-                undo.append(lambda: self.pool.release(prep.slot))
-                undo.append(lambda: discard(prep, self.repo, self.layers))
-                undo.append(lambda: asyncio.to_thread(shutil.rmtree, warm_workdir, True))
-                undo.append(lambda: asyncio.to_thread(unlink_relocated, warm_workdir))
+                cleanup.push("warm slot", lambda: self.pool.release(prep.slot))
+                cleanup.push("warm entry", lambda: discard(prep, self.repo, self.layers))
+                cleanup.push(
+                    "warm workdir", lambda: asyncio.to_thread(shutil.rmtree, warm_workdir, True)
+                )
+                cleanup.push("warm link", lambda: asyncio.to_thread(unlink_relocated, warm_workdir))
                 if prep.name != sandbox_id:
                     # The entry was made before anyone knew the id; it takes the caller's.
                     await rename_prepared(prep, sandbox_id, self.repo, self.layers)
@@ -156,11 +159,11 @@ class NodeCreate(NodeBase):
                 crash_point("create:relocated")
 
             await thread_whole(self.layers.ref, top, sandbox_id)
-            undo.append(lambda: asyncio.to_thread(self.layers.unref, top, sandbox_id))
+            cleanup.push("layer ref", lambda: asyncio.to_thread(self.layers.unref, top, sandbox_id))
 
             if warm is None:
                 slot = await self.pool.acquire()
-                undo.append(lambda: self.pool.release(slot))
+                cleanup.push("slot", lambda: self.pool.release(slot))
             if not egress.open:
                 # Before the guest runs (a warm entry's QEMU waits for its state).
                 await self.pool.set_egress(slot, egress)
@@ -177,7 +180,7 @@ class NodeCreate(NodeBase):
                 handle.egress = egress
                 if warm is not None:
                     handle.warm_link = warm_workdir
-                undo.append(lambda: self._release(handle))
+                cleanup.push("sandbox", lambda: self._release(handle))
                 if disk_mb > base_mb:
                     await self._grow_disk(handle, disk_mb)
                 handle.boot_s = time.monotonic() - t0
@@ -204,7 +207,7 @@ class NodeCreate(NodeBase):
                 incoming=False,
             )
             await vm.start()
-            undo.append(vm.kill)
+            cleanup.push("vm", vm.kill)
 
             handle = SandboxHandle(
                 id=sandbox_id,
@@ -239,11 +242,10 @@ class NodeCreate(NodeBase):
             # The sandbox dir (and its console log) is about to go: keep the console in the log.
             console = tail(SandboxFiles(workdir).serial_log, 40)
             log.warning("create of %s failed; console tail: %s", sandbox_id, console)
-            for step in reversed(undo):
-                try:
-                    await step()
-                except Exception:
-                    log.exception("cleanup after failed create of %s", sandbox_id)
+            try:
+                await cleanup.run()
+            except CleanupFailed as exc:
+                log.error("after the failed create: %s", exc)
             raise
         self._sandboxes[sandbox_id] = handle
         log.info("sandbox %s up in %.2fs at %s", sandbox_id, handle.boot_s, handle.address)

@@ -1,0 +1,79 @@
+"""A sandbox's cleanup stack (after E2B's per-sandbox `Cleanup`): each step of a create pushes
+the undo of what it just acquired, and a failure runs the stack in reverse. Every step has a
+deadline; a step that fails or overruns is logged and the rest still run; `run` then raises
+one `CleanupFailed` naming every step that did not finish. Running empties the stack, so a
+second run does nothing."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from agentenv.node.errors import SandboxError
+
+log = logging.getLogger(__name__)
+
+# How long one undo step may take: killing a VM under TCG, removing a workdir of a few GB.
+STEP_TIMEOUT_S = 60.0
+
+
+class CleanupFailed(SandboxError):
+    """Some undo steps of a sandbox did not finish; `failed` names them."""
+
+    def __init__(self, owner: str, failed: list[str]) -> None:
+        super().__init__(f"cleanup of {owner}: {len(failed)} step(s) failed: {', '.join(failed)}")
+        self.failed = failed
+
+
+@dataclass(frozen=True)
+class Step:
+    name: str
+    undo: Callable[[], Awaitable[object]]
+    timeout_s: float
+
+
+class Cleanup:
+    """The undo steps of one sandbox, last acquired first."""
+
+    def __init__(self, owner: str) -> None:
+        self.owner = owner
+        self._steps: list[Step] = []
+
+    def push(
+        self,
+        name: str,
+        undo: Callable[[], Awaitable[object]],
+        timeout_s: float = STEP_TIMEOUT_S,
+    ) -> None:
+        """Record the undo of what was just acquired (push right after acquiring it)."""
+        self._steps.append(Step(name, undo, timeout_s))
+
+    @property
+    def names(self) -> list[str]:
+        """The steps in the order they will run."""
+        return [s.name for s in reversed(self._steps)]
+
+    def __len__(self) -> int:
+        return len(self._steps)
+
+    async def run(self) -> None:
+        """Run every step, last pushed first, each under its deadline; raise `CleanupFailed`
+        at the end if any failed."""
+        failed: list[str] = []
+        while self._steps:
+            step = self._steps.pop()
+            try:
+                async with asyncio.timeout(step.timeout_s):
+                    await step.undo()
+            except TimeoutError:
+                log.error(
+                    "cleanup of %s: %s took over %.0fs", self.owner, step.name, step.timeout_s
+                )
+                failed.append(step.name)
+            except Exception:
+                log.exception("cleanup of %s: %s failed", self.owner, step.name)
+                failed.append(step.name)
+        if failed:
+            raise CleanupFailed(self.owner, failed)

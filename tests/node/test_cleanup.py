@@ -1,0 +1,55 @@
+"""node.cleanup.Cleanup: reverse order, every step runs past a failure or an overrun, one
+summary error, and a second run does nothing."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+
+import pytest
+
+from agentenv.node.cleanup import Cleanup, CleanupFailed
+
+
+async def test_runs_in_reverse_and_empties() -> None:
+    ran: list[str] = []
+    stack = Cleanup("i1")
+
+    def step(name: str) -> Callable[[], Awaitable[None]]:
+        async def undo() -> None:
+            ran.append(name)
+
+        return undo
+
+    for name in ("workdir", "layer", "slot", "vm"):
+        stack.push(name, step(name))
+    assert stack.names == ["vm", "slot", "layer", "workdir"]
+    await stack.run()
+    assert ran == ["vm", "slot", "layer", "workdir"]
+    assert len(stack) == 0
+    await stack.run()
+    assert ran == ["vm", "slot", "layer", "workdir"]
+
+
+async def test_failures_and_overruns_do_not_stop_the_rest() -> None:
+    ran: list[str] = []
+    never = asyncio.Event()
+    stack = Cleanup("i2")
+
+    async def first() -> None:
+        ran.append("first")
+
+    async def broken() -> None:
+        raise OSError("gone wrong")
+
+    async def stuck() -> None:
+        await never.wait()
+
+    stack.push("first", first)
+    stack.push("broken", broken)
+    stack.push("stuck", stuck, timeout_s=0.01)
+    with pytest.raises(CleanupFailed) as info:
+        await stack.run()
+    assert info.value.failed == ["stuck", "broken"]
+    assert ran == ["first"]
+    assert "i2" in str(info.value)
