@@ -147,13 +147,17 @@ def test_kernel_state_survives_pause_and_fork(sbx: Sandbox, api: httpx.Client) -
     back = Sandbox.connect(sbx.sandbox_id, request_timeout=RT)
     assert back.run_code("sum(state)", request_timeout=RT).text == "6"
 
-    resp = api.post(f"/sandboxes/{sbx.sandbox_id}/fork", json={"count": 2})
+    # Four children (the count): each has the parent's kernel state and diverges on
+    # its own; the parent keeps its own.
+    resp = api.post(f"/sandboxes/{sbx.sandbox_id}/fork", json={"count": 4})
     assert resp.status_code == 201, resp.text
     kids = [Sandbox.connect(k["sandbox"]["sandboxID"], request_timeout=RT) for k in resp.json()]
     try:
-        kids[0].run_code("state.append(4)", request_timeout=RT)
-        assert kids[0].run_code("sum(state)", request_timeout=RT).text == "10"
-        assert kids[1].run_code("sum(state)", request_timeout=RT).text == "6"
+        assert len(kids) == 4
+        for i, kid in enumerate(kids):
+            kid.run_code(f"state.append({10 * (i + 1)})", request_timeout=RT)
+        for i, kid in enumerate(kids):
+            assert kid.run_code("sum(state)", request_timeout=RT).text == str(6 + 10 * (i + 1))
         assert back.run_code("sum(state)", request_timeout=RT).text == "6"
     finally:
         for kid in kids:
