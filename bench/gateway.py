@@ -51,7 +51,7 @@ from cluster_procs import NodeProcess, cluster_env, replica  # noqa: E402
 from resolver import TestResolver  # noqa: E402
 
 from agentenv.api.devserver import prepare_home  # noqa: E402
-from agentenv.config import ENVD_PORT  # noqa: E402
+from agentenv.ports import ENVD_PORT  # noqa: E402
 
 HostState = bench_cluster.HostState
 Cluster = bench_cluster.Cluster

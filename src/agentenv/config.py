@@ -31,7 +31,6 @@ from agentenv.config_env import (
     parse_net,
     parse_node_id,
 )
-from agentenv.ports import ENVD_PORT as ENVD_PORT  # for node/ and cli/, which import it here
 
 # The guest side of every network slot is identical, so a snapshot taken in one slot restores
 # into any other. Link-local space keeps it clear of every routed and RFC 1918 network.

@@ -35,9 +35,9 @@ from e2e.jsdeps import JS_DIR, ensure_js_sdk
 
 from agentenv.control.metrics import Metrics
 from agentenv.control.store import SandboxRecord, SandboxState
+from agentenv.ports import ENVD_PORT
 from agentenv.proxy.cuts import EnvelopeTracker
 from agentenv.proxy.forward import SandboxProxy
-from agentenv.proxy.routing import ENVD_PORT
 from agentenv.proxy.routing import Sandbox as Target
 
 SANDBOX_ID = "icutstream0000000000"

@@ -17,8 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from agentenv.config import ENVD_PORT, Settings
+from agentenv.config import Settings
 from agentenv.guest.envd.client import EnvdClient
+from agentenv.ports import ENVD_PORT
 from agentenv.storage.layers import LayerStore
 from agentenv.template.artifacts import GuestArtifacts, guest_args, kernel_cmdline
 from agentenv.template.rootfs import ensure_base

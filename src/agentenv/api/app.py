@@ -13,9 +13,9 @@ from agentenv.contract.runtime import TemplateSource
 from agentenv.control.sandboxes import SandboxManager
 from agentenv.control.store import LIVE_STATES, SandboxRecord, SandboxState
 from agentenv.gateway.client import GatewayDialer
+from agentenv.ports import ENVD_PORT
 from agentenv.proxy.forward import SandboxProxy
 from agentenv.proxy.routing import (
-    ENVD_PORT,
     FILES_PATH,
     BadRoute,
     Control,

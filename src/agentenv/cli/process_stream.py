@@ -20,8 +20,8 @@ from typing import Any
 import httpx
 
 from agentenv.cli.connection import ClientError, Target
-from agentenv.config import ENVD_PORT
 from agentenv.guest.envd.client import encode_envelope, iter_envelopes
+from agentenv.ports import ENVD_PORT
 
 _END_STREAM = 0x02
 

@@ -14,12 +14,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from agentenv.config import ENVD_PORT
 from agentenv.network import OPEN, Egress, Slot
 from agentenv.node.errors import (
     SandboxError,
 )
 from agentenv.node.files import SandboxFiles
+from agentenv.ports import ENVD_PORT
 from agentenv.snapshot import Machine
 from agentenv.template.catalog import Template
 from agentenv.vmm.qemu import QemuVM

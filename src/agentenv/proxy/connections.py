@@ -17,7 +17,8 @@ import httpx
 from agentenv.control.metrics import Metrics
 from agentenv.control.store import SandboxRecord
 from agentenv.gateway.client import GatewayDialer
-from agentenv.proxy.routing import ENVD_PORT, TRAFFIC_TOKEN_HEADER, Sandbox
+from agentenv.ports import ENVD_PORT
+from agentenv.proxy.routing import TRAFFIC_TOKEN_HEADER, Sandbox
 from agentenv.proxy.upstream import (
     UPSTREAM_LIMITS,
     UPSTREAM_TIMEOUT,

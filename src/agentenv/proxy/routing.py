@@ -15,7 +15,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from agentenv.ports import ENVD_PORT as ENVD_PORT  # re-exported: the proxy's default port
+from agentenv.ports import ENVD_PORT
 
 CODE_INTERPRETER_PORT = 49999
 SDK_PORTS = frozenset((ENVD_PORT, CODE_INTERPRETER_PORT))

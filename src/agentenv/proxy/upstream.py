@@ -13,7 +13,7 @@ from urllib.parse import unquote
 import httpx
 
 from agentenv.control.store import SandboxRecord, SandboxState
-from agentenv.proxy.routing import ENVD_PORT
+from agentenv.ports import ENVD_PORT
 from agentenv.proxy.wire import Scope
 
 HOP_BY_HOP = frozenset(

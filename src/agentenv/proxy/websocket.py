@@ -16,9 +16,10 @@ from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidSta
 from websockets.typing import Subprotocol
 
 from agentenv.gateway.client import TunnelError
+from agentenv.ports import ENVD_PORT
 from agentenv.proxy.connections import ProxyConnections, log
 from agentenv.proxy.cuts import SandboxGone, unless_cut
-from agentenv.proxy.routing import ENVD_PORT, ROUTING_HEADERS, TRAFFIC_TOKEN_HEADER, Sandbox
+from agentenv.proxy.routing import ROUTING_HEADERS, TRAFFIC_TOKEN_HEADER, Sandbox
 from agentenv.proxy.upstream import (
     HOP_BY_HOP,
     UPSTREAM_TLS,

@@ -1,5 +1,5 @@
 """envd runs in the guest from a tools layer holding only the stdlib, `agentenv.guest`,
-`agentenv.config` (stdlib only: the settings and `ENVD_PORT`) and requirements.txt; anything else
+`agentenv.ports` (`ENVD_PORT`) and requirements.txt; anything else
 it imports would be missing there."""
 
 from __future__ import annotations
