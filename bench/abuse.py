@@ -74,7 +74,7 @@ BENCH = Scale(
     window_s=30.0, idle_execs=100, stdout_bytes=10**9, sockets=10_000, cap_s=900, fill_disk=True
 )
 SUITE = Scale(
-    window_s=10.0, idle_execs=30, stdout_bytes=10**8, sockets=2_000, cap_s=120, fill_disk=False
+    window_s=6.0, idle_execs=30, stdout_bytes=10**8, sockets=2_000, cap_s=120, fill_disk=False
 )
 
 

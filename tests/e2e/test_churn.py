@@ -4,10 +4,11 @@ against a real server process (every 10th with a pause + resume, every 25th with
 on-disk leftovers must stay flat, and nothing may be left once every sandbox is killed.
 
 The driver is bench/churn.py (which runs 1,000 cycles, a pause every 10th, and prints the same
-numbers); here AGENTENV_CHURN_CYCLES (default 60) cycles with a pause every 5th and a fork every
-20th, about a minute on 2 cores under TCG (it was 100 cycles, ~110 s). That still catches what
-it was written for: after the 6-cycle warm-up, one fd or thread leaked per create (54), or per
-pause (11 pauses), is past the slack; RSS catches ~0.75 MB a cycle.
+numbers); here AGENTENV_CHURN_CYCLES (default 45) cycles with a pause every 4th and a fork every
+15th, under a minute on 2 cores under TCG (it was 100 cycles, ~110 s, then 60). That still
+catches what it was written for: after the warm-up (the first 4 cycles), one fd or thread
+leaked per create (41), or per pause (10 of its 11 pauses), is past the slack; RSS catches
+~1 MB a cycle; 3 forks.
 """
 
 from __future__ import annotations
@@ -28,9 +29,9 @@ import churn
 
 pytestmark = pytest.mark.vm
 
-CYCLES = int(os.environ.get("AGENTENV_CHURN_CYCLES", "60"))
-PAUSE_EVERY = 5
-FORK_EVERY = 20
+CYCLES = int(os.environ.get("AGENTENV_CHURN_CYCLES", "45"))
+PAUSE_EVERY = 4
+FORK_EVERY = 15
 WORKERS = 4
 # Absolute slack against the warm-up sample. Threads: asyncio runs a watcher thread per
 # live child process and the default executor grows on demand; fds: a few sockets.
