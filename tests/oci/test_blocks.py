@@ -154,3 +154,33 @@ async def test_digest_of_uncompressed_layer_is_checked(
     assert cache.layers.digests() == []
     scratch = cache.root / "tmp"
     assert not scratch.exists() or not list(scratch.iterdir())
+
+
+def test_umount_waits_out_a_process_inside_the_mount_and_then_names_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A process walking the mounted layer (du, an indexer) makes umount EBUSY for a moment:
+    the unmount waits it out; one that stays past the limit is a clear error."""
+    import threading
+
+    from agentenv.oci.errors import OciError
+
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], check=True)
+    try:
+        fd = os.open(mnt, os.O_RDONLY | os.O_DIRECTORY)  # as a walker inside it would
+        threading.Timer(0.3, os.close, (fd,)).start()
+        blocks._umount(mnt, "layer x")
+        assert not os.path.ismount(mnt)
+
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], check=True)
+        monkeypatch.setattr(blocks, "UMOUNT_BUSY_S", 0.3)
+        fd = os.open(mnt, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            with pytest.raises(OciError, match=r"layer x: umount .* busy"):
+                blocks._umount(mnt, "layer x")
+        finally:
+            os.close(fd)
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False, capture_output=True)

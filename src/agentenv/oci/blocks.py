@@ -69,6 +69,8 @@ QSD_STOP_S = 30.0
 # Below this much free space on a filesystem a failed layer build is put down to a full disk.
 LOW_SPACE_BYTES = 64 * MIB
 _libc = ctypes.CDLL(None, use_errno=True)
+# How long an unmount waits for another process to leave the mounted directory.
+UMOUNT_BUSY_S = 10.0
 
 
 def chain_ids(diff_ids: list[str] | tuple[str, ...]) -> list[str]:
@@ -146,9 +148,23 @@ def _loop_mounted(image: Path, mountpoint: Path, what: str, *, grow: bool = Fals
             _check_written(fd, device, what)
         finally:
             os.close(fd)
-            _run(["umount", str(mountpoint)], what)
+            _umount(mountpoint, what)
     finally:
         subprocess.run(["losetup", "-d", device], capture_output=True, check=False, timeout=60)
+
+
+def _umount(mountpoint: Path, what: str) -> None:
+    """Unmount, waiting out a short EBUSY: any process on the host that walks the directory
+    (du, a backup or indexing agent) holds the mount for as long as it is inside, and a
+    layer whose filesystem stays mounted cannot be discarded."""
+    deadline = time.monotonic() + UMOUNT_BUSY_S
+    while True:
+        if _libc.umount2(os.fsencode(mountpoint), 0) == 0:
+            return
+        err = ctypes.get_errno()
+        if err != errno.EBUSY or time.monotonic() >= deadline:
+            raise OciError(f"{what}: umount {mountpoint} failed: {os.strerror(err)}")
+        time.sleep(0.1)
 
 
 def _check_written(fd: int, device: str, what: str) -> None:
