@@ -29,7 +29,9 @@ MIB = 1024 * 1024
 
 def make_vm(settings: Settings, arts: Any, workdir: Path, **kw: Any) -> QemuVM:
     defaults: dict[str, Any] = {
-        "name": "vmtest-" + workdir.name[-8:],
+        # The pid: the other xdist worker makes VMs of the same workdir name at the same time,
+        # and a cgroup named as one this process made counts as this process's leftover.
+        "name": f"vmtest-{os.getpid()}-{workdir.name[-8:]}",
         "workdir": workdir,
         "machine": MachineSpec(vcpus=1, memory_mb=128),
         "boot": BootSource(arts.kernel, None, "console=ttyS0 panic=0"),
