@@ -17,7 +17,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "agentenv"
 # the remote snapshot cache's `state_dir / "snapshots"` is its own dir, not the repository.
 JOIN = re.compile(
     r'sandboxes_dir /|(?<!state_dir) / "snapshots"|"paused\.json"|"rootfs\.qcow2"|"sandbox\.json"'
-    r'|workdir / "serial\.log"'
+    r'|workdir / "serial\.log"|f"rootfs-\{'
 )
 
 
@@ -37,6 +37,10 @@ def test_paths_are_the_ones_old_homes_hold(tmp_path: Path, monkeypatch: pytest.M
     ]
     assert all(p.parent == settings.sandboxes_dir / "sbx1" for p in names)
     assert files.file("state") == files.workdir / "state"
+    files.workdir.mkdir(parents=True)
+    assert files.next_upper().name == "rootfs-1.qcow2"
+    files.next_upper().touch()
+    assert files.next_upper().name == "rootfs-2.qcow2"
     assert snapshots_dir(settings) == tmp_path / "snapshots" == home_snapshots_dir(tmp_path)
 
 

@@ -57,6 +57,13 @@ class SandboxFiles:
         """The qcow2 upper a create makes (a capture may move on to `rootfs-N.qcow2`)."""
         return self.workdir / ROOTFS
 
+    def next_upper(self) -> Path:
+        """The upper a capture moves the sandbox on to: `rootfs-N.qcow2`, the first N free."""
+        n = 1
+        while (path := self.workdir / f"rootfs-{n}.qcow2").exists():
+            n += 1
+        return path
+
     @property
     def memory(self) -> Path:
         """The guest RAM file."""
