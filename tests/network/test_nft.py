@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,10 +30,13 @@ def netns() -> Iterator[str]:
 
 
 async def test_apply_in_netns_with_sysctls_and_counters(netns: str) -> None:
-    await nft.apply(netns, RULES, {"net.ipv4.ip_forward": "1"})
+    knob = Path("/proc/sys/net/ipv6/conf/all/disable_ipv6")
+    host_before = await asyncio.to_thread(knob.read_text)
+    await nft.apply(netns, RULES, {"net.ipv6.conf.all.disable_ipv6": "1"})
     assert await nft.counters(netns, "netdev", "probe") == {"hits": 0}
-    forward = await netns_socket.run_in(netns, Path("/proc/sys/net/ipv4/ip_forward").read_text)
-    assert forward.strip() == "1"
+    # The sysctl is the namespace's (written from its thread), not the host's.
+    assert (await netns_socket.run_in(netns, knob.read_text)).strip() == "1"
+    assert await asyncio.to_thread(knob.read_text) == host_before
     # The table lives in the namespace only: the host has none of that name.
     with pytest.raises(NetworkError, match="No such file or directory"):
         nft.nft_run("list table netdev probe")
