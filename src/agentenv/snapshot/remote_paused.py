@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 from agentenv.aio import thread_whole
-from agentenv.files import META, PAUSED, SandboxFiles
 from agentenv.objstore import SparseSink, SparseSource
 from agentenv.objstore.errors import BlobNotFound
 from agentenv.snapshot.remote_manifest import (
@@ -57,7 +56,7 @@ class RemotePaused(RemoteTransfer):
         top = backing.name.removesuffix(".qcow2")
         layers = await self._push_chain(top)
         files: dict[str, dict[str, Any]] = {}
-        names = [PAUSED, META, rec.upper]
+        names = ["paused.json", "sandbox.json", rec.upper]
         if rec.kind == "state":
             names.append(STATE)
         elif rec.kind == "stream":
@@ -65,7 +64,7 @@ class RemotePaused(RemoteTransfer):
         for name in names:
             path = workdir / name
             if not await asyncio.to_thread(path.is_file):
-                if name == META:
+                if name == "sandbox.json":
                     continue
                 raise RemoteSnapshotError(f"sandbox {sandbox_id}: {path} is missing")
             files[name] = {
@@ -75,7 +74,7 @@ class RemotePaused(RemoteTransfer):
         files[rec.upper]["backing"] = str(backing)
         files[rec.upper]["top_layer"] = top
         if rec.kind == "state":
-            source = await asyncio.to_thread(SparseSource, SandboxFiles(workdir).memory)
+            source = await asyncio.to_thread(SparseSource, workdir / MEMORY)
             try:
                 files[MEMORY] = {
                     "blob": await self.store.put_source(source),
