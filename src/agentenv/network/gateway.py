@@ -63,7 +63,7 @@ class SlotGateway:
         }
         if not fresh:
             return
-        await nft.run_in_netns(self.slot.netns, "nft -f -", nft.learn_command(fresh))
+        await nft.apply(self.slot.netns, nft.learn_command(fresh))
         for ip, ttl in fresh.items():
             self._learned[ip] = now + ttl
 

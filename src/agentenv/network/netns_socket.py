@@ -115,6 +115,26 @@ def remove_netns(name: str) -> None:
     _executor.submit(_remove_netns, name).result()
 
 
+def _run_in(name: str, work: Callable[[], T]) -> T:
+    def enter_and_work() -> T:
+        target = os.open(NETNS_RUN_DIR / name, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            _setns(target)
+        finally:
+            os.close(target)
+        return work()
+
+    return _with_own_ns_back(enter_and_work)
+
+
+async def run_in(name: str, work: Callable[[], T]) -> T:
+    """Run the blocking `work` on this module's thread inside the named namespace (what
+    `nsenter --net` did, without a process). `work` must not block for long: every namespace
+    operation of the node waits behind it."""
+    loop = asyncio.get_running_loop()
+    return await loop.run_in_executor(_executor, _run_in, name, work)
+
+
 # <linux/if_tun.h>
 TUNSETIFF = 0x400454CA
 TUNSETPERSIST = 0x400454CB

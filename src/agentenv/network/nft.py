@@ -1,17 +1,23 @@
-"""nftables rule sets for a slot's namespace and for the host, applied with `nft -f -`.
+"""nftables rule sets for a slot's namespace and for the host.
 
-The `nft` CLI is used rather than a netlink binding: its rule language is stable and
-readable, and one `nft -f -` call applies a whole table atomically.
+Rule sets are written in nft's rule language (stable and readable). A slot's are applied
+in-process through libnftables (libnftables.so.1, the library behind the `nft` CLI, bound
+with ctypes) from the namespace thread of `network.netns_socket`: one buffer is one
+transaction, and the create path spawns neither nsenter nor nft. Host-wide rules (set up
+once per server) still run `nft -f -`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import ipaddress
 import json
+import threading
 from pathlib import Path
 
+from agentenv.network import netns_socket
 from agentenv.network.egress import Egress
 from agentenv.network.errors import NetworkError
 
@@ -52,24 +58,95 @@ async def run_in_netns(netns: str | None, script: str, stdin: str = "") -> None:
         raise NetworkError(f"{where}: {lines[-1] if lines else 'command failed'}")
 
 
-async def counters(netns: str, family: str, table: str) -> dict[str, int]:
-    """Packets each named counter of a table in `netns` has counted."""
-    argv = ["nsenter", f"--net=/run/netns/{netns}", "--"]
-    argv += ["nft", "-j", "list", "counters", "table", family, table]
-    proc = await asyncio.create_subprocess_exec(
-        *argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
-    )
+_NFT_CTX_OUTPUT_JSON = 1 << 4
+_lib: ctypes.CDLL | None = None
+_lib_lock = threading.Lock()
+
+
+def _libnftables() -> ctypes.CDLL:
+    global _lib
+    with _lib_lock:
+        if _lib is None:
+            try:
+                lib = ctypes.CDLL("libnftables.so.1", use_errno=True)
+            except OSError as exc:
+                raise NetworkError(
+                    "libnftables.so.1 is missing (apt-get install libnftables1)"
+                ) from exc
+            lib.nft_ctx_new.restype = ctypes.c_void_p
+            lib.nft_ctx_new.argtypes = [ctypes.c_uint32]
+            lib.nft_ctx_free.argtypes = [ctypes.c_void_p]
+            lib.nft_ctx_buffer_output.argtypes = [ctypes.c_void_p]
+            lib.nft_ctx_buffer_error.argtypes = [ctypes.c_void_p]
+            lib.nft_ctx_get_output_buffer.restype = ctypes.c_char_p
+            lib.nft_ctx_get_output_buffer.argtypes = [ctypes.c_void_p]
+            lib.nft_ctx_get_error_buffer.restype = ctypes.c_char_p
+            lib.nft_ctx_get_error_buffer.argtypes = [ctypes.c_void_p]
+            lib.nft_ctx_output_set_flags.argtypes = [ctypes.c_void_p, ctypes.c_uint]
+            lib.nft_run_cmd_from_buffer.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
+            _lib = lib
+        return _lib
+
+
+def nft_run(text: str, *, json_output: bool = False) -> str:
+    """Run nft commands (what `nft -f -` reads) in this thread's network namespace; one call
+    is one transaction. Returns nft's output; raises NetworkError with its last error line."""
+    lib = _libnftables()
+    ctx = lib.nft_ctx_new(0)  # NFT_CTX_DEFAULT
+    if not ctx:
+        raise NetworkError("libnftables: cannot create a context")
+    try:
+        lib.nft_ctx_buffer_output(ctx)
+        lib.nft_ctx_buffer_error(ctx)
+        if json_output:
+            lib.nft_ctx_output_set_flags(ctx, _NFT_CTX_OUTPUT_JSON)
+        rc = lib.nft_run_cmd_from_buffer(ctx, text.encode())
+        out = (lib.nft_ctx_get_output_buffer(ctx) or b"").decode(errors="replace")
+        if rc != 0:
+            err = (lib.nft_ctx_get_error_buffer(ctx) or b"").decode(errors="replace")
+            lines = [line for line in err.strip().splitlines() if line.strip()]
+            raise NetworkError(f"nft: {lines[0] if lines else 'command failed'}")
+        return out
+    finally:
+        lib.nft_ctx_free(ctx)
+
+
+def _write_sysctls(sysctls: dict[str, str]) -> None:
+    # /proc/sys/net resolves to the namespace of the thread that opens it.
+    for key, value in sysctls.items():
+        Path("/proc/sys", *key.split(".")).write_text(value)
+
+
+async def apply(netns: str, ruleset: str, sysctls: dict[str, str] | None = None) -> None:
+    """Write `sysctls` (dotted names) and apply `ruleset` inside `netns`, in-process."""
+
+    def work() -> None:
+        _write_sysctls(sysctls or {})
+        nft_run(ruleset)
+
     try:
         async with asyncio.timeout(COMMAND_TIMEOUT_S):
-            out, err = await proc.communicate()
+            await netns_socket.run_in(netns, work)
     except TimeoutError:
-        with contextlib.suppress(ProcessLookupError):
-            proc.kill()
-        await proc.wait()
+        raise NetworkError(
+            f"netns {netns}: nft did not finish in {COMMAND_TIMEOUT_S:.0f}s"
+        ) from None
+    except OSError as exc:
+        raise NetworkError(f"netns {netns}: {exc}") from exc
+
+
+async def counters(netns: str, family: str, table: str) -> dict[str, int]:
+    """Packets each named counter of a table in `netns` has counted."""
+    try:
+        async with asyncio.timeout(COMMAND_TIMEOUT_S):
+            out = await netns_socket.run_in(
+                netns,
+                lambda: nft_run(f"list counters table {family} {table}", json_output=True),
+            )
+    except TimeoutError:
         raise NetworkError(f"netns {netns}: nft list counters did not finish") from None
-    if proc.returncode != 0:
-        lines = err.decode(errors="replace").strip().splitlines()
-        raise NetworkError(f"netns {netns}: {lines[-1] if lines else 'nft failed'}")
+    except OSError as exc:
+        raise NetworkError(f"netns {netns}: {exc}") from exc
     found: dict[str, int] = {}
     for item in json.loads(out)["nftables"]:
         counter = item.get("counter")

@@ -231,12 +231,10 @@ async def _build(plan: NetworkPlan, slot: Slot) -> None:
     )
     # ip_forward is per namespace; the guest's traffic is routed, not bridged. The guard is
     # in place before any guest can have the tap open.
-    await nft.run_in_netns(
+    await nft.apply(
         slot.netns,
-        "echo 1 > /proc/sys/net/ipv4/ip_forward\n"
-        "echo 1 > /proc/sys/net/ipv6/conf/all/disable_ipv6\n"
-        "nft -f -",
         rules + _guard(slot),
+        {"net.ipv4.ip_forward": "1", "net.ipv6.conf.all.disable_ipv6": "1"},
     )
 
 
@@ -286,13 +284,13 @@ async def set_egress(slot: Slot, egress: Egress) -> None:
     """Where the guest on `slot` may open connections (`network.egress`); replaces what was
     there, at once, also for a guest that runs (connections it already has stay)."""
     ruleset = nft.egress_ruleset(tap=slot.tap, gateway_ip=slot.gateway_ip, egress=egress)
-    await nft.run_in_netns(slot.netns, "nft -f -", ruleset)
+    await nft.apply(slot.netns, ruleset)
 
 
 async def apply_guard(slot: Slot) -> None:
     """(Re)build the tap's guard and shaper with the slot's limits, in place: the guard's
     table is replaced in one transaction, so a running guest is never unguarded."""
-    await nft.run_in_netns(slot.netns, "nft -f -", _guard(slot))
+    await nft.apply(slot.netns, _guard(slot))
     try:
         async with AsyncIPRoute(fileno=await netlink_fd(slot.netns, NETLINK_ROUTE)) as ipr:
             await _shape(ipr, slot, await _link_index(ipr, slot.tap))

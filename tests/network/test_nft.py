@@ -1,0 +1,51 @@
+"""libnftables in-process, inside a namespace this test makes (no VM, no nft/nsenter spawn)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from agentenv.network import netns_socket, nft
+from agentenv.network.errors import NetworkError
+
+RULES = """
+table netdev probe {
+    counter hits {}
+}
+"""
+
+
+@pytest.fixture
+def netns() -> Iterator[str]:
+    name = f"ae-nfttest-{os.getpid()}"
+    netns_socket.add_netns(name)
+    try:
+        yield name
+    finally:
+        netns_socket.remove_netns(name)
+
+
+async def test_apply_in_netns_with_sysctls_and_counters(netns: str) -> None:
+    knob = Path("/proc/sys/net/ipv6/conf/all/disable_ipv6")
+    host_before = await asyncio.to_thread(knob.read_text)
+    await nft.apply(netns, RULES, {"net.ipv6.conf.all.disable_ipv6": "1"})
+    assert await nft.counters(netns, "netdev", "probe") == {"hits": 0}
+    # The sysctl is the namespace's (written from its thread), not the host's.
+    assert (await netns_socket.run_in(netns, knob.read_text)).strip() == "1"
+    assert await asyncio.to_thread(knob.read_text) == host_before
+    # The table lives in the namespace only: the host has none of that name.
+    with pytest.raises(NetworkError, match="No such file or directory"):
+        nft.nft_run("list table netdev probe")
+    # One buffer is one transaction: a bad line leaves the table as it was.
+    with pytest.raises(NetworkError):
+        await nft.apply(netns, "delete table netdev probe\nadd rule netdev probe nochain drop\n")
+    assert await nft.counters(netns, "netdev", "probe") == {"hits": 0}
+
+
+async def test_missing_netns_is_a_network_error() -> None:
+    with pytest.raises(NetworkError, match="No such file"):
+        await nft.apply("ae-nfttest-absent", RULES)
