@@ -17,6 +17,7 @@ from types import TracebackType
 import httpx
 
 from agentenv.api.keys import key_file
+from agentenv.files import home_snapshots_dir
 
 
 class ServerStartError(RuntimeError):
@@ -99,15 +100,15 @@ def clone_home(seed: Path, home: Path) -> bool:
             images.rebase_unsafe(copy, layers / parent.name)
             copy.chmod(0o444)
         shutil.copy2(seed / "layers" / "refs.json", layers / "refs.json")
-        snapshots = home / "snapshots"
+        snapshots = home_snapshots_dir(home)
         snapshots.mkdir()
         made.append(snapshots)
-        for entry in (seed / "snapshots").iterdir():
+        for entry in home_snapshots_dir(seed).iterdir():
             if entry.is_dir() and not entry.name.startswith("."):
                 (snapshots / entry.name).mkdir()
                 for f in entry.iterdir():
                     os.link(f, snapshots / entry.name / f.name)
-        shutil.copy2(seed / "snapshots" / "catalog.json", snapshots / "catalog.json")
+        shutil.copy2(home_snapshots_dir(seed) / "catalog.json", snapshots / "catalog.json")
         shutil.copy2(seed / "templates.json", home / "templates.json")
         made.append(home / "templates.json")
     except OSError as exc:

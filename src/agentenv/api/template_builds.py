@@ -31,6 +31,7 @@ from agentenv.build.templates import (
 from agentenv.config import Settings
 from agentenv.contract.runtime import TemplateUnavailable
 from agentenv.control.store import BUILD_METADATA, LIVE_STATES, SandboxState
+from agentenv.files import snapshots_dir
 from agentenv.snapshot.errors import SnapshotError
 from agentenv.snapshot.repository import SnapshotRepository
 from agentenv.storage import LayerStore
@@ -54,7 +55,7 @@ class TemplateBuilds:
         if not isinstance(built, BuiltTemplates):
             # A context not made by `server.build_runtime`: the same wrapping, so the API
             # and the sandbox manager resolve `name:tag` alike.
-            repo = SnapshotRepository(settings.home / "snapshots", LayerStore(settings.layers_dir))
+            repo = SnapshotRepository(snapshots_dir(settings), LayerStore(settings.layers_dir))
             state = BuildState(builds_dir(settings.home), snapshot_lookup=repo_lookup(repo))
             built = BuiltTemplates(built, state, repo)
             ctx.templates = ctx.manager.templates = built

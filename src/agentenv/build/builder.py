@@ -41,6 +41,7 @@ from agentenv.contract.runtime import SNAPSHOT_ID, ImportEvent, SnapshotInfo, Te
 from agentenv.control.sandbox_base import CreateSpec
 from agentenv.control.sandboxes import SandboxManager
 from agentenv.control.store import BUILD_METADATA, DEFAULT_TEAM, SandboxRecord
+from agentenv.files import snapshots_dir
 from agentenv.oci.progress import LayerProgress
 from agentenv.snapshot.errors import SnapshotError
 from agentenv.snapshot.repository import SnapshotRepository
@@ -79,7 +80,7 @@ class Builder:
         self.shared = shared
         self._sweeper: asyncio.Task[None] | None = None
         self.layers = LayerStore(settings.layers_dir)
-        self.repo = SnapshotRepository(settings.home / "snapshots", self.layers)
+        self.repo = SnapshotRepository(snapshots_dir(settings), self.layers)
         self.catalog = TemplateCatalog(settings)
         self._tasks: dict[str, asyncio.Task[None]] = {}
         # Image pulls of running builds, per build id (the progress route reads them); kept

@@ -17,6 +17,7 @@ from agentenv import snapshot as snaps
 from agentenv.config import Settings
 from agentenv.contract.ids import new_sandbox_id
 from agentenv.contract.runtime import HostMemory
+from agentenv.files import PAUSED
 from agentenv.guest.envd.client import EnvdClient, EnvdError
 from agentenv.network import Egress, Slot, SlotPool
 from agentenv.network.dns import DnsForwarder
@@ -49,7 +50,7 @@ from agentenv.node.sandbox import (
 from agentenv.node.warm import Shape, WarmPool
 from agentenv.snapshot import GuestImage, Machine, Snapshot, SnapshotError
 from agentenv.snapshot.identity import ENTROPY_BYTES
-from agentenv.snapshot.pause import DISK, PAUSED
+from agentenv.snapshot.pause import DISK
 from agentenv.snapshot.restore import (
     Prepared,
     discard,

@@ -30,6 +30,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from agentenv.faults import crash_point
+from agentenv.files import SandboxFiles
 from agentenv.guest.envd import ENVD_VERSION
 from agentenv.snapshot.errors import CaptureFailed
 from agentenv.snapshot.guestsync import guest_sync
@@ -60,13 +61,6 @@ class Capture:
     total_s: float
 
 
-def _next_upper(workdir: Path) -> Path:
-    n = 1
-    while (workdir / f"rootfs-{n}.qcow2").exists():
-        n += 1
-    return workdir / f"rootfs-{n}.qcow2"
-
-
 async def capture(
     machine: Machine,
     repo: SnapshotStore,
@@ -95,7 +89,7 @@ async def capture(
     try:
         try:
             await vm.pause()
-            sealed = await vm.seal_disk("vda", _next_upper(machine.workdir))
+            sealed = await vm.seal_disk("vda", SandboxFiles(machine.workdir).next_upper())
             crash_point("capture:sealed")
             if machine.memory is MemoryMode.OWN:
                 await vm.snapshot_create(staging / STATE)
@@ -209,7 +203,7 @@ async def capture_disk(
             # `stop` flushes QEMU's block layer, so the sealed file is complete.
             await vm.pause()
             try:
-                sealed = await vm.seal_disk("vda", _next_upper(machine.workdir))
+                sealed = await vm.seal_disk("vda", SandboxFiles(machine.workdir).next_upper())
             finally:
                 if vm.exit_code is None:
                     await vm.resume()

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from agentenv.config import Settings
+from agentenv.files import SandboxFiles
 from agentenv.guest.envd.client import EnvdClient, EnvdError
 from agentenv.network import Slot
 from agentenv.ports import ENVD_PORT
@@ -31,8 +32,6 @@ from agentenv.vmm.qemu import QemuVM
 from agentenv.vmm.ramshim import ensure_ram_shim
 from agentenv.vmm.version import qemu_version as binary_version
 
-ROOTFS = "rootfs.qcow2"
-MEMORY = "memory"
 HEALTH_POLL_S = 0.02
 RESTORE_HEALTH_TIMEOUT_S = 30.0
 
@@ -125,7 +124,7 @@ class Machine:
 
     @property
     def memory_file(self) -> Path:
-        return self.workdir / MEMORY
+        return SandboxFiles(self.workdir).memory
 
     @property
     def envd_url(self) -> str:
@@ -203,7 +202,7 @@ async def boot(
     `name`), RAM in a new shared `<workdir>/memory` (`MemoryMode.OWN`, so a later pause
     writes device state only), the current tools layer. Returns once envd answers; on
     failure its QEMU is gone. `on_spawn` runs once QEMU runs, before the guest is up."""
-    mem = workdir / MEMORY
+    mem = SandboxFiles(workdir).memory
     # Whatever RAM image was there belongs to a guest that no longer exists.
     await asyncio.to_thread(mem.unlink, True)
     vm = new_vm(

@@ -42,11 +42,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from agentenv.faults import crash_point
+from agentenv.files import MEMORY, PAUSED, SandboxFiles
 from agentenv.network import Slot
 from agentenv.snapshot.errors import RestoreFailed, ResumedButLost, SnapshotError
 from agentenv.snapshot.guestsync import GuestSyncFailed, guest_sync
 from agentenv.snapshot.machine import (
-    MEMORY,
     RESTORE_HEALTH_TIMEOUT_S,
     GuestImage,
     Machine,
@@ -61,7 +61,6 @@ from agentenv.snapshot.restore import check_compatible
 from agentenv.vmm.errors import VMMError
 from agentenv.vmm.qemu_argv import DEVICE_SET
 
-PAUSED = "paused.json"
 STATE = "state"
 # A conversion's work in progress (see `convert_stream`).
 CONVERT = "convert"
@@ -92,16 +91,17 @@ class PausedState:
 
 def paused_state(workdir: Path) -> PausedState | None:
     """The paused record in `workdir`, or None if the sandbox there is not paused."""
+    record = SandboxFiles(workdir).paused
     try:
-        raw = json.loads((workdir / PAUSED).read_text())
+        raw = json.loads(record.read_text())
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as exc:
-        raise SnapshotError(f"{workdir / PAUSED} is unreadable: {exc}") from exc
+        raise SnapshotError(f"{record} is unreadable: {exc}") from exc
     try:
         return PausedState(**raw)
     except TypeError as exc:
-        raise SnapshotError(f"{workdir / PAUSED} is not a paused record: {exc}") from exc
+        raise SnapshotError(f"{record} is not a paused record: {exc}") from exc
 
 
 async def pause(machine: Machine, repo: SnapshotStore, image: GuestImage) -> PausedState:
@@ -245,7 +245,7 @@ def _check(record: PausedState, image: GuestImage) -> None:
 def _write_record(workdir: Path, record: PausedState) -> None:
     tmp = workdir / (PAUSED + ".tmp")
     tmp.write_text(json.dumps(asdict(record)))
-    os.replace(tmp, workdir / PAUSED)
+    os.replace(tmp, SandboxFiles(workdir).paused)
 
 
 def _clear_conversion(workdir: Path) -> None:
@@ -278,7 +278,7 @@ async def convert_stream(workdir: Path, image: GuestImage) -> bool:
             memory=memory,
             state=state,
         )
-        await asyncio.to_thread(os.replace, memory, workdir / MEMORY)
+        await asyncio.to_thread(os.replace, memory, SandboxFiles(workdir).memory)
         await asyncio.to_thread(os.replace, state, workdir / STATE)
         converted = PausedState(**{**asdict(record), "kind": "state"})
         await asyncio.to_thread(_write_record, workdir, converted)
@@ -312,7 +312,7 @@ async def resume(
     if record.kind == DISK:
         return await _boot(workdir, image, slot, record, boot_timeout_s)
     _check(record, image)
-    ram = workdir / MEMORY
+    ram = SandboxFiles(workdir).memory
     source = workdir / (STATE if record.kind == "state" else STREAM)
     await asyncio.to_thread(_clear_conversion, workdir)
     if record.kind == "stream":
@@ -353,7 +353,7 @@ async def resume(
         # The saved state goes before the guest runs: once it ran, its disk and RAM are
         # newer than the state, and a server that died from here on must find a running
         # sandbox (to adopt), never a paused record that no longer matches its disk.
-        await asyncio.to_thread((workdir / PAUSED).unlink)
+        await asyncio.to_thread(SandboxFiles(workdir).paused.unlink)
     except BaseException as exc:
         await vm.kill()
         if isinstance(exc, VMMError):
@@ -393,7 +393,7 @@ async def _boot(
     except VMMError as exc:
         raise RestoreFailed(f"{record.name}: booting it from its disk failed: {exc}") from exc
     try:
-        await asyncio.to_thread((workdir / PAUSED).unlink)
+        await asyncio.to_thread(SandboxFiles(workdir).paused.unlink)
     except BaseException:
         await machine.vm.kill()
         raise

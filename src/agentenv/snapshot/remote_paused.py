@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from agentenv.aio import thread_whole
+from agentenv.files import META, PAUSED, SandboxFiles
 from agentenv.objstore import SparseSink, SparseSource
 from agentenv.objstore.errors import BlobNotFound
 from agentenv.snapshot.remote_manifest import (
@@ -56,7 +57,7 @@ class RemotePaused(RemoteTransfer):
         top = backing.name.removesuffix(".qcow2")
         layers = await self._push_chain(top)
         files: dict[str, dict[str, Any]] = {}
-        names = ["paused.json", "sandbox.json", rec.upper]
+        names = [PAUSED, META, rec.upper]
         if rec.kind == "state":
             names.append(STATE)
         elif rec.kind == "stream":
@@ -64,7 +65,7 @@ class RemotePaused(RemoteTransfer):
         for name in names:
             path = workdir / name
             if not await asyncio.to_thread(path.is_file):
-                if name == "sandbox.json":
+                if name == META:
                     continue
                 raise RemoteSnapshotError(f"sandbox {sandbox_id}: {path} is missing")
             files[name] = {
@@ -74,7 +75,7 @@ class RemotePaused(RemoteTransfer):
         files[rec.upper]["backing"] = str(backing)
         files[rec.upper]["top_layer"] = top
         if rec.kind == "state":
-            source = await asyncio.to_thread(SparseSource, workdir / MEMORY)
+            source = await asyncio.to_thread(SparseSource, SandboxFiles(workdir).memory)
             try:
                 files[MEMORY] = {
                     "blob": await self.store.put_source(source),

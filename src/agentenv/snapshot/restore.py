@@ -11,11 +11,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from agentenv.aio import thread_whole, whole
+from agentenv.files import ROOTFS
 from agentenv.network import Slot
 from agentenv.snapshot.errors import IncompatibleSnapshot, RestoreFailed
 from agentenv.snapshot.machine import (
     RESTORE_HEALTH_TIMEOUT_S,
-    ROOTFS,
     GuestImage,
     Machine,
     MemoryMode,

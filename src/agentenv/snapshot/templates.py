@@ -15,15 +15,15 @@ import json
 import logging
 import secrets
 import shutil
-from pathlib import Path
 
 from agentenv.config import Settings
 from agentenv.faults import crash_point
 from agentenv.filelock import file_lock
+from agentenv.files import ROOTFS, snapshots_dir
 from agentenv.network import create_slot, destroy_slot
 from agentenv.snapshot.capture import capture
 from agentenv.snapshot.errors import SnapshotNotFound
-from agentenv.snapshot.machine import ROOTFS, GuestImage, boot
+from agentenv.snapshot.machine import GuestImage, boot
 from agentenv.snapshot.model import Snapshot
 from agentenv.snapshot.repository import SnapshotRepository
 from agentenv.storage import LayerStore, create_upper
@@ -38,10 +38,6 @@ RECIPE = "3"
 # A waiter for another process's build gives up after this many boot timeouts (a cold boot
 # under TCG plus the capture).
 BUILD_LOCK_BOOTS = 3
-
-
-def snapshots_dir(settings: Settings) -> Path:
-    return settings.home / "snapshots"
 
 
 def repository(settings: Settings) -> SnapshotRepository:

@@ -15,6 +15,7 @@ from typing import Any, Self
 
 from qemu.qmp import QMPClient
 
+from agentenv.files import SandboxFiles
 from agentenv.vmm import confine as vm_confine
 from agentenv.vmm import registry as vm_registry
 from agentenv.vmm.accel import AccelChoice
@@ -76,7 +77,7 @@ class QemuBase:
         self.disk_limits = disk_limits
         # Started paused, waiting for `snapshot_load` instead of booting the kernel.
         self.incoming = incoming
-        self.serial_log = workdir / "serial.log"
+        self.serial_log = SandboxFiles(workdir).serial_log
         self.stderr_log = workdir / "qemu.stderr"
         sock = workdir / "qmp.sock"
         if len(str(sock)) > _MAX_SOCK_PATH:
