@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import httpcore
 import httpx
 
+from agentenv.pump import Flow, both_ways, stream_flow
+
 MAX_HEAD_BYTES = 16 * 1024
 CONNECT_TIMEOUT_S = 10.0
 CHUNK = 256 * 1024
@@ -254,31 +256,19 @@ async def _relay(
     reader: asyncio.StreamReader,
     writer: asyncio.StreamWriter,
 ) -> None:
-    async def down() -> None:
-        while data := await stream.read(CHUNK):
-            writer.write(data)
-            await writer.drain()
-        # The guest's side ended: the socket's user reads EOF and closes its end.
-        with contextlib.suppress(OSError, RuntimeError):
-            writer.write_eof()
+    def no_half_close() -> bool:
+        # The tunnel stream cannot be half-closed: the socket's user closing its end (or
+        # failing) is the relay's end. The guest's side ending half-closes the socket: its
+        # user reads EOF, and closes its end.
+        return False
 
-    async def up() -> None:
-        while data := await reader.read(CHUNK):
-            await stream.write(data)
-
-    tasks = [asyncio.create_task(up()), asyncio.create_task(down())]
+    to_socket = stream_flow(reader, writer, CHUNK)  # its write and half-close
     try:
-        # Over when the socket's user is done (its end closed), or either side fails; the
-        # guest ending first only half-closes, as above.
-        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-        if tasks[0] not in done and tasks[1].exception() is None:
-            await asyncio.wait([tasks[0]])
-    except (OSError, httpcore.NetworkError):
-        pass
+        await both_ways(
+            Flow(lambda: reader.read(CHUNK), stream.write, no_half_close),
+            Flow(lambda: stream.read(CHUNK), to_socket.write, to_socket.end),
+        )
     finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
         writer.close()
         with contextlib.suppress(Exception):
             await stream.aclose()

@@ -23,6 +23,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from agentenv.pump import both_ways, stream_flow
+
 log = logging.getLogger(__name__)
 
 # A request head is a line and a few headers; anything longer is not our client.
@@ -120,45 +122,6 @@ def _answer(status: int, message: str) -> bytes:
     ).encode() + body
 
 
-async def _copy(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> bool:
-    """Until `src` ends; then `dst` is half-closed, so a request body's end reaches the
-    guest while its answer still flows back. False: `dst` cannot be half-closed (TLS)."""
-    while chunk := await src.read(CHUNK):
-        dst.write(chunk)
-        await dst.drain()
-    if not dst.can_write_eof() or dst.is_closing():
-        return False
-    with contextlib.suppress(OSError, RuntimeError):
-        dst.write_eof()
-    return True
-
-
-async def _both_ways(
-    reader: asyncio.StreamReader,
-    writer: asyncio.StreamWriter,
-    up_reader: asyncio.StreamReader,
-    upstream: asyncio.StreamWriter,
-) -> None:
-    """Until both directions end, or either fails (then the other is cut too)."""
-    tasks = [
-        asyncio.create_task(_copy(reader, upstream)),
-        asyncio.create_task(_copy(up_reader, writer)),
-    ]
-    try:
-        done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-        # One side ended. If its end could be passed on as a half-close, the other
-        # direction goes on; else (over TLS) the peer would wait for an end that never
-        # comes, so the whole tunnel ends now.
-        if pending and all(
-            not t.cancelled() and t.exception() is None and t.result() for t in done
-        ):
-            await asyncio.wait(pending, return_when=asyncio.FIRST_EXCEPTION)
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-
 class DataGateway:
     """`await start()`, then `port` is bound; `await stop()` ends every open tunnel."""
 
@@ -245,7 +208,9 @@ class DataGateway:
             self._joined[task] = (target.sandbox_id, address)
             writer.write(b"HTTP/1.1 200 Connection Established\r\n\r\n")
             await writer.drain()
-            await _both_ways(reader, writer, up_reader, upstream)
+            await both_ways(
+                stream_flow(reader, upstream, CHUNK), stream_flow(up_reader, writer, CHUNK)
+            )
         except (OSError, ConnectionError, asyncio.IncompleteReadError, TimeoutError) as exc:
             log.debug("gateway: tunnel ended: %r", exc)
         finally:

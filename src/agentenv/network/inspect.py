@@ -29,6 +29,7 @@ import h11
 from agentenv.network.egress import Egress
 from agentenv.network.netns_socket import socket_in
 from agentenv.network.nft import INSPECT_PORT
+from agentenv.pump import both_ways, stream_flow
 
 log = logging.getLogger(__name__)
 
@@ -167,15 +168,6 @@ def _reset(writer: asyncio.StreamWriter) -> None:
     writer.transport.abort()
 
 
-async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-    with contextlib.suppress(ConnectionError, OSError):
-        while data := await reader.read(CHUNK):
-            writer.write(data)
-            await writer.drain()
-        if writer.can_write_eof():
-            writer.write_eof()
-
-
 class SlotInspector:
     """The listener on one slot's gateway that redirected web connections arrive at."""
 
@@ -271,7 +263,9 @@ class SlotInspector:
             if head:
                 upstream.write(head)
                 await upstream.drain()
-            await asyncio.gather(_pipe(reader, upstream), _pipe(up_reader, writer))
+            await both_ways(
+                stream_flow(reader, upstream, CHUNK), stream_flow(up_reader, writer, CHUNK)
+            )
         except (OSError, TimeoutError) as exc:
             log.debug("egress relay ended: %s", exc)
             _reset(writer)
