@@ -226,6 +226,10 @@ class Settings:
     max_sandboxes: int = 0
     max_starts: int = field(default_factory=default_max_starts)
     start_queue: int = 128
+    # How long a start that does not fit yet (count, slots, memory) waits for a sandbox to
+    # end before its 503: a burst of creates queues instead of failing. Below the SDKs'
+    # 60 s request timeout, with room for the create itself.
+    capacity_wait_s: float = 30.0
     min_free_memory_mb: int = 256
     min_free_disk_mb: int = 1024
     # Every QEMU in its own uid, mount namespace and root, under seccomp (`vmm.confine`). On,
@@ -316,6 +320,7 @@ class Settings:
                 ("AGENTENV_MAX_SANDBOXES", cls.max_sandboxes),
                 ("AGENTENV_MAX_STARTS", default_max_starts()),
                 ("AGENTENV_START_QUEUE", cls.start_queue),
+                ("AGENTENV_CAPACITY_WAIT_S", int(cls.capacity_wait_s)),
                 ("AGENTENV_MIN_FREE_MEMORY_MB", cls.min_free_memory_mb),
                 ("AGENTENV_MIN_FREE_DISK_MB", cls.min_free_disk_mb),
                 ("AGENTENV_DISK_BPS_MB", cls.disk_bps_mb),
@@ -405,6 +410,7 @@ class Settings:
             max_sandboxes=limits["AGENTENV_MAX_SANDBOXES"],
             max_starts=limits["AGENTENV_MAX_STARTS"],
             start_queue=limits["AGENTENV_START_QUEUE"],
+            capacity_wait_s=float(limits["AGENTENV_CAPACITY_WAIT_S"]),
             min_free_memory_mb=limits["AGENTENV_MIN_FREE_MEMORY_MB"],
             min_free_disk_mb=limits["AGENTENV_MIN_FREE_DISK_MB"],
             confine=env_switch("AGENTENV_CONFINE", True),

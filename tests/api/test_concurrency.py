@@ -1,8 +1,10 @@
 """Many creates at once against a real server, and what a node at capacity answers.
 
-- A server with ``AGENTENV_MAX_SANDBOXES=2`` refuses the third create with 503, a
-  ``Retry-After`` header and the usual JSON body, having made nothing for it; the official SDK
-  raises `ServiceBusyException` carrying the message; once one is killed a create succeeds.
+- A server with ``AGENTENV_MAX_SANDBOXES=2`` queues a third create until a sandbox ends (a
+  burst waits for capacity instead of failing), and past ``AGENTENV_CAPACITY_WAIT_S`` refuses
+  it with 503, a ``Retry-After`` header and the usual JSON body, having made nothing for it;
+  the official SDK raises `ServiceBusyException` carrying the message. The full-scale burst
+  (200 creates against a node that holds 16) is `bench/burst.py`.
 - 32 concurrent `Sandbox.create` through the SDK (threads) all succeed or get that 503, each
   within a bound; killing them all leaves nothing behind. Creates beyond
   ``AGENTENV_MAX_STARTS`` wait in the node's FIFO start queue; none may deadlock the server
@@ -54,35 +56,65 @@ def _sandbox_dirs(home: Path) -> list[str]:
     return sorted(p.name for p in root.iterdir()) if root.is_dir() else []
 
 
-def test_max_sandboxes_answers_503_with_retry_after(home: Path) -> None:
+def _wait_for_log(srv: ServerProcess, text: str, count: int, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while srv.log_path.read_text(errors="replace").count(text) < count:
+        assert time.monotonic() < deadline, f"no {count}x {text!r} in the log: {srv.log_tail()}"
+        time.sleep(0.05)
+
+
+def test_a_node_at_capacity_queues_a_create_then_answers_503(home: Path) -> None:
     from e2b import Sandbox
     from e2b.exceptions import ServiceBusyException
 
+    wait_s = 6
     srv = ServerProcess(
         home,
         domain="sbx.test",
-        env={"AGENTENV_MAX_SANDBOXES": "2", "AGENTENV_WARM_LOW": "0", "AGENTENV_WARM_HIGH": "0"},
+        env={
+            "AGENTENV_MAX_SANDBOXES": "2",
+            "AGENTENV_CAPACITY_WAIT_S": str(wait_s),
+            "AGENTENV_WARM_LOW": "0",
+            "AGENTENV_WARM_HIGH": "0",
+        },
         ready_timeout_s=180,
     ).start()
     try:
         with httpx.Client(
             base_url=srv.url, headers={"X-API-Key": srv.api_key}, timeout=REQUEST_TIMEOUT_S
         ) as api:
+
+            def create() -> httpx.Response:
+                return api.post("/v2/sandboxes", json={"templateID": "base", "timeout": 300})
+
             ids = []
             for _ in range(2):
-                resp = api.post("/v2/sandboxes", json={"templateID": "base", "timeout": 300})
+                resp = create()
                 assert resp.status_code == 201, resp.text
                 ids.append(resp.json()["sandboxID"])
 
+            # A third create queues (the node logs it) and is made once one sandbox ends.
+            with ThreadPoolExecutor(1) as pool:
+                queued = pool.submit(create)
+                _wait_for_log(srv, "waits for capacity", 1, 30)
+                assert not queued.done()
+                assert api.delete(f"/sandboxes/{ids.pop()}").status_code == 204
+                resp = queued.result(timeout=REQUEST_TIMEOUT_S)
+            assert resp.status_code == 201, resp.text
+            ids.append(resp.json()["sandboxID"])
+
+            # Nobody ends one now: past the wait, 503 with the numbers and a Retry-After.
             t0 = time.monotonic()
-            resp = api.post("/v2/sandboxes", json={"templateID": "base", "timeout": 300})
-            assert time.monotonic() - t0 < 5, "a refusal must not wait"
+            resp = create()
+            waited = time.monotonic() - t0
             assert resp.status_code == 503, resp.text
+            assert wait_s - 1 < waited < wait_s + 20, waited
             assert resp.headers["content-type"].startswith("application/json")
             assert int(resp.headers["retry-after"]) > 0
             body = resp.json()
             assert set(body) == {"code", "message"} and body["code"] == 503
             assert "no capacity: 2 of 2 sandboxes in use" in body["message"], body
+            assert f"waited {wait_s}s for capacity" in body["message"], body
             # Nothing was made for it: two VMs, two sandbox dirs, two running rows.
             assert len(qemu_processes(home)) == 2
             assert len(_sandbox_dirs(home)) == 2
@@ -99,11 +131,6 @@ def test_max_sandboxes_answers_503_with_retry_after(home: Path) -> None:
             metrics = api.get("/metrics").text
             assert 'agentenv_sandbox_create_refusals_total{status="503"} 2.0' in metrics
             assert "agentenv_sandbox_create_failures_total 0.0" in metrics
-
-            assert api.delete(f"/sandboxes/{ids.pop()}").status_code == 204
-            resp = api.post("/v2/sandboxes", json={"templateID": "base", "timeout": 300})
-            assert resp.status_code == 201, resp.text
-            ids.append(resp.json()["sandboxID"])
             for sid in ids:
                 assert api.delete(f"/sandboxes/{sid}").status_code == 204
     finally:

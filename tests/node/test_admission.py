@@ -341,3 +341,109 @@ async def test_runtime_maps_refusals_to_503_and_full_disks_to_507(tmp_path: Path
         await runtime(BootFailed("envd not healthy")).create(
             SandboxSpec("i" + "0" * 19, "base", 1, 512)
         )
+
+
+# -- waiting for capacity (a burst queues instead of failing) -----------------------------------
+
+
+async def test_a_start_that_does_not_fit_waits_for_a_sandbox_to_end() -> None:
+    rows = [Sb(), Sb()]
+    adm = Admission(
+        Limits(max_sandboxes=2, capacity_wait_s=30.0),
+        lambda: rows,
+        Path("/data"),
+        available=lambda: 64 * GIB,
+        held=lambda _pid: 0,
+        free_disk=lambda _path: 100 * GIB,
+    )
+    admitted = asyncio.Event()
+
+    async def start() -> None:
+        async with adm.start("late", 512):
+            admitted.set()
+
+    task = asyncio.create_task(start())
+    await settle()
+    assert adm.waiting_for_capacity == 1 and not admitted.is_set()
+    rows.pop()
+    adm.notify()
+    await asyncio.wait_for(task, 5)
+    assert admitted.is_set()
+    assert (adm.waiting_for_capacity, adm.reserved) == (0, 0)
+
+
+async def test_capacity_waiters_keep_arrival_order_and_the_head_is_not_overtaken() -> None:
+    rows = [Sb(memory_mb=1024)]
+    adm = Admission(
+        Limits(max_sandboxes=2, capacity_wait_s=30.0),
+        lambda: rows,
+        Path("/data"),
+        available=lambda: 64 * GIB,
+        held=lambda _pid: 0,
+        free_disk=lambda _path: 100 * GIB,
+    )
+    # A fork of 2 does not fit (1 running of 2); a single start behind it would, but waits.
+    order: list[str] = []
+
+    async def start(name: str, count: int) -> None:
+        async with adm.start(name, 512, count):
+            order.append(name)
+
+    big = asyncio.create_task(start("fork of 2", 2))
+    await settle()
+    small = asyncio.create_task(start("one", 1))
+    await settle()
+    assert adm.waiting_for_capacity == 2 and order == []
+    rows.clear()
+    adm.notify()
+    await asyncio.wait_for(asyncio.gather(big, small), 5)
+    assert order == ["fork of 2", "one"]
+
+
+async def test_the_wait_ends_in_no_capacity_naming_the_resource_and_the_wait() -> None:
+    adm = make(running=[Sb()], max_sandboxes=1)
+    adm.limits = Limits(max_sandboxes=1, capacity_wait_s=0.2)
+    with pytest.raises(NoCapacity) as err:
+        async with adm.start("a create", 512):
+            pass
+    assert err.value.resource == "sandboxes"
+    assert "waited 0s for capacity" in str(err.value) and "1 of 1 sandboxes" in str(err.value)
+    assert (adm.waiting_for_capacity, adm.reserved) == (0, 0)
+
+
+async def test_a_full_disk_is_refused_at_once_even_with_a_wait() -> None:
+    adm = make(free=10 * MIB)
+    adm.limits = Limits(capacity_wait_s=30.0)
+    with pytest.raises(NoCapacity) as err:
+        async with asyncio.timeout(5), adm.start("a create", 512):
+            pass
+    assert err.value.resource == "disk"
+
+
+async def test_a_cancelled_head_lets_the_next_waiter_in() -> None:
+    rows = [Sb()]
+    adm = Admission(
+        Limits(max_sandboxes=1, capacity_wait_s=30.0),
+        lambda: rows,
+        Path("/data"),
+        available=lambda: 64 * GIB,
+        held=lambda _pid: 0,
+        free_disk=lambda _path: 100 * GIB,
+    )
+    first = asyncio.create_task(adm.start("first", 512).__aenter__())
+    await settle()
+
+    async def second_start() -> None:
+        async with adm.start("second", 512):
+            pass
+
+    second = asyncio.create_task(second_start())
+    await settle()
+    assert adm.waiting_for_capacity == 2
+    first.cancel()
+    await asyncio.gather(first, return_exceptions=True)
+    assert adm.waiting_for_capacity == 1
+    rows.clear()
+    # No notify: the head's poll finds the freed place by itself.
+    await asyncio.wait_for(second, 5)
+    assert (adm.waiting_for_capacity, adm.reserved) == (0, 0)

@@ -3,11 +3,15 @@
 Every start (`Node.create`, a create from a named snapshot, `resume`, `fork` of N children)
 runs inside ``async with node.admission.start(what, memory_mb, count=N)``:
 
-1. Capacity, checked at once against the running sandboxes plus every start already
-   admitted (waiting or starting): the sandbox count (`max_sandboxes`), network slots
+1. Capacity, checked against the running sandboxes plus every start already admitted
+   (waiting or starting): the sandbox count (`max_sandboxes`), network slots
    (`settings.network.max_slots`), host memory and the data dir's free space. A start that
-   does not fit raises `NoCapacity` (resource, numbers, a retry hint) before the node has
-   allocated anything.
+   does not fit waits for capacity up to `capacity_wait_s` (a burst of creates queues while
+   earlier sandboxes end, instead of failing at once), in arrival order: while one waits,
+   later starts queue behind it even if they would fit, so a big start is not starved by
+   small ones. Past the wait, or for a full disk (which a sandbox ending rarely frees), it
+   raises `NoCapacity` (resource, numbers, a retry hint) before the node has allocated
+   anything. The capacity queue is at most `queue` long, as is the start queue.
 2. A start slot: at most `max_starts` run at once; later ones wait in a FIFO of tickets (a
    release hands its slot straight to the oldest waiter, so a late arrival never overtakes),
    at most `start_queue` long, else `NoCapacity` for the queue. A cancelled waiter leaves
@@ -29,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import logging
 import math
 import os
 import time
@@ -39,6 +44,8 @@ from typing import Protocol
 
 from agentenv.config import Settings
 from agentenv.node.errors import NoCapacity
+
+log = logging.getLogger(__name__)
 
 MIB = 1024 * 1024
 # What a QEMU holds besides guest RAM, for accounting: measured ~47 MiB RssAnon for a fresh
@@ -52,6 +59,12 @@ RETRY_CAPACITY_S = 10
 RETRY_DISK_S = 60
 # Start duration assumed before one was measured (a restore under TCG is ~1 s).
 FIRST_START_S = 2.0
+# How often the start at the head of the capacity queue checks again without an event: host
+# memory frees up without one (a guest's balloon, page cache); a sandbox ending or a start
+# finishing wakes it at once (`notify`).
+CAPACITY_POLL_S = 0.5
+# What a sandbox ending frees; a full disk is refused at once.
+WAITABLE = frozenset({"sandboxes", "network slots", "memory"})
 
 
 class Running(Protocol):
@@ -73,6 +86,7 @@ class Limits:
     max_sandboxes: int = 0  # 0: no count limit
     max_starts: int = 2
     queue: int = 128
+    capacity_wait_s: float = 0.0  # 0: refuse at once when a start does not fit
     max_slots: int = 0  # 0: no slot limit
     min_free_memory_mb: int = 256
     min_free_disk_mb: int = 1024
@@ -84,6 +98,7 @@ class Limits:
             max_sandboxes=s.max_sandboxes,
             max_starts=s.max_starts,
             queue=s.start_queue,
+            capacity_wait_s=s.capacity_wait_s,
             max_slots=s.network.max_slots,
             min_free_memory_mb=s.min_free_memory_mb,
             min_free_disk_mb=s.min_free_disk_mb,
@@ -145,6 +160,9 @@ class Admission:
         self._active = 0
         self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
         self._start_s = FIRST_START_S
+        # Starts waiting for capacity, oldest first, and the event that wakes them.
+        self._capacity_queue: collections.deque[object] = collections.deque()
+        self._changed = asyncio.Event()
 
     # -- what tests and metrics see ------------------------------------------------------------
 
@@ -159,6 +177,11 @@ class Admission:
         return sum(1 for f in self._waiters if not f.done())
 
     @property
+    def waiting_for_capacity(self) -> int:
+        """Starts queued because they do not fit yet."""
+        return len(self._capacity_queue)
+
+    @property
     def reserved(self) -> int:
         """Sandboxes admitted and not yet done starting (waiting or starting)."""
         return sum(r.count for r in self._reserved)
@@ -166,22 +189,25 @@ class Admission:
     # -- the gate ------------------------------------------------------------------------------
 
     @contextlib.asynccontextmanager
-    async def start(self, what: str, memory_mb: int, count: int = 1) -> AsyncIterator[None]:
-        """Admit `count` sandboxes of `memory_mb` for the body (`NoCapacity` if they do not
-        fit or the queue is full), waiting in arrival order for a start slot."""
-        self._check(what, memory_mb, count)
-        must_wait = self._active >= self.limits.max_starts or self.waiting > 0
-        if must_wait and self.waiting >= self.limits.queue:
-            raise NoCapacity(
-                f"no capacity: start queue full: {self.waiting} starts waiting behind "
-                f"{self._active} running (AGENTENV_START_QUEUE={self.limits.queue}, "
-                f"AGENTENV_MAX_STARTS={self.limits.max_starts}); {what} was not queued",
-                resource="start queue",
-                retry_after_s=self._drain_s(),
-            )
-        res = _Reservation(count, memory_mb)
-        self._reserved.append(res)
+    async def start(
+        self, what: str, memory_mb: int, count: int = 1, *, wait_s: float | None = None
+    ) -> AsyncIterator[None]:
+        """Admit `count` sandboxes of `memory_mb` for the body, waiting up to `wait_s`
+        (default `limits.capacity_wait_s`) for them to fit, then in arrival order for a start
+        slot; `NoCapacity` if they do not fit in time or a queue is full."""
+        res = await self._reserve(
+            what, memory_mb, count, self.limits.capacity_wait_s if wait_s is None else wait_s
+        )
         try:
+            must_wait = self._active >= self.limits.max_starts or self.waiting > 0
+            if must_wait and self.waiting >= self.limits.queue:
+                raise NoCapacity(
+                    f"no capacity: start queue full: {self.waiting} starts waiting behind "
+                    f"{self._active} running (AGENTENV_START_QUEUE={self.limits.queue}, "
+                    f"AGENTENV_MAX_STARTS={self.limits.max_starts}); {what} was not queued",
+                    resource="start queue",
+                    retry_after_s=self._drain_s(),
+                )
             await self._enter(must_wait)
             t0 = time.monotonic()
             try:
@@ -192,6 +218,79 @@ class Admission:
             self._start_s = 0.8 * self._start_s + 0.2 * (time.monotonic() - t0)
         finally:
             self._reserved.remove(res)
+            # A start that failed frees what it held; one that succeeded turned it into a
+            # running sandbox's, which changes the memory sums too.
+            self.notify()
+
+    def notify(self) -> None:
+        """Capacity may have changed (a sandbox ended, a start finished): the start at the
+        head of the capacity queue checks again now."""
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def _reserve(self, what: str, memory_mb: int, count: int, wait_s: float) -> _Reservation:
+        """Check and take the reservation with no await in between, so two starts never both
+        count the same free capacity."""
+        if not self._capacity_queue or wait_s <= 0:
+            try:
+                self._check(what, memory_mb, count)
+            except NoCapacity as exc:
+                if wait_s <= 0 or exc.resource not in WAITABLE:
+                    raise
+            else:
+                return self._take(count, memory_mb)
+        if len(self._capacity_queue) >= self.limits.queue:
+            raise NoCapacity(
+                f"no capacity: {len(self._capacity_queue)} starts already wait for capacity "
+                f"(AGENTENV_START_QUEUE={self.limits.queue}); {what} was not queued",
+                resource="capacity queue",
+                retry_after_s=RETRY_CAPACITY_S,
+            )
+        me = object()
+        self._capacity_queue.append(me)
+        log.info(
+            "%s waits for capacity (up to %.0fs, %d ahead)",
+            what,
+            wait_s,
+            len(self._capacity_queue) - 1,
+        )
+        deadline = time.monotonic() + wait_s
+        refusal: NoCapacity | None = None
+        try:
+            while True:
+                changed = self._changed
+                if self._capacity_queue[0] is me:
+                    try:
+                        self._check(what, memory_mb, count)
+                    except NoCapacity as exc:
+                        if exc.resource not in WAITABLE:
+                            raise
+                        refusal = exc
+                    else:
+                        return self._take(count, memory_mb)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    reason = str(refusal) if refusal else "the starts ahead still wait"
+                    raise NoCapacity(
+                        f"{reason}; waited {wait_s:.0f}s for capacity (AGENTENV_CAPACITY_WAIT_S)",
+                        resource=refusal.resource if refusal else "capacity queue",
+                        retry_after_s=RETRY_CAPACITY_S,
+                    )
+                # Only the head polls; the rest wait for it to leave (or their deadline).
+                poll = CAPACITY_POLL_S if self._capacity_queue[0] is me else left
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(min(poll, left)):
+                        await changed.wait()
+        finally:
+            head = self._capacity_queue[0] is me
+            self._capacity_queue.remove(me)
+            if head:
+                self.notify()
+
+    def _take(self, count: int, memory_mb: int) -> _Reservation:
+        res = _Reservation(count, memory_mb)
+        self._reserved.append(res)
+        return res
 
     async def _enter(self, must_wait: bool) -> None:
         if not must_wait:
