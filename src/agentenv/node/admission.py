@@ -11,7 +11,7 @@ runs inside ``async with node.admission.start(what, memory_mb, count=N)``:
    later starts queue behind it even if they would fit, so a big start is not starved by
    small ones. Past the wait, or for a full disk (which a sandbox ending rarely frees), it
    raises `NoCapacity` (resource, numbers, a retry hint) before the node has allocated
-   anything. The capacity queue is at most `queue` long, as is the start queue.
+   anything. At most `CAPACITY_QUEUE` starts wait for capacity at once.
 2. A start slot: at most `max_starts` run at once; later ones wait in a FIFO of tickets (a
    release hands its slot straight to the oldest waiter, so a late arrival never overtakes),
    at most `start_queue` long, else `NoCapacity` for the queue. A cancelled waiter leaves
@@ -65,6 +65,9 @@ FIRST_START_S = 2.0
 CAPACITY_POLL_S = 0.5
 # What a sandbox ending frees; a full disk is refused at once.
 WAITABLE = frozenset({"sandboxes", "network slots", "memory"})
+# Starts that may wait for capacity at once: a waiter is one coroutine and its request, so
+# this is far above the start queue (which holds starts about to spend CPU).
+CAPACITY_QUEUE = 1024
 
 
 class Running(Protocol):
@@ -239,10 +242,10 @@ class Admission:
                     raise
             else:
                 return self._take(count, memory_mb)
-        if len(self._capacity_queue) >= self.limits.queue:
+        if len(self._capacity_queue) >= CAPACITY_QUEUE:
             raise NoCapacity(
-                f"no capacity: {len(self._capacity_queue)} starts already wait for capacity "
-                f"(AGENTENV_START_QUEUE={self.limits.queue}); {what} was not queued",
+                f"no capacity: {len(self._capacity_queue)} starts already wait for capacity; "
+                f"{what} was not queued",
                 resource="capacity queue",
                 retry_after_s=RETRY_CAPACITY_S,
             )
