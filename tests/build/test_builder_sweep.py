@@ -14,10 +14,12 @@ from agentenv.config import Settings
 
 
 class Manager:
-    """What the sweep uses of the sandbox manager: kill (of the build sandbox)."""
+    """What the sweep uses of the sandbox manager: kill (of the build sandbox). No build
+    runs, so its runtime (what the build's guest calls go to) is never called."""
 
     def __init__(self) -> None:
         self.killed: list[str] = []
+        self.runtime = None
 
     async def kill(self, sandbox_id: str, *, reason: str = "") -> None:
         self.killed.append(sandbox_id)

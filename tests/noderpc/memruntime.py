@@ -10,6 +10,7 @@ from typing import Any
 
 from agentenv.contract.runtime import (
     Found,
+    GuestCommand,
     HostMemory,
     ImportEvent,
     Placement,
@@ -224,6 +225,30 @@ class MemoryRuntime:
 
     async def gateway(self, node_id: str) -> str | None:
         return None
+
+    async def guest_run(
+        self,
+        sandbox_id: str,
+        envd_token: str | None,
+        command: GuestCommand,
+        on_line: Callable[[str, str], None],
+    ) -> int:
+        """Echoes the command's fields as output lines, one from a worker thread; the exit
+        code is the command's length."""
+        self._enter("guest_run", sandbox_id, envd_token, command)
+        on_line(f"ran {command.cmd}", "stdout")
+        await asyncio.to_thread(on_line, f"as {command.user} in {command.cwd}", "stderr")
+        return len(command.cmd)
+
+    async def guest_write(
+        self, sandbox_id: str, envd_token: str | None, path: str, data: bytes, *, append: bool
+    ) -> None:
+        self._enter("guest_write", sandbox_id, envd_token, path, data, append)
+
+    async def guest_defaults(
+        self, sandbox_id: str, envd_token: str | None, user: str, workdir: str
+    ) -> None:
+        self._enter("guest_defaults", sandbox_id, envd_token, user, workdir)
 
     def note_activity(self, sandbox_id: str) -> None:
         self.activity.append(sandbox_id)

@@ -25,6 +25,7 @@ from agentenv.contract import runtime as rt
 from agentenv.contract.errors import BadRequest
 from agentenv.contract.runtime import (
     Found,
+    GuestCommand,
     HostMemory,
     ImportEvent,
     Runtime,
@@ -250,6 +251,30 @@ async def test_an_image_import_streams_its_reports_then_the_template(
         await client.import_image("::", "image-y", None, events.append)
 
 
+async def test_guest_calls_stream_output_and_carry_their_values(
+    node: tuple[MemoryRuntime, NodeServer], client: RemoteRuntime
+) -> None:
+    runtime, _ = node
+    lines: list[tuple[str, str]] = []
+    cmd = GuestCommand("make all", user="app", envs={"A": "1", "U": "žluť"}, cwd="/w",
+                       timeout_s=7.0)  # fmt: skip
+    code = await client.guest_run("sb-1", "tok", cmd, lambda line, s: lines.append((line, s)))
+    assert code == len("make all")
+    assert lines == [("ran make all", "stdout"), ("as app in /w", "stderr")]
+    assert last(runtime) == ("guest_run", ("sb-1", "tok", cmd))
+    # No token, no cwd: both arrive as None, not "".
+    await client.guest_run("sb-1", None, GuestCommand("true"), lambda _l, _s: None)
+    assert last(runtime) == ("guest_run", ("sb-1", None, GuestCommand("true")))
+    data = bytes(range(256)) * 4
+    await client.guest_write("sb-1", "tok", "/tmp/x.tar", data, append=True)
+    assert last(runtime) == ("guest_write", ("sb-1", "tok", "/tmp/x.tar", data, True))
+    await client.guest_defaults("sb-1", None, "app", "/home/app")
+    assert last(runtime) == ("guest_defaults", ("sb-1", None, "app", "/home/app"))
+    runtime.fail = rt.GuestFailed("sandbox sb-1: envd refused")
+    with pytest.raises(rt.GuestFailed, match="envd refused"):
+        await client.guest_run("sb-1", None, GuestCommand("true"), lambda _l, _s: None)
+
+
 async def test_delete_snapshot_says_whether_there_was_one(
     node: tuple[MemoryRuntime, NodeServer], client: RemoteRuntime
 ) -> None:
@@ -300,6 +325,7 @@ ERRORS: list[Exception] = [
     rt.TemplateUnavailable("no template 'x' on this node"),
     rt.TagUnavailable("tag 'v2' names no ready build"),
     rt.Lost("sandbox sb-1 is gone: QEMU exited"),
+    rt.GuestFailed("sandbox sb-1: the command did not run"),
     rt.Unsupported("pause needs snapshots"),
     rt.RuntimeFailure("generic runtime failure"),
 ]

@@ -41,12 +41,7 @@ from agentenv.contract.runtime import SNAPSHOT_ID, ImportEvent, SnapshotInfo, Te
 from agentenv.control.sandbox_base import CreateSpec
 from agentenv.control.sandboxes import SandboxManager
 from agentenv.control.store import BUILD_METADATA, DEFAULT_TEAM, SandboxRecord
-from agentenv.files import snapshots_dir
 from agentenv.oci.progress import LayerProgress
-from agentenv.snapshot.errors import SnapshotError
-from agentenv.snapshot.repository import SnapshotRepository
-from agentenv.storage.layers import LayerStore
-from agentenv.template.catalog import TemplateCatalog, TemplateNotFound
 
 log = logging.getLogger("agentenv.build")
 
@@ -73,15 +68,12 @@ class Builder:
         self.manager = manager
         self.settings = settings
         self.state = state
-        self.guest = GuestSteps(state)
+        self.guest = GuestSteps(state, manager.runtime)
         self.runner = runner
         self.live_runners = live_runners
         # Records shared with other replicas: without knowing who is alive, fail nothing.
         self.shared = shared
         self._sweeper: asyncio.Task[None] | None = None
-        self.layers = LayerStore(settings.layers_dir)
-        self.repo = SnapshotRepository(snapshots_dir(settings), self.layers)
-        self.catalog = TemplateCatalog(settings)
         self._tasks: dict[str, asyncio.Task[None]] = {}
         # Image pulls of running builds, per build id (the progress route reads them); kept
         # until the build ends, so a client that polls late still sees every layer complete.
@@ -245,26 +237,14 @@ class Builder:
                 workdir=found.workdir or DEFAULT_WORKDIR,
             )
             return name, f"layers:{','.join(found.layers)}", ctx
-        try:
-            snap = await asyncio.to_thread(self.repo.get, name)
-        except SnapshotError:
-            pass
-        else:
-            return name, f"snapshot:{snap.id}", Context()
-        try:
-            tpl = await asyncio.to_thread(self.catalog.get, name)
-        except TemplateNotFound:
-            if SNAPSHOT_ID.fullmatch(name):
-                # A cluster's snapshot, on its nodes and in the bucket, not in this replica's
-                # repository (the template source accepted it).
-                return name, f"snapshot:{name}", Context()
-            raise StepFailed("base", f"base template {name!r} not found") from None
-        ctx = Context(
-            envs=dict(tpl.env),
-            user=tpl.user or DEFAULT_USER,
-            workdir=tpl.workdir or DEFAULT_WORKDIR,
-        )
-        return name, f"layers:{','.join(tpl.layers)}", ctx
+        if found.snapshot_id:
+            # A snapshot created from by name.
+            return name, f"snapshot:{found.snapshot_id}", Context()
+        if SNAPSHOT_ID.fullmatch(name):
+            # A cluster's snapshot, on its nodes and in the bucket, not in this replica's
+            # repository (the template source accepted it).
+            return name, f"snapshot:{name}", Context()
+        raise StepFailed("base", f"base template {name!r} not found")
 
     async def _import_image(self, rec: BuildRecord, spec: BuildSpec) -> str:
         """The image becomes a catalog template where sandboxes run (this host, or one node

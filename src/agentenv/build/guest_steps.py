@@ -1,6 +1,9 @@
-"""A build's work inside its sandbox, through the sandbox's envd: RUN and COPY steps, the
-shell WORKDIR needs, and the start of the template (envd's defaults, the start command, the
-ready check). The one place the builder talks to a guest; `builder.Builder` decides what runs.
+"""A build's work inside its sandbox, through the `Runtime` contract's guest calls (the
+node runs them through the sandbox's envd, in-process or over the node RPC): RUN and COPY
+steps, the shell WORKDIR needs, and the start of the template (envd's defaults, the start
+command, the ready check). The one place the builder talks to a guest; `builder.Builder`
+decides what runs. A guest call the runtime could not make (`RuntimeFailure`, or the
+sandbox gone) fails the step it belongs to.
 """
 
 from __future__ import annotations
@@ -10,25 +13,35 @@ import os
 import shlex
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 from agentenv.build.spec import BuildSpec, Step
 from agentenv.build.state import BuildRecord, BuildStore
 from agentenv.build.steps import Context, StepFailed, copy_script, describe, join_path
+from agentenv.contract.errors import OrchestratorError
+from agentenv.contract.runtime import (
+    GUEST_WRITE_MAX_BYTES,
+    GuestCommand,
+    Runtime,
+    RuntimeFailure,
+)
 from agentenv.control.store import SandboxRecord
-from agentenv.guest.envd.client import EnvdClient, EnvdError
 
 STEP_TIMEOUT_S = float(os.environ.get("AGENTENV_BUILD_STEP_TIMEOUT_S", "3600"))
 READY_TIMEOUT_S = float(os.environ.get("AGENTENV_BUILD_READY_TIMEOUT_S", "300"))
 READY_POLL_S = 1.0
 START_LOG = "/tmp/.agentenv-start.log"
 TAIL_LINES = 20
+# What a guest call may fail with, as the contract types it.
+GUEST_ERRORS = (RuntimeFailure, OrchestratorError)
 
 
 class GuestSteps:
     """Runs a build's commands in its sandbox; their output goes to the build's log."""
 
-    def __init__(self, state: BuildStore) -> None:
+    def __init__(self, state: BuildStore, runtime: Runtime) -> None:
         self.state = state
+        self.runtime = runtime
 
     def _log(self, rec: BuildRecord, step: str | None) -> Callable[[str, str], None]:
         def emit(line: str, stream: str) -> None:
@@ -48,14 +61,12 @@ class GuestSteps:
         cwd: str | None = None,
         quiet: bool = False,
     ) -> int:
-        assert sandbox.envd_url is not None
         emit = (lambda _l, _s: None) if quiet else self._log(rec, label)
-        # A client per command: a killed build sandbox's slot address goes to the next
-        # sandbox, and a pooled connection to the old VM there would break its first call.
-        async with EnvdClient(sandbox.envd_url, sandbox.envd_token) as envd:
-            return await envd.run_streamed(
-                cmd, user=user, on_line=emit, envs=envs, cwd=cwd, timeout_s=STEP_TIMEOUT_S
-            )
+        command = GuestCommand(cmd, user=user, envs=envs or {}, cwd=cwd, timeout_s=STEP_TIMEOUT_S)
+        try:
+            return await self.runtime.guest_run(sandbox.id, sandbox.envd_token, command, emit)
+        except GUEST_ERRORS as exc:
+            raise StepFailed(label, f"step {label}: the command could not run: {exc}") from exc
 
     async def run_step(
         self, rec: BuildRecord, sandbox: SandboxRecord, step: Step, ctx: Context, label: str
@@ -70,13 +81,16 @@ class GuestSteps:
     async def copy_step(
         self, rec: BuildRecord, sandbox: SandboxRecord, step: Step, ctx: Context, label: str
     ) -> None:
-        assert step.files_hash is not None and sandbox.envd_url is not None
+        assert step.files_hash is not None
         local = await self.state.files(step.files_hash)
         if local is None:
             raise StepFailed(label, f"step {label}: files {step.files_hash} were not uploaded")
         staging = f"/tmp/.agentenv-copy-{step.files_hash[:16]}.tar"
-        async with EnvdClient(sandbox.envd_url, sandbox.envd_token) as envd:
-            await envd.upload_file(local, staging)
+        try:
+            await self.upload(sandbox, local, staging)
+        except GUEST_ERRORS as exc:
+            msg = f"step {label}: the files did not reach the sandbox: {exc}"
+            raise StepFailed(label, msg) from exc
         dest = join_path(ctx.workdir, step.args[1]) + ("/" if step.args[1].endswith("/") else "")
         owner = step.args[2] if len(step.args) > 2 and step.args[2] else ctx.user
         mode = step.args[3] if len(step.args) > 3 else ""
@@ -86,17 +100,30 @@ class GuestSteps:
         if code != 0:
             raise StepFailed(label, f"step {label} ({describe(step)}) failed with exit code {code}")
 
+    async def upload(self, sandbox: SandboxRecord, local: Path, dest: str) -> None:
+        """The host file `local` to `dest` in the sandbox, in pieces the contract takes."""
+        append = False
+        with local.open("rb") as f:
+            while True:
+                piece = await asyncio.to_thread(f.read, GUEST_WRITE_MAX_BYTES)
+                if not piece and append:
+                    return
+                await self.runtime.guest_write(
+                    sandbox.id, sandbox.envd_token, dest, piece, append=append
+                )
+                if len(piece) < GUEST_WRITE_MAX_BYTES:
+                    return
+                append = True
+
     async def start(
         self, rec: BuildRecord, sandbox: SandboxRecord, spec: BuildSpec, ctx: Context
     ) -> None:
         bid = rec.build_id
-        assert sandbox.envd_url is not None
         # The last USER/WORKDIR are the sandbox's defaults, as in E2B; envd keeps them in the
         # snapshot's memory.
         try:
-            async with EnvdClient(sandbox.envd_url, sandbox.envd_token) as envd:
-                await envd.init(default_user=ctx.user, default_workdir=ctx.workdir)
-        except EnvdError as exc:
+            await self.runtime.guest_defaults(sandbox.id, sandbox.envd_token, ctx.user, ctx.workdir)
+        except GUEST_ERRORS as exc:
             raise StepFailed("finalize", f"envd /init failed: {exc}") from exc
         if spec.start_cmd:
             self.state.log(bid, f"Starting: {spec.start_cmd}", step="finalize")

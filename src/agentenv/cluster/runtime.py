@@ -46,6 +46,7 @@ from agentenv.contract.nodes import NodeDirectory, NodeStatus, UnknownNode
 from agentenv.contract.runtime import (
     SNAPSHOT_ID,
     Found,
+    GuestCommand,
     HostMemory,
     ImportEvent,
     Placement,
@@ -186,6 +187,28 @@ class ClusterRuntime(ClusterPlacement, ClusterReconcile):
             return await client.guest_health(sandbox_id)
         except NodeUnreachable as exc:
             return str(exc)
+
+    async def guest_run(
+        self,
+        sandbox_id: str,
+        envd_token: str | None,
+        command: GuestCommand,
+        on_line: Callable[[str, str], None],
+    ) -> int:
+        _, client = await self._route(sandbox_id)
+        return await client.guest_run(sandbox_id, envd_token, command, on_line)
+
+    async def guest_write(
+        self, sandbox_id: str, envd_token: str | None, path: str, data: bytes, *, append: bool
+    ) -> None:
+        _, client = await self._route(sandbox_id)
+        await client.guest_write(sandbox_id, envd_token, path, data, append=append)
+
+    async def guest_defaults(
+        self, sandbox_id: str, envd_token: str | None, user: str, workdir: str
+    ) -> None:
+        _, client = await self._route(sandbox_id)
+        await client.guest_defaults(sandbox_id, envd_token, user, workdir)
 
     async def is_alive(self, sandbox_id: str) -> bool:
         try:

@@ -91,6 +91,29 @@ class Lost(RuntimeFailure):
     """The sandbox is gone for good (its VM died, or ran and failed after a resume)."""
 
 
+class GuestFailed(RuntimeFailure):
+    """A running sandbox's envd refused a call or could not be asked (`guest_run`,
+    `guest_write`, `guest_defaults`): the command did not run, or its stream broke."""
+
+
+@dataclass(frozen=True)
+class GuestCommand:
+    """One shell command run in a running sandbox through its envd (`Runtime.guest_run`):
+    `/bin/sh -c cmd` as `user`, with `envs` on top of the sandbox's, in `cwd`."""
+
+    cmd: str
+    user: str = "root"
+    envs: Mapping[str, str] = field(default_factory=dict)
+    cwd: str | None = None
+    # The whole command's deadline, enforced by envd (and by the node RPC's call).
+    timeout_s: float = 3600.0
+
+
+# The most `Runtime.guest_write` takes in one call (the node RPC's message bound is 4 MiB):
+# a larger file goes as several calls, the later ones with `append`.
+GUEST_WRITE_MAX_BYTES = 2 * 1024 * 1024
+
+
 @dataclass(frozen=True)
 class Found:
     """What the runtime holds of a sandbox (after a restart: what it re-adopted)."""
@@ -179,6 +202,32 @@ class Runtime(Protocol):
     async def guest_health(self, sandbox_id: str) -> str | None:
         """Why the running sandbox's envd does not answer `/health` now (bounded by a short
         deadline), or None when it does."""
+        ...
+
+    async def guest_run(
+        self,
+        sandbox_id: str,
+        envd_token: str | None,
+        command: GuestCommand,
+        on_line: Callable[[str, str], None],
+    ) -> int:
+        """Runs `command` in the running sandbox; each output line goes to
+        `on_line(line, "stdout"|"stderr")` as it comes. Returns the exit code; ``GuestFailed``
+        when envd could not run it or its stream broke."""
+        ...
+
+    async def guest_write(
+        self, sandbox_id: str, envd_token: str | None, path: str, data: bytes, *, append: bool
+    ) -> None:
+        """Writes `data` (at most `GUEST_WRITE_MAX_BYTES`) to `path` in the running sandbox,
+        as root; `append` adds it to the end of what is there. ``GuestFailed`` on a refusal."""
+        ...
+
+    async def guest_defaults(
+        self, sandbox_id: str, envd_token: str | None, user: str, workdir: str
+    ) -> None:
+        """Sets the user and working directory the sandbox's envd runs commands with when a
+        call names none (kept in its memory, so in a snapshot of it)."""
         ...
 
     async def is_alive(self, sandbox_id: str) -> bool:
@@ -279,6 +328,8 @@ class TemplateInfo:
     env: tuple[tuple[str, str], ...] = ()
     user: str | None = None
     workdir: str | None = None
+    # A snapshot created from by name: its id (what a build from it is keyed by).
+    snapshot_id: str = ""
 
     def to_json(self) -> str:
         """One encoding wherever a template travels (the node RPC, the cluster's catalog)."""
@@ -304,6 +355,7 @@ class TemplateInfo:
             env=tuple(sorted((str(k), str(v)) for k, v in dict(body.get("env", {})).items())),
             user=body.get("user"),
             workdir=body.get("workdir"),
+            snapshot_id=str(body.get("snapshot_id", "")),
         )
 
 

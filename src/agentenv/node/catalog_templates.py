@@ -37,7 +37,9 @@ class CatalogTemplates:
             size = -(-info(self.layers.path(s.top_layer)).virtual_size // (1024 * 1024))
         except (snaps.SnapshotError, Exception) as exc:
             raise TemplateUnavailable(ref) from exc
-        return TemplateInfo(ref, size, s.created_at, s.created_at, s.vcpus, s.memory_mb)
+        return TemplateInfo(
+            ref, size, s.created_at, s.created_at, s.vcpus, s.memory_mb, snapshot_id=s.id
+        )
 
     def info_of(self, tpl: Template) -> TemplateInfo:
         return self._info(tpl)

@@ -3,20 +3,16 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
-import errno
 import logging
-import os
 import time
-from collections.abc import Awaitable, Callable, Iterator
-from pathlib import Path
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from agentenv import snapshot as snaps
 from agentenv.config import Settings
-from agentenv.contract.errors import BadRequest, InsufficientStorage, Unavailable
-from agentenv.contract.nodes import NodeDirectory, NodeStatus, UnknownNode
+from agentenv.contract.errors import BadRequest, Unavailable
+from agentenv.contract.nodes import NodeStatus
 from agentenv.contract.runtime import (
     SNAPSHOT_ID,
     Found,
@@ -35,7 +31,6 @@ from agentenv.node.catalog_templates import CatalogTemplates
 from agentenv.node.errors import (
     BootFailed,
     InvalidResources,
-    NoCapacity,
     NotPausable,
     UnknownSandbox,
     UnknownTemplate,
@@ -43,6 +38,8 @@ from agentenv.node.errors import (
 from agentenv.node.files import sandbox_files
 from agentenv.node.host import GuestInit, Node, SandboxHandle
 from agentenv.node.ondemand import OnDemandTemplates
+from agentenv.node.runtime_guest import GuestCalls
+from agentenv.node.runtime_support import LOCAL_NODE, LocalNodes, capacity, host_capacity
 from agentenv.objstore import ObjectStore, ObjectStoreError
 from agentenv.oci.progress import LayerProgress
 from agentenv.snapshot.fork import MAX_CHILDREN
@@ -85,54 +82,13 @@ def _placement(h: SandboxHandle) -> Placement:
     return Placement(h.id, h.address, h.envd_url, booted=h.booted)
 
 
-def _out_of_space(exc: BaseException) -> bool:
-    """ENOSPC anywhere in the chain: an OSError, or a tool's message (qemu-img, QEMU)."""
-    seen: set[int] = set()
-    e: BaseException | None = exc
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
-            return True
-        if "No space left on device" in str(e):
-            return True
-        e = e.__cause__ or e.__context__
-    return False
-
-
-@contextlib.contextmanager
-def _capacity(data_dir: Path) -> Iterator[None]:
-    """A node's refusal (`NoCapacity`) as 503 with its retry hint, a full data dir as 507.
-    The node releases what the operation made before either reaches here."""
-    try:
-        yield
-    except NoCapacity as exc:
-        raise Unavailable(str(exc), exc.retry_after_s) from exc
-    except Exception as exc:
-        # A resumed guest that was lost stays lost, whatever filled the disk.
-        if isinstance(exc, snaps.ResumedButLost) or not _out_of_space(exc):
-            raise
-        raise InsufficientStorage(f"no space left in the data dir {data_dir}: {exc}") from exc
-
-
 log = logging.getLogger(__name__)
 
-# The id the in-process node has in `GET /nodes` when no `AGENTENV_NODE_ID` names it.
-LOCAL_NODE = "local"
 # Retry-After of a create refused by a cordoned node: an operator's doing, not a moment's load.
 CORDONED_RETRY_S = 30
 
 
-def host_capacity() -> tuple[int, int]:
-    """(CPUs, MiB of RAM) of this host."""
-    mem_kb = 0
-    with contextlib.suppress(OSError, ValueError, IndexError):
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                mem_kb = int(line.split()[1])
-    return os.cpu_count() or 1, mem_kb // 1024
-
-
-class NodeRuntime:
+class NodeRuntime(GuestCalls):
     def __init__(self, settings: Settings, node: Node | None = None) -> None:
         self.node = node or Node(settings)
         # Cordoned (the in-process node's own directory): creates and resumes are refused.
@@ -254,7 +210,7 @@ class NodeRuntime:
         template = await self.on_demand.resolve(spec.template)
         await self._fetch_snapshot(template)
         try:
-            with _capacity(self.node.settings.home):
+            with capacity(self.node.settings.home):
                 handle = await self.node.create(
                     template,
                     spec.cpu,
@@ -309,7 +265,7 @@ class NodeRuntime:
         strict: bool = True,
     ) -> None:
         try:
-            with _capacity(self.node.settings.home):
+            with capacity(self.node.settings.home):
                 if memory:
                     await self.node.pause(sandbox_id)
                 else:
@@ -328,7 +284,7 @@ class NodeRuntime:
         self._refuse_if_cordoned(f"resume of {spec.sandbox_id}")
         await self._fetch_paused(spec.sandbox_id)
         try:
-            with _capacity(self.node.settings.home):
+            with capacity(self.node.settings.home):
                 handle = await self.node.resume(spec.sandbox_id, memory=memory, init=_init(spec))
         except snaps.ResumedButLost as exc:
             raise Lost(str(exc)) from exc
@@ -391,7 +347,7 @@ class NodeRuntime:
         self, sandbox_id: str, name: str | None, envd_token: str | None, *, memory: bool = True
     ) -> SnapshotInfo:
         try:
-            with _capacity(self.node.settings.home):
+            with capacity(self.node.settings.home):
                 if memory:
                     snap = await self.node.snapshot(sandbox_id, name, envd_token)
                 else:
@@ -418,7 +374,7 @@ class NodeRuntime:
         if not 1 <= len(children) <= MAX_CHILDREN:
             raise BadRequest(f"count must be between 1 and {MAX_CHILDREN}")
         try:
-            with _capacity(self.node.settings.home):
+            with capacity(self.node.settings.home):
                 made = await self.node.fork(
                     sandbox_id,
                     len(children),
@@ -511,33 +467,3 @@ class NodeRuntime:
             except ObjectStoreError as exc:
                 raise Unavailable(f"snapshot {snapshot_id}: the bucket's copy: {exc}") from exc
         return found
-
-
-class LocalNodes:
-    """`NodeDirectory` of the single-node server: its one in-process node. A cordon refuses
-    new sandboxes there (503), as a cluster's would send them elsewhere."""
-
-    def __init__(self, runtime: NodeRuntime, node_id: str = LOCAL_NODE) -> None:
-        self.runtime = runtime
-        self.node_id = node_id
-
-    async def nodes(self) -> list[NodeStatus]:
-        return [self.runtime.status(self.node_id)]
-
-    async def node(self, node_id: str) -> NodeStatus:
-        if node_id != self.node_id:
-            raise UnknownNode(f"no node {node_id!r} (this server runs one node, {self.node_id!r})")
-        return self.runtime.status(self.node_id)
-
-    async def cordon(self, node_id: str, *, cordoned: bool, reason: str = "") -> NodeStatus:
-        await self.node(node_id)
-        self.runtime.cordon_reason = (reason or "cordoned") if cordoned else None
-        return self.runtime.status(self.node_id)
-
-    async def sandboxes_on(self, node_id: str) -> list[str]:
-        await self.node(node_id)
-        return self.runtime.node.sandbox_ids()
-
-
-def _is_a_directory(nodes: LocalNodes) -> NodeDirectory:
-    return nodes

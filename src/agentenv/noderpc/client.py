@@ -24,6 +24,7 @@ from pyqwest import HTTPTransport, Proxy
 from agentenv.config import Settings
 from agentenv.contract.runtime import (
     Found,
+    GuestCommand,
     HostMemory,
     ImportEvent,
     Placement,
@@ -316,6 +317,58 @@ class RemoteRuntime(NodeStreams):
             lambda ms: self._client().host_memory(req, headers=self._headers, timeout_ms=ms),
         )
         return None if res.memory is None else convert.memory_from_pb(res.memory)
+
+    async def guest_run(
+        self,
+        sandbox_id: str,
+        envd_token: str | None,
+        command: GuestCommand,
+        on_line: Callable[[str, str], None],
+    ) -> int:
+        req = pb.GuestRunRequest(
+            sandbox_id=sandbox_id,
+            envd_token=envd_token,
+            cmd=command.cmd,
+            user=command.user,
+            envs=dict(command.envs),
+            cwd=command.cwd,
+            timeout_s=command.timeout_s,
+        )
+
+        async def run(ms: int) -> int:
+            stream = self._client().guest_run(req, headers=self._headers, timeout_ms=ms)
+            async for event in stream:
+                if event.has_field("exit_code"):
+                    return int(event.exit_code)
+                on_line(event.line, event.stream)
+            raise NodeError(f"node {self.url}: a command in {sandbox_id} ended without its code")
+
+        # The command's own deadline, and a little for the node to report it.
+        return await self._call("GuestRun", command.timeout_s + self._change_s, run)
+
+    async def guest_write(
+        self, sandbox_id: str, envd_token: str | None, path: str, data: bytes, *, append: bool
+    ) -> None:
+        req = pb.GuestWriteRequest(
+            sandbox_id=sandbox_id, envd_token=envd_token, path=path, data=data, append=append
+        )
+        await self._call(
+            "GuestWrite",
+            self._long_s,
+            lambda ms: self._client().guest_write(req, headers=self._headers, timeout_ms=ms),
+        )
+
+    async def guest_defaults(
+        self, sandbox_id: str, envd_token: str | None, user: str, workdir: str
+    ) -> None:
+        req = pb.GuestDefaultsRequest(
+            sandbox_id=sandbox_id, envd_token=envd_token, user=user, workdir=workdir
+        )
+        await self._call(
+            "GuestDefaults",
+            self._change_s,
+            lambda ms: self._client().guest_defaults(req, headers=self._headers, timeout_ms=ms),
+        )
 
     async def gateway(self, node_id: str) -> str | None:
         """Guests of this node are reached at their slot addresses."""

@@ -32,6 +32,7 @@ _ALLOWED: tuple[type[Exception], ...] = (
     rt.TemplateUnavailable,
     rt.TagUnavailable,
     rt.Lost,
+    rt.GuestFailed,
 )
 KINDS: dict[str, type[Exception]] = {cls.__name__: cls for cls in _ALLOWED}
 # String attributes some failures carry besides their message.
@@ -80,6 +81,7 @@ def to_connect(exc: Exception, kind: type[Exception]) -> ConnectError:
             rt.TemplateUnavailable: Code.NOT_FOUND,
             rt.TagUnavailable: Code.NOT_FOUND,
             rt.Lost: Code.FAILED_PRECONDITION,
+            rt.GuestFailed: Code.ABORTED,
         }
         code = codes.get(kind, Code.INTERNAL)
     fields = {f: v for f in _FIELDS if isinstance(v := getattr(exc, f, None), str)}

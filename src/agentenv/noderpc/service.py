@@ -17,7 +17,7 @@ from connectrpc.code import Code
 from connectrpc.errors import ConnectError
 from connectrpc.request import RequestContext
 
-from agentenv.contract.runtime import ImportEvent, Runtime, SandboxSpec
+from agentenv.contract.runtime import GuestCommand, ImportEvent, Runtime, SandboxSpec
 
 from . import convert
 from .convert import opt_str
@@ -271,6 +271,53 @@ class NodeService(NodeServiceProtocol):
     ) -> pb.HostMemoryResponse:
         mem = await _call(ctx, "host_memory", self.runtime.host_memory(request.sandbox_id))
         return pb.HostMemoryResponse(memory=None if mem is None else convert.memory_to_pb(mem))
+
+    async def guest_run(
+        self, request: pb.GuestRunRequest, ctx: RequestContext[Any, Any]
+    ) -> AsyncIterator[pb.GuestRunEvent]:
+        """The command runs as a task; its lines stream as they come, the exit code last. A
+        client that goes away cancels it (envd then ends the process)."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[pb.GuestRunEvent | None] = asyncio.Queue()
+
+        def on_line(line: str, stream: str) -> None:
+            loop.call_soon_threadsafe(queue.put_nowait, pb.GuestRunEvent(line=line, stream=stream))
+
+        command = GuestCommand(
+            cmd=request.cmd,
+            user=request.user or "root",
+            envs=dict(request.envs),
+            cwd=opt_str(request, "cwd"),
+            timeout_s=request.timeout_s or GuestCommand.timeout_s,
+        )
+        token = opt_str(request, "envd_token")
+        work = self.runtime.guest_run(request.sandbox_id, token, command, on_line)
+        task = asyncio.create_task(_call(ctx, "guest_run", work))
+        task.add_done_callback(lambda _: loop.call_soon_threadsafe(queue.put_nowait, None))
+        try:
+            while (event := await queue.get()) is not None:
+                yield event
+            yield pb.GuestRunEvent(exit_code=task.result())
+        finally:
+            task.cancel()
+
+    async def guest_write(
+        self, request: pb.GuestWriteRequest, ctx: RequestContext[Any, Any]
+    ) -> pb.Empty:
+        token = opt_str(request, "envd_token")
+        work = self.runtime.guest_write(
+            request.sandbox_id, token, request.path, bytes(request.data), append=request.append
+        )
+        await _call(ctx, "guest_write", work)
+        return pb.Empty()
+
+    async def guest_defaults(
+        self, request: pb.GuestDefaultsRequest, ctx: RequestContext[Any, Any]
+    ) -> pb.Empty:
+        token = opt_str(request, "envd_token")
+        work = self.runtime.guest_defaults(request.sandbox_id, token, request.user, request.workdir)
+        await _call(ctx, "guest_defaults", work)
+        return pb.Empty()
 
 
 def _decode(fn: Callable[[], T]) -> T:

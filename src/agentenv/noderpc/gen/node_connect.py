@@ -16,7 +16,7 @@ from connectrpc.server import ConnectASGIApplication, ConnectWSGIApplication, DE
 from protobuf import DescService
 
 from . import node_pb
-from .node_pb import AliveResponse, CreateRequest, DeletedResponse, Empty, FindResponse, ForkRequest, ForkResponse, GuestMetricsRequest, HostMemoryResponse, ImageRef, ImportEvent, ImportImageRequest, InitGuestRequest, LostEvent, NoteActivityRequest, OptionalJson, OptionalText, PauseRequest, PlacementResponse, ResumeRequest, SandboxIdsResponse, SandboxRef, SnapshotInfo, SnapshotRef, SnapshotRequest, SnapshotsResponse, UpdateEgressRequest, WatchLostRequest
+from .node_pb import AliveResponse, CreateRequest, DeletedResponse, Empty, FindResponse, ForkRequest, ForkResponse, GuestDefaultsRequest, GuestMetricsRequest, GuestRunEvent, GuestRunRequest, GuestWriteRequest, HostMemoryResponse, ImageRef, ImportEvent, ImportImageRequest, InitGuestRequest, LostEvent, NoteActivityRequest, OptionalJson, OptionalText, PauseRequest, PlacementResponse, ResumeRequest, SandboxIdsResponse, SandboxRef, SnapshotInfo, SnapshotRef, SnapshotRequest, SnapshotsResponse, UpdateEgressRequest, WatchLostRequest
 
 if TYPE_CHECKING:
     from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Iterator, Mapping
@@ -92,6 +92,15 @@ class NodeService(Protocol):
         raise ConnectError(Code.UNIMPLEMENTED, 'Not implemented')
 
     async def host_memory(self, request: SandboxRef, ctx: RequestContext[SandboxRef, HostMemoryResponse], /) -> HostMemoryResponse:
+        raise ConnectError(Code.UNIMPLEMENTED, 'Not implemented')
+
+    def guest_run(self, request: GuestRunRequest, ctx: RequestContext[GuestRunRequest, GuestRunEvent], /) -> AsyncIterator[GuestRunEvent]:
+        raise ConnectError(Code.UNIMPLEMENTED, 'Not implemented')
+
+    async def guest_write(self, request: GuestWriteRequest, ctx: RequestContext[GuestWriteRequest, Empty], /) -> Empty:
+        raise ConnectError(Code.UNIMPLEMENTED, 'Not implemented')
+
+    async def guest_defaults(self, request: GuestDefaultsRequest, ctx: RequestContext[GuestDefaultsRequest, Empty], /) -> Empty:
         raise ConnectError(Code.UNIMPLEMENTED, 'Not implemented')
 
     @classmethod
@@ -331,6 +340,36 @@ class NodeServiceASGIApplication(ConnectASGIApplication[NodeService]):
                         idempotency_level=IdempotencyLevel.UNKNOWN,
                     ),
                     function=svc.host_memory,
+                ),
+                "/agentenv.node.v1.NodeService/GuestRun": Endpoint.server_stream(
+                    method=MethodInfo(
+                        name="GuestRun",
+                        service_name="agentenv.node.v1.NodeService",
+                        input=GuestRunRequest,
+                        output=GuestRunEvent,
+                        idempotency_level=IdempotencyLevel.UNKNOWN,
+                    ),
+                    function=svc.guest_run,
+                ),
+                "/agentenv.node.v1.NodeService/GuestWrite": Endpoint.unary(
+                    method=MethodInfo(
+                        name="GuestWrite",
+                        service_name="agentenv.node.v1.NodeService",
+                        input=GuestWriteRequest,
+                        output=Empty,
+                        idempotency_level=IdempotencyLevel.UNKNOWN,
+                    ),
+                    function=svc.guest_write,
+                ),
+                "/agentenv.node.v1.NodeService/GuestDefaults": Endpoint.unary(
+                    method=MethodInfo(
+                        name="GuestDefaults",
+                        service_name="agentenv.node.v1.NodeService",
+                        input=GuestDefaultsRequest,
+                        output=Empty,
+                        idempotency_level=IdempotencyLevel.UNKNOWN,
+                    ),
+                    function=svc.guest_defaults,
                 ),
             },
             interceptors=interceptors,
@@ -786,6 +825,66 @@ class NodeServiceClient(ConnectClient):
             timeout_ms=timeout_ms,
         )
 
+    def guest_run(
+        self,
+        request: GuestRunRequest,
+        *,
+        headers: Headers | Mapping[str, str] | None = None, 
+        timeout_ms: int | None = None,
+    ) -> AsyncIterator[GuestRunEvent]:
+        return self.execute_server_stream(
+            request=request,
+            method=MethodInfo(
+                name="GuestRun",
+                service_name="agentenv.node.v1.NodeService",
+                input=GuestRunRequest,
+                output=GuestRunEvent,
+                idempotency_level=IdempotencyLevel.UNKNOWN,
+            ),
+            headers=headers,
+            timeout_ms=timeout_ms,
+        )
+
+    async def guest_write(
+        self,
+        request: GuestWriteRequest,
+        *,
+        headers: Headers | Mapping[str, str] | None = None, 
+        timeout_ms: int | None = None,
+    ) -> Empty:
+        return await self.execute_unary(
+            request=request,
+            method=MethodInfo(
+                name="GuestWrite",
+                service_name="agentenv.node.v1.NodeService",
+                input=GuestWriteRequest,
+                output=Empty,
+                idempotency_level=IdempotencyLevel.UNKNOWN,
+            ),
+            headers=headers,
+            timeout_ms=timeout_ms,
+        )
+
+    async def guest_defaults(
+        self,
+        request: GuestDefaultsRequest,
+        *,
+        headers: Headers | Mapping[str, str] | None = None, 
+        timeout_ms: int | None = None,
+    ) -> Empty:
+        return await self.execute_unary(
+            request=request,
+            method=MethodInfo(
+                name="GuestDefaults",
+                service_name="agentenv.node.v1.NodeService",
+                input=GuestDefaultsRequest,
+                output=Empty,
+                idempotency_level=IdempotencyLevel.UNKNOWN,
+            ),
+            headers=headers,
+            timeout_ms=timeout_ms,
+        )
+
 class NodeServiceSync(Protocol):
     def create(self, request: CreateRequest, ctx: RequestContext[CreateRequest, PlacementResponse], /) -> PlacementResponse:
         raise ConnectError(Code.UNIMPLEMENTED, 'Not implemented')
@@ -851,6 +950,15 @@ class NodeServiceSync(Protocol):
         raise ConnectError(Code.UNIMPLEMENTED, 'Not implemented')
 
     def host_memory(self, request: SandboxRef, ctx: RequestContext[SandboxRef, HostMemoryResponse], /) -> HostMemoryResponse:
+        raise ConnectError(Code.UNIMPLEMENTED, 'Not implemented')
+
+    def guest_run(self, request: GuestRunRequest, ctx: RequestContext[GuestRunRequest, GuestRunEvent], /) -> Iterator[GuestRunEvent]:
+        raise ConnectError(Code.UNIMPLEMENTED, 'Not implemented')
+
+    def guest_write(self, request: GuestWriteRequest, ctx: RequestContext[GuestWriteRequest, Empty], /) -> Empty:
+        raise ConnectError(Code.UNIMPLEMENTED, 'Not implemented')
+
+    def guest_defaults(self, request: GuestDefaultsRequest, ctx: RequestContext[GuestDefaultsRequest, Empty], /) -> Empty:
         raise ConnectError(Code.UNIMPLEMENTED, 'Not implemented')
 
     @classmethod
@@ -1088,6 +1196,36 @@ class NodeServiceWSGIApplication(ConnectWSGIApplication):
                         idempotency_level=IdempotencyLevel.UNKNOWN,
                     ),
                     function=service.host_memory,
+                ),
+                "/agentenv.node.v1.NodeService/GuestRun": EndpointSync.server_stream(
+                    method=MethodInfo(
+                        name="GuestRun",
+                        service_name="agentenv.node.v1.NodeService",
+                        input=GuestRunRequest,
+                        output=GuestRunEvent,
+                        idempotency_level=IdempotencyLevel.UNKNOWN,
+                    ),
+                    function=service.guest_run,
+                ),
+                "/agentenv.node.v1.NodeService/GuestWrite": EndpointSync.unary(
+                    method=MethodInfo(
+                        name="GuestWrite",
+                        service_name="agentenv.node.v1.NodeService",
+                        input=GuestWriteRequest,
+                        output=Empty,
+                        idempotency_level=IdempotencyLevel.UNKNOWN,
+                    ),
+                    function=service.guest_write,
+                ),
+                "/agentenv.node.v1.NodeService/GuestDefaults": EndpointSync.unary(
+                    method=MethodInfo(
+                        name="GuestDefaults",
+                        service_name="agentenv.node.v1.NodeService",
+                        input=GuestDefaultsRequest,
+                        output=Empty,
+                        idempotency_level=IdempotencyLevel.UNKNOWN,
+                    ),
+                    function=service.guest_defaults,
                 ),
             },
             interceptors=interceptors,
@@ -1516,6 +1654,63 @@ class NodeServiceClientSync(ConnectClientSync):
                 service_name="agentenv.node.v1.NodeService",
                 input=SandboxRef,
                 output=HostMemoryResponse,
+                idempotency_level=IdempotencyLevel.UNKNOWN,
+            ),
+            headers=headers,
+            timeout_ms=timeout_ms,
+        )
+    def guest_run(
+        self,
+        request: GuestRunRequest,
+        *,
+        headers: Headers | Mapping[str, str] | None = None, 
+        timeout_ms: int | None = None,
+    ) -> Iterator[GuestRunEvent]:
+        return self.execute_server_stream(
+            request=request,
+            method=MethodInfo(
+                name="GuestRun",
+                service_name="agentenv.node.v1.NodeService",
+                input=GuestRunRequest,
+                output=GuestRunEvent,
+                idempotency_level=IdempotencyLevel.UNKNOWN,
+            ),
+            headers=headers,
+            timeout_ms=timeout_ms,
+        )
+    def guest_write(
+        self,
+        request: GuestWriteRequest,
+        *,
+        headers: Headers | Mapping[str, str] | None = None, 
+        timeout_ms: int | None = None,
+    ) -> Empty:
+        return self.execute_unary(
+            request=request,
+            method=MethodInfo(
+                name="GuestWrite",
+                service_name="agentenv.node.v1.NodeService",
+                input=GuestWriteRequest,
+                output=Empty,
+                idempotency_level=IdempotencyLevel.UNKNOWN,
+            ),
+            headers=headers,
+            timeout_ms=timeout_ms,
+        )
+    def guest_defaults(
+        self,
+        request: GuestDefaultsRequest,
+        *,
+        headers: Headers | Mapping[str, str] | None = None, 
+        timeout_ms: int | None = None,
+    ) -> Empty:
+        return self.execute_unary(
+            request=request,
+            method=MethodInfo(
+                name="GuestDefaults",
+                service_name="agentenv.node.v1.NodeService",
+                input=GuestDefaultsRequest,
+                output=Empty,
                 idempotency_level=IdempotencyLevel.UNKNOWN,
             ),
             headers=headers,

@@ -1309,9 +1309,217 @@ class LostEvent(Message[_LostEventFields]):
         why: str
         heartbeat: bool
 
+_GuestRunRequestFields: TypeAlias = Literal["sandbox_id", "envd_token", "cmd", "user", "envs", "cwd", "timeout_s"]
+
+class GuestRunRequest(Message[_GuestRunRequestFields]):
+    """
+    A shell command in a running sandbox (contract.runtime.GuestCommand).
+
+    ```proto
+    message agentenv.node.v1.GuestRunRequest
+    ```
+
+    Attributes:
+        sandbox_id:
+            ```proto
+            string sandbox_id = 1;
+            ```
+        envd_token:
+            ```proto
+            optional string envd_token = 2;
+            ```
+        cmd:
+            ```proto
+            string cmd = 3;
+            ```
+        user:
+            ```proto
+            string user = 4;
+            ```
+        envs:
+            ```proto
+            map<string, string> envs = 5;
+            ```
+        cwd:
+            ```proto
+            optional string cwd = 6;
+            ```
+        timeout_s:
+            ```proto
+            double timeout_s = 7;
+            ```
+    """
+
+    __slots__ = ("sandbox_id", "envd_token", "cmd", "user", "envs", "cwd", "timeout_s")
+
+    if TYPE_CHECKING:
+
+        def __init__(
+            self,
+            *,
+            sandbox_id: str = "",
+            envd_token: str | None = None,
+            cmd: str = "",
+            user: str = "",
+            envs: dict[str, str] | None = None,
+            cwd: str | None = None,
+            timeout_s: float = 0,
+        ) -> None:
+            pass
+
+        sandbox_id: str
+        envd_token: str
+        cmd: str
+        user: str
+        envs: dict[str, str]
+        cwd: str
+        timeout_s: float
+
+_GuestRunEventFields: TypeAlias = Literal["line", "stream", "exit_code"]
+
+class GuestRunEvent(Message[_GuestRunEventFields]):
+    """
+    One output line of a GuestRun ("stdout" or "stderr"), then, last, the exit code.
+
+    ```proto
+    message agentenv.node.v1.GuestRunEvent
+    ```
+
+    Attributes:
+        line:
+            ```proto
+            string line = 1;
+            ```
+        stream:
+            ```proto
+            string stream = 2;
+            ```
+        exit_code:
+            ```proto
+            optional int32 exit_code = 3;
+            ```
+    """
+
+    __slots__ = ("line", "stream", "exit_code")
+
+    if TYPE_CHECKING:
+
+        def __init__(
+            self,
+            *,
+            line: str = "",
+            stream: str = "",
+            exit_code: int | None = None,
+        ) -> None:
+            pass
+
+        line: str
+        stream: str
+        exit_code: int
+
+_GuestWriteRequestFields: TypeAlias = Literal["sandbox_id", "envd_token", "path", "data", "append"]
+
+class GuestWriteRequest(Message[_GuestWriteRequestFields]):
+    """
+    At most contract.runtime.GUEST_WRITE_MAX_BYTES of a file; `append` adds to its end.
+
+    ```proto
+    message agentenv.node.v1.GuestWriteRequest
+    ```
+
+    Attributes:
+        sandbox_id:
+            ```proto
+            string sandbox_id = 1;
+            ```
+        envd_token:
+            ```proto
+            optional string envd_token = 2;
+            ```
+        path:
+            ```proto
+            string path = 3;
+            ```
+        data:
+            ```proto
+            bytes data = 4;
+            ```
+        append:
+            ```proto
+            bool append = 5;
+            ```
+    """
+
+    __slots__ = ("sandbox_id", "envd_token", "path", "data", "append")
+
+    if TYPE_CHECKING:
+
+        def __init__(
+            self,
+            *,
+            sandbox_id: str = "",
+            envd_token: str | None = None,
+            path: str = "",
+            data: bytes = b"",
+            append: bool = False,
+        ) -> None:
+            pass
+
+        sandbox_id: str
+        envd_token: str
+        path: str
+        data: bytes
+        append: bool
+
+_GuestDefaultsRequestFields: TypeAlias = Literal["sandbox_id", "envd_token", "user", "workdir"]
+
+class GuestDefaultsRequest(Message[_GuestDefaultsRequestFields]):
+    """
+    ```proto
+    message agentenv.node.v1.GuestDefaultsRequest
+    ```
+
+    Attributes:
+        sandbox_id:
+            ```proto
+            string sandbox_id = 1;
+            ```
+        envd_token:
+            ```proto
+            optional string envd_token = 2;
+            ```
+        user:
+            ```proto
+            string user = 3;
+            ```
+        workdir:
+            ```proto
+            string workdir = 4;
+            ```
+    """
+
+    __slots__ = ("sandbox_id", "envd_token", "user", "workdir")
+
+    if TYPE_CHECKING:
+
+        def __init__(
+            self,
+            *,
+            sandbox_id: str = "",
+            envd_token: str | None = None,
+            user: str = "",
+            workdir: str = "",
+        ) -> None:
+            pass
+
+        sandbox_id: str
+        envd_token: str
+        user: str
+        workdir: str
+
 
 _DESC = file_desc(
-    b'\n\nnode.proto\x12\x10agentenv.node.v1"\xb0\x01\n\x06Egress\x12\x1a\n\x08internet\x18\x01 \x01(\x08R\x08internet\x12\x1b\n\tallow_out\x18\x02 \x03(\tR\x08allowOut\x12\x19\n\x08deny_out\x18\x03 \x03(\tR\x07denyOut\x12B\n\x0bdns_servers\x18\x04 \x01(\x0b2\x1c.agentenv.node.v1.DnsServersH\x00R\ndnsServers\x88\x01\x01B\x0e\n\x0c_dns_servers"&\n\nDnsServers\x12\x18\n\x07servers\x18\x01 \x03(\tR\x07servers"\x9d\x04\n\x0bSandboxSpec\x12\x1d\n\nsandbox_id\x18\x01 \x01(\tR\tsandboxId\x12\x1a\n\x08template\x18\x02 \x01(\tR\x08template\x12\x10\n\x03cpu\x18\x03 \x01(\x05R\x03cpu\x12\x1b\n\tmemory_mb\x18\x04 \x01(\x05R\x08memoryMb\x12%\n\x0cdisk_size_mb\x18\x05 \x01(\x03H\x00R\ndiskSizeMb\x88\x01\x01\x120\n\x06egress\x18\x06 \x01(\x0b2\x18.agentenv.node.v1.EgressR\x06egress\x12E\n\x08env_vars\x18\x07 \x03(\x0b2*.agentenv.node.v1.SandboxSpec.EnvVarsEntryR\x07envVars\x12"\n\nenvd_token\x18\x08 \x01(\tH\x01R\tenvdToken\x88\x01\x01\x12G\n\x08metadata\x18\t \x03(\x0b2+.agentenv.node.v1.SandboxSpec.MetadataEntryR\x08metadata\x1a:\n\x0cEnvVarsEntry\x12\x10\n\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\x1a;\n\rMetadataEntry\x12\x10\n\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n\x05value\x18\x02 \x01(\tR\x05value:\x028\x01B\x0f\n\r_disk_size_mbB\r\n\x0b_envd_token"w\n\tPlacement\x12\x1d\n\nsandbox_id\x18\x01 \x01(\tR\tsandboxId\x12\x18\n\x07address\x18\x02 \x01(\tR\x07address\x12\x19\n\x08envd_url\x18\x03 \x01(\tR\x07envdUrl\x12\x16\n\x06booted\x18\x04 \x01(\x08R\x06booted"\x83\x01\n\x05Found\x12\x14\n\x05state\x18\x01 \x01(\tR\x05state\x12>\n\tplacement\x18\x02 \x01(\x0b2\x1b.agentenv.node.v1.PlacementH\x00R\tplacement\x88\x01\x01\x12\x16\n\x06memory\x18\x03 \x01(\x08R\x06memoryB\x0c\n\n_placement"\xab\x01\n\x0cSnapshotInfo\x12\x1f\n\x0bsnapshot_id\x18\x01 \x01(\tR\nsnapshotId\x12\x14\n\x05names\x18\x02 \x03(\tR\x05names\x12\x16\n\x06source\x18\x03 \x01(\tR\x06source\x12\x1d\n\ncreated_at\x18\x04 \x01(\x01R\tcreatedAt\x12\x10\n\x03cpu\x18\x05 \x01(\x05R\x03cpu\x12\x1b\n\tmemory_mb\x18\x06 \x01(\x05R\x08memoryMb"\x83\x01\n\nHostMemory\x12\x10\n\x03rss\x18\x01 \x01(\x03R\x03rss\x12\x10\n\x03pss\x18\x02 \x01(\x03R\x03pss\x12\x19\n\x08pss_anon\x18\x03 \x01(\x03R\x07pssAnon\x12\x19\n\x08pss_file\x18\x04 \x01(\x03R\x07pssFile\x12\x1b\n\tpss_shmem\x18\x05 \x01(\x03R\x08pssShmem"\xe7\x01\n\x07Failure\x12\x12\n\x04kind\x18\x01 \x01(\tR\x04kind\x12\x18\n\x07message\x18\x02 \x01(\tR\x07message\x12$\n\x0bretry_after\x18\x03 \x01(\x05H\x00R\nretryAfter\x88\x01\x01\x12=\n\x06fields\x18\x04 \x03(\x0b2%.agentenv.node.v1.Failure.FieldsEntryR\x06fields\x1a9\n\x0bFieldsEntry\x12\x10\n\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n\x05value\x18\x02 \x01(\tR\x05value:\x028\x01B\x0e\n\x0c_retry_after"+\n\nSandboxRef\x12\x1d\n\nsandbox_id\x18\x01 \x01(\tR\tsandboxId"\x07\n\x05Empty"B\n\rCreateRequest\x121\n\x04spec\x18\x01 \x01(\x0b2\x1d.agentenv.node.v1.SandboxSpecR\x04spec"N\n\x11PlacementResponse\x129\n\tplacement\x18\x01 \x01(\x0b2\x1b.agentenv.node.v1.PlacementR\tplacement"f\n\x13UpdateEgressRequest\x12\x1d\n\nsandbox_id\x18\x01 \x01(\tR\tsandboxId\x120\n\x06egress\x18\x02 \x01(\x0b2\x18.agentenv.node.v1.EgressR\x06egress"\x90\x01\n\x0cPauseRequest\x12\x1d\n\nsandbox_id\x18\x01 \x01(\tR\tsandboxId\x12\x16\n\x06memory\x18\x02 \x01(\x08R\x06memory\x12"\n\nenvd_token\x18\x03 \x01(\tH\x00R\tenvdToken\x88\x01\x01\x12\x16\n\x06strict\x18\x04 \x01(\x08R\x06strictB\r\n\x0b_envd_token"Z\n\rResumeRequest\x121\n\x04spec\x18\x01 \x01(\x0b2\x1d.agentenv.node.v1.SandboxSpecR\x04spec\x12\x16\n\x06memory\x18\x02 \x01(\x08R\x06memory"E\n\x10InitGuestRequest\x121\n\x04spec\x18\x01 \x01(\x0b2\x1d.agentenv.node.v1.SandboxSpecR\x04spec"g\n\x13GuestMetricsRequest\x12\x1d\n\nsandbox_id\x18\x01 \x01(\tR\tsandboxId\x12"\n\nenvd_token\x18\x02 \x01(\tH\x00R\tenvdToken\x88\x01\x01B\r\n\x0b_envd_token"0\n\x0cOptionalJson\x12\x17\n\x04json\x18\x01 \x01(\tH\x00R\x04json\x88\x01\x01B\x07\n\x05_json"0\n\x0cOptionalText\x12\x17\n\x04text\x18\x01 \x01(\tH\x00R\x04text\x88\x01\x01B\x07\n\x05_text"%\n\rAliveResponse\x12\x14\n\x05alive\x18\x01 \x01(\x08R\x05alive"L\n\x0cFindResponse\x122\n\x05found\x18\x01 \x01(\x0b2\x17.agentenv.node.v1.FoundH\x00R\x05found\x88\x01\x01B\x08\n\x06_found"5\n\x12SandboxIdsResponse\x12\x1f\n\x0bsandbox_ids\x18\x01 \x03(\tR\nsandboxIds"\x9d\x01\n\x0fSnapshotRequest\x12\x1d\n\nsandbox_id\x18\x01 \x01(\tR\tsandboxId\x12\x17\n\x04name\x18\x02 \x01(\tH\x00R\x04name\x88\x01\x01\x12"\n\nenvd_token\x18\x03 \x01(\tH\x01R\tenvdToken\x88\x01\x01\x12\x16\n\x06memory\x18\x04 \x01(\x08R\x06memoryB\x07\n\x05_nameB\r\n\x0b_envd_token"\x9a\x01\n\x0bForkRequest\x12\x1d\n\nsandbox_id\x18\x01 \x01(\tR\tsandboxId\x129\n\x08children\x18\x02 \x03(\x0b2\x1d.agentenv.node.v1.SandboxSpecR\x08children\x12"\n\nenvd_token\x18\x03 \x01(\tH\x00R\tenvdToken\x88\x01\x01B\r\n\x0b_envd_token"K\n\x0cForkResponse\x12;\n\nplacements\x18\x01 \x03(\x0b2\x1b.agentenv.node.v1.PlacementR\nplacements"Q\n\x11SnapshotsResponse\x12<\n\tsnapshots\x18\x01 \x03(\x0b2\x1e.agentenv.node.v1.SnapshotInfoR\tsnapshots".\n\x0bSnapshotRef\x12\x1f\n\x0bsnapshot_id\x18\x01 \x01(\tR\nsnapshotId"+\n\x0fDeletedResponse\x12\x18\n\x07deleted\x18\x01 \x01(\x08R\x07deleted"\x1e\n\x08ImageRef\x12\x12\n\x04name\x18\x01 \x01(\tR\x04name"\x96\x01\n\x12ImportImageRequest\x12\x10\n\x03ref\x18\x01 \x01(\tR\x03ref\x12\x12\n\x04name\x18\x02 \x01(\tR\x04name\x12\x1f\n\x08username\x18\x03 \x01(\tH\x00R\x08username\x88\x01\x01\x12\x1f\n\x08password\x18\x04 \x01(\tH\x01R\x08password\x88\x01\x01B\x0b\n\t_usernameB\x0b\n\t_password"\x96\x01\n\x0bImportEvent\x12\x18\n\x07message\x18\x01 \x01(\tR\x07message\x12"\n\nlayer_json\x18\x02 \x01(\tH\x00R\tlayerJson\x88\x01\x01\x12(\n\rtemplate_json\x18\x03 \x01(\tH\x01R\x0ctemplateJson\x88\x01\x01B\r\n\x0b_layer_jsonB\x10\n\x0e_template_json"6\n\x13NoteActivityRequest\x12\x1f\n\x0bsandbox_ids\x18\x01 \x03(\tR\nsandboxIds"Z\n\x12HostMemoryResponse\x129\n\x06memory\x18\x01 \x01(\x0b2\x1c.agentenv.node.v1.HostMemoryH\x00R\x06memory\x88\x01\x01B\t\n\x07_memory"E\n\x10WatchLostRequest\x12\x14\n\x05epoch\x18\x01 \x01(\tR\x05epoch\x12\x1b\n\tafter_seq\x18\x02 \x01(\x04R\x08afterSeq"\x82\x01\n\tLostEvent\x12\x14\n\x05epoch\x18\x01 \x01(\tR\x05epoch\x12\x10\n\x03seq\x18\x02 \x01(\x04R\x03seq\x12\x1d\n\nsandbox_id\x18\x03 \x01(\tR\tsandboxId\x12\x10\n\x03why\x18\x04 \x01(\tR\x03why\x12\x1c\n\theartbeat\x18\x05 \x01(\x08R\theartbeat2\xa3\r\n\x0bNodeService\x12N\n\x06Create\x12\x1f.agentenv.node.v1.CreateRequest\x1a#.agentenv.node.v1.PlacementResponse\x12N\n\x0cUpdateEgress\x12%.agentenv.node.v1.UpdateEgressRequest\x1a\x17.agentenv.node.v1.Empty\x12?\n\x06Delete\x12\x1c.agentenv.node.v1.SandboxRef\x1a\x17.agentenv.node.v1.Empty\x12?\n\x06Forget\x12\x1c.agentenv.node.v1.SandboxRef\x1a\x17.agentenv.node.v1.Empty\x12@\n\x05Pause\x12\x1e.agentenv.node.v1.PauseRequest\x1a\x17.agentenv.node.v1.Empty\x12N\n\x06Resume\x12\x1f.agentenv.node.v1.ResumeRequest\x1a#.agentenv.node.v1.PlacementResponse\x12H\n\tInitGuest\x12".agentenv.node.v1.InitGuestRequest\x1a\x17.agentenv.node.v1.Empty\x12U\n\x0cGuestMetrics\x12%.agentenv.node.v1.GuestMetricsRequest\x1a\x1e.agentenv.node.v1.OptionalJson\x12K\n\x0bGuestHealth\x12\x1c.agentenv.node.v1.SandboxRef\x1a\x1e.agentenv.node.v1.OptionalText\x12H\n\x07IsAlive\x12\x1c.agentenv.node.v1.SandboxRef\x1a\x1f.agentenv.node.v1.AliveResponse\x12D\n\x04Find\x12\x1c.agentenv.node.v1.SandboxRef\x1a\x1e.agentenv.node.v1.FindResponse\x12K\n\nSandboxIds\x12\x17.agentenv.node.v1.Empty\x1a$.agentenv.node.v1.SandboxIdsResponse\x12J\n\nLostReason\x12\x1c.agentenv.node.v1.SandboxRef\x1a\x1e.agentenv.node.v1.OptionalText\x12N\n\tWatchLost\x12".agentenv.node.v1.WatchLostRequest\x1a\x1b.agentenv.node.v1.LostEvent0\x01\x12M\n\x08Snapshot\x12!.agentenv.node.v1.SnapshotRequest\x1a\x1e.agentenv.node.v1.SnapshotInfo\x12E\n\x04Fork\x12\x1d.agentenv.node.v1.ForkRequest\x1a\x1e.agentenv.node.v1.ForkResponse\x12I\n\tSnapshots\x12\x17.agentenv.node.v1.Empty\x1a#.agentenv.node.v1.SnapshotsResponse\x12R\n\x0eDeleteSnapshot\x12\x1d.agentenv.node.v1.SnapshotRef\x1a!.agentenv.node.v1.DeletedResponse\x12L\n\x0bRemoveImage\x12\x1a.agentenv.node.v1.ImageRef\x1a!.agentenv.node.v1.DeletedResponse\x12T\n\x0bImportImage\x12$.agentenv.node.v1.ImportImageRequest\x1a\x1d.agentenv.node.v1.ImportEvent0\x01\x12N\n\x0cNoteActivity\x12%.agentenv.node.v1.NoteActivityRequest\x1a\x17.agentenv.node.v1.Empty\x12P\n\nHostMemory\x12\x1c.agentenv.node.v1.SandboxRef\x1a$.agentenv.node.v1.HostMemoryResponseb\x06proto3',
+    b'\n\nnode.proto\x12\x10agentenv.node.v1"\xb0\x01\n\x06Egress\x12\x1a\n\x08internet\x18\x01 \x01(\x08R\x08internet\x12\x1b\n\tallow_out\x18\x02 \x03(\tR\x08allowOut\x12\x19\n\x08deny_out\x18\x03 \x03(\tR\x07denyOut\x12B\n\x0bdns_servers\x18\x04 \x01(\x0b2\x1c.agentenv.node.v1.DnsServersH\x00R\ndnsServers\x88\x01\x01B\x0e\n\x0c_dns_servers"&\n\nDnsServers\x12\x18\n\x07servers\x18\x01 \x03(\tR\x07servers"\x9d\x04\n\x0bSandboxSpec\x12\x1d\n\nsandbox_id\x18\x01 \x01(\tR\tsandboxId\x12\x1a\n\x08template\x18\x02 \x01(\tR\x08template\x12\x10\n\x03cpu\x18\x03 \x01(\x05R\x03cpu\x12\x1b\n\tmemory_mb\x18\x04 \x01(\x05R\x08memoryMb\x12%\n\x0cdisk_size_mb\x18\x05 \x01(\x03H\x00R\ndiskSizeMb\x88\x01\x01\x120\n\x06egress\x18\x06 \x01(\x0b2\x18.agentenv.node.v1.EgressR\x06egress\x12E\n\x08env_vars\x18\x07 \x03(\x0b2*.agentenv.node.v1.SandboxSpec.EnvVarsEntryR\x07envVars\x12"\n\nenvd_token\x18\x08 \x01(\tH\x01R\tenvdToken\x88\x01\x01\x12G\n\x08metadata\x18\t \x03(\x0b2+.agentenv.node.v1.SandboxSpec.MetadataEntryR\x08metadata\x1a:\n\x0cEnvVarsEntry\x12\x10\n\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\x1a;\n\rMetadataEntry\x12\x10\n\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n\x05value\x18\x02 \x01(\tR\x05value:\x028\x01B\x0f\n\r_disk_size_mbB\r\n\x0b_envd_token"w\n\tPlacement\x12\x1d\n\nsandbox_id\x18\x01 \x01(\tR\tsandboxId\x12\x18\n\x07address\x18\x02 \x01(\tR\x07address\x12\x19\n\x08envd_url\x18\x03 \x01(\tR\x07envdUrl\x12\x16\n\x06booted\x18\x04 \x01(\x08R\x06booted"\x83\x01\n\x05Found\x12\x14\n\x05state\x18\x01 \x01(\tR\x05state\x12>\n\tplacement\x18\x02 \x01(\x0b2\x1b.agentenv.node.v1.PlacementH\x00R\tplacement\x88\x01\x01\x12\x16\n\x06memory\x18\x03 \x01(\x08R\x06memoryB\x0c\n\n_placement"\xab\x01\n\x0cSnapshotInfo\x12\x1f\n\x0bsnapshot_id\x18\x01 \x01(\tR\nsnapshotId\x12\x14\n\x05names\x18\x02 \x03(\tR\x05names\x12\x16\n\x06source\x18\x03 \x01(\tR\x06source\x12\x1d\n\ncreated_at\x18\x04 \x01(\x01R\tcreatedAt\x12\x10\n\x03cpu\x18\x05 \x01(\x05R\x03cpu\x12\x1b\n\tmemory_mb\x18\x06 \x01(\x05R\x08memoryMb"\x83\x01\n\nHostMemory\x12\x10\n\x03rss\x18\x01 \x01(\x03R\x03rss\x12\x10\n\x03pss\x18\x02 \x01(\x03R\x03pss\x12\x19\n\x08pss_anon\x18\x03 \x01(\x03R\x07pssAnon\x12\x19\n\x08pss_file\x18\x04 \x01(\x03R\x07pssFile\x12\x1b\n\tpss_shmem\x18\x05 \x01(\x03R\x08pssShmem"\xe7\x01\n\x07Failure\x12\x12\n\x04kind\x18\x01 \x01(\tR\x04kind\x12\x18\n\x07message\x18\x02 \x01(\tR\x07message\x12$\n\x0bretry_after\x18\x03 \x01(\x05H\x00R\nretryAfter\x88\x01\x01\x12=\n\x06fields\x18\x04 \x03(\x0b2%.agentenv.node.v1.Failure.FieldsEntryR\x06fields\x1a9\n\x0bFieldsEntry\x12\x10\n\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n\x05value\x18\x02 \x01(\tR\x05value:\x028\x01B\x0e\n\x0c_retry_after"+\n\nSandboxRef\x12\x1d\n\nsandbox_id\x18\x01 \x01(\tR\tsandboxId"\x07\n\x05Empty"B\n\rCreateRequest\x121\n\x04spec\x18\x01 \x01(\x0b2\x1d.agentenv.node.v1.SandboxSpecR\x04spec"N\n\x11PlacementResponse\x129\n\tplacement\x18\x01 \x01(\x0b2\x1b.agentenv.node.v1.PlacementR\tplacement"f\n\x13UpdateEgressRequest\x12\x1d\n\nsandbox_id\x18\x01 \x01(\tR\tsandboxId\x120\n\x06egress\x18\x02 \x01(\x0b2\x18.agentenv.node.v1.EgressR\x06egress"\x90\x01\n\x0cPauseRequest\x12\x1d\n\nsandbox_id\x18\x01 \x01(\tR\tsandboxId\x12\x16\n\x06memory\x18\x02 \x01(\x08R\x06memory\x12"\n\nenvd_token\x18\x03 \x01(\tH\x00R\tenvdToken\x88\x01\x01\x12\x16\n\x06strict\x18\x04 \x01(\x08R\x06strictB\r\n\x0b_envd_token"Z\n\rResumeRequest\x121\n\x04spec\x18\x01 \x01(\x0b2\x1d.agentenv.node.v1.SandboxSpecR\x04spec\x12\x16\n\x06memory\x18\x02 \x01(\x08R\x06memory"E\n\x10InitGuestRequest\x121\n\x04spec\x18\x01 \x01(\x0b2\x1d.agentenv.node.v1.SandboxSpecR\x04spec"g\n\x13GuestMetricsRequest\x12\x1d\n\nsandbox_id\x18\x01 \x01(\tR\tsandboxId\x12"\n\nenvd_token\x18\x02 \x01(\tH\x00R\tenvdToken\x88\x01\x01B\r\n\x0b_envd_token"0\n\x0cOptionalJson\x12\x17\n\x04json\x18\x01 \x01(\tH\x00R\x04json\x88\x01\x01B\x07\n\x05_json"0\n\x0cOptionalText\x12\x17\n\x04text\x18\x01 \x01(\tH\x00R\x04text\x88\x01\x01B\x07\n\x05_text"%\n\rAliveResponse\x12\x14\n\x05alive\x18\x01 \x01(\x08R\x05alive"L\n\x0cFindResponse\x122\n\x05found\x18\x01 \x01(\x0b2\x17.agentenv.node.v1.FoundH\x00R\x05found\x88\x01\x01B\x08\n\x06_found"5\n\x12SandboxIdsResponse\x12\x1f\n\x0bsandbox_ids\x18\x01 \x03(\tR\nsandboxIds"\x9d\x01\n\x0fSnapshotRequest\x12\x1d\n\nsandbox_id\x18\x01 \x01(\tR\tsandboxId\x12\x17\n\x04name\x18\x02 \x01(\tH\x00R\x04name\x88\x01\x01\x12"\n\nenvd_token\x18\x03 \x01(\tH\x01R\tenvdToken\x88\x01\x01\x12\x16\n\x06memory\x18\x04 \x01(\x08R\x06memoryB\x07\n\x05_nameB\r\n\x0b_envd_token"\x9a\x01\n\x0bForkRequest\x12\x1d\n\nsandbox_id\x18\x01 \x01(\tR\tsandboxId\x129\n\x08children\x18\x02 \x03(\x0b2\x1d.agentenv.node.v1.SandboxSpecR\x08children\x12"\n\nenvd_token\x18\x03 \x01(\tH\x00R\tenvdToken\x88\x01\x01B\r\n\x0b_envd_token"K\n\x0cForkResponse\x12;\n\nplacements\x18\x01 \x03(\x0b2\x1b.agentenv.node.v1.PlacementR\nplacements"Q\n\x11SnapshotsResponse\x12<\n\tsnapshots\x18\x01 \x03(\x0b2\x1e.agentenv.node.v1.SnapshotInfoR\tsnapshots".\n\x0bSnapshotRef\x12\x1f\n\x0bsnapshot_id\x18\x01 \x01(\tR\nsnapshotId"+\n\x0fDeletedResponse\x12\x18\n\x07deleted\x18\x01 \x01(\x08R\x07deleted"\x1e\n\x08ImageRef\x12\x12\n\x04name\x18\x01 \x01(\tR\x04name"\x96\x01\n\x12ImportImageRequest\x12\x10\n\x03ref\x18\x01 \x01(\tR\x03ref\x12\x12\n\x04name\x18\x02 \x01(\tR\x04name\x12\x1f\n\x08username\x18\x03 \x01(\tH\x00R\x08username\x88\x01\x01\x12\x1f\n\x08password\x18\x04 \x01(\tH\x01R\x08password\x88\x01\x01B\x0b\n\t_usernameB\x0b\n\t_password"\x96\x01\n\x0bImportEvent\x12\x18\n\x07message\x18\x01 \x01(\tR\x07message\x12"\n\nlayer_json\x18\x02 \x01(\tH\x00R\tlayerJson\x88\x01\x01\x12(\n\rtemplate_json\x18\x03 \x01(\tH\x01R\x0ctemplateJson\x88\x01\x01B\r\n\x0b_layer_jsonB\x10\n\x0e_template_json"6\n\x13NoteActivityRequest\x12\x1f\n\x0bsandbox_ids\x18\x01 \x03(\tR\nsandboxIds"Z\n\x12HostMemoryResponse\x129\n\x06memory\x18\x01 \x01(\x0b2\x1c.agentenv.node.v1.HostMemoryH\x00R\x06memory\x88\x01\x01B\t\n\x07_memory"E\n\x10WatchLostRequest\x12\x14\n\x05epoch\x18\x01 \x01(\tR\x05epoch\x12\x1b\n\tafter_seq\x18\x02 \x01(\x04R\x08afterSeq"\x82\x01\n\tLostEvent\x12\x14\n\x05epoch\x18\x01 \x01(\tR\x05epoch\x12\x10\n\x03seq\x18\x02 \x01(\x04R\x03seq\x12\x1d\n\nsandbox_id\x18\x03 \x01(\tR\tsandboxId\x12\x10\n\x03why\x18\x04 \x01(\tR\x03why\x12\x1c\n\theartbeat\x18\x05 \x01(\x08R\theartbeat"\xbf\x02\n\x0fGuestRunRequest\x12\x1d\n\nsandbox_id\x18\x01 \x01(\tR\tsandboxId\x12"\n\nenvd_token\x18\x02 \x01(\tH\x00R\tenvdToken\x88\x01\x01\x12\x10\n\x03cmd\x18\x03 \x01(\tR\x03cmd\x12\x12\n\x04user\x18\x04 \x01(\tR\x04user\x12?\n\x04envs\x18\x05 \x03(\x0b2+.agentenv.node.v1.GuestRunRequest.EnvsEntryR\x04envs\x12\x15\n\x03cwd\x18\x06 \x01(\tH\x01R\x03cwd\x88\x01\x01\x12\x1b\n\ttimeout_s\x18\x07 \x01(\x01R\x08timeoutS\x1a7\n\tEnvsEntry\x12\x10\n\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n\x05value\x18\x02 \x01(\tR\x05value:\x028\x01B\r\n\x0b_envd_tokenB\x06\n\x04_cwd"k\n\rGuestRunEvent\x12\x12\n\x04line\x18\x01 \x01(\tR\x04line\x12\x16\n\x06stream\x18\x02 \x01(\tR\x06stream\x12 \n\texit_code\x18\x03 \x01(\x05H\x00R\x08exitCode\x88\x01\x01B\x0c\n\n_exit_code"\xa5\x01\n\x11GuestWriteRequest\x12\x1d\n\nsandbox_id\x18\x01 \x01(\tR\tsandboxId\x12"\n\nenvd_token\x18\x02 \x01(\tH\x00R\tenvdToken\x88\x01\x01\x12\x12\n\x04path\x18\x03 \x01(\tR\x04path\x12\x12\n\x04data\x18\x04 \x01(\x0cR\x04data\x12\x16\n\x06append\x18\x05 \x01(\x08R\x06appendB\r\n\x0b_envd_token"\x96\x01\n\x14GuestDefaultsRequest\x12\x1d\n\nsandbox_id\x18\x01 \x01(\tR\tsandboxId\x12"\n\nenvd_token\x18\x02 \x01(\tH\x00R\tenvdToken\x88\x01\x01\x12\x12\n\x04user\x18\x03 \x01(\tR\x04user\x12\x18\n\x07workdir\x18\x04 \x01(\tR\x07workdirB\r\n\x0b_envd_token2\x93\x0f\n\x0bNodeService\x12N\n\x06Create\x12\x1f.agentenv.node.v1.CreateRequest\x1a#.agentenv.node.v1.PlacementResponse\x12N\n\x0cUpdateEgress\x12%.agentenv.node.v1.UpdateEgressRequest\x1a\x17.agentenv.node.v1.Empty\x12?\n\x06Delete\x12\x1c.agentenv.node.v1.SandboxRef\x1a\x17.agentenv.node.v1.Empty\x12?\n\x06Forget\x12\x1c.agentenv.node.v1.SandboxRef\x1a\x17.agentenv.node.v1.Empty\x12@\n\x05Pause\x12\x1e.agentenv.node.v1.PauseRequest\x1a\x17.agentenv.node.v1.Empty\x12N\n\x06Resume\x12\x1f.agentenv.node.v1.ResumeRequest\x1a#.agentenv.node.v1.PlacementResponse\x12H\n\tInitGuest\x12".agentenv.node.v1.InitGuestRequest\x1a\x17.agentenv.node.v1.Empty\x12U\n\x0cGuestMetrics\x12%.agentenv.node.v1.GuestMetricsRequest\x1a\x1e.agentenv.node.v1.OptionalJson\x12K\n\x0bGuestHealth\x12\x1c.agentenv.node.v1.SandboxRef\x1a\x1e.agentenv.node.v1.OptionalText\x12H\n\x07IsAlive\x12\x1c.agentenv.node.v1.SandboxRef\x1a\x1f.agentenv.node.v1.AliveResponse\x12D\n\x04Find\x12\x1c.agentenv.node.v1.SandboxRef\x1a\x1e.agentenv.node.v1.FindResponse\x12K\n\nSandboxIds\x12\x17.agentenv.node.v1.Empty\x1a$.agentenv.node.v1.SandboxIdsResponse\x12J\n\nLostReason\x12\x1c.agentenv.node.v1.SandboxRef\x1a\x1e.agentenv.node.v1.OptionalText\x12N\n\tWatchLost\x12".agentenv.node.v1.WatchLostRequest\x1a\x1b.agentenv.node.v1.LostEvent0\x01\x12M\n\x08Snapshot\x12!.agentenv.node.v1.SnapshotRequest\x1a\x1e.agentenv.node.v1.SnapshotInfo\x12E\n\x04Fork\x12\x1d.agentenv.node.v1.ForkRequest\x1a\x1e.agentenv.node.v1.ForkResponse\x12I\n\tSnapshots\x12\x17.agentenv.node.v1.Empty\x1a#.agentenv.node.v1.SnapshotsResponse\x12R\n\x0eDeleteSnapshot\x12\x1d.agentenv.node.v1.SnapshotRef\x1a!.agentenv.node.v1.DeletedResponse\x12L\n\x0bRemoveImage\x12\x1a.agentenv.node.v1.ImageRef\x1a!.agentenv.node.v1.DeletedResponse\x12T\n\x0bImportImage\x12$.agentenv.node.v1.ImportImageRequest\x1a\x1d.agentenv.node.v1.ImportEvent0\x01\x12N\n\x0cNoteActivity\x12%.agentenv.node.v1.NoteActivityRequest\x1a\x17.agentenv.node.v1.Empty\x12P\n\nHostMemory\x12\x1c.agentenv.node.v1.SandboxRef\x1a$.agentenv.node.v1.HostMemoryResponse\x12P\n\x08GuestRun\x12!.agentenv.node.v1.GuestRunRequest\x1a\x1f.agentenv.node.v1.GuestRunEvent0\x01\x12J\n\nGuestWrite\x12#.agentenv.node.v1.GuestWriteRequest\x1a\x17.agentenv.node.v1.Empty\x12P\n\rGuestDefaults\x12&.agentenv.node.v1.GuestDefaultsRequest\x1a\x17.agentenv.node.v1.Emptyb\x06proto3',
     [],
     {
         "Egress": Egress,
@@ -1349,6 +1557,10 @@ _DESC = file_desc(
         "HostMemoryResponse": HostMemoryResponse,
         "WatchLostRequest": WatchLostRequest,
         "LostEvent": LostEvent,
+        "GuestRunRequest": GuestRunRequest,
+        "GuestRunEvent": GuestRunEvent,
+        "GuestWriteRequest": GuestWriteRequest,
+        "GuestDefaultsRequest": GuestDefaultsRequest,
     },
 )
 
