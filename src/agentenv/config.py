@@ -211,6 +211,9 @@ class Settings:
     snapshots: bool = True
     # Paused sandboxes older than this are deleted (0: keep them forever).
     paused_retention_s: float = 7 * 24 * 3600.0
+    # After its timeout a sandbox whose create did not say (`gracePeriod`) is paused this
+    # long, then deleted, instead of killed at once (0: killed, as E2B does).
+    timeout_grace_s: int = 0
     # Balloon of a sandbox without envd traffic for this long is inflated to the floor (0: off).
     idle_reclaim_s: float = 60.0
     balloon_floor_mb: int = 128
@@ -321,6 +324,7 @@ class Settings:
                 ("AGENTENV_MAX_STARTS", default_max_starts()),
                 ("AGENTENV_START_QUEUE", cls.start_queue),
                 ("AGENTENV_CAPACITY_WAIT_S", int(cls.capacity_wait_s)),
+                ("AGENTENV_TIMEOUT_GRACE_S", cls.timeout_grace_s),
                 ("AGENTENV_MIN_FREE_MEMORY_MB", cls.min_free_memory_mb),
                 ("AGENTENV_MIN_FREE_DISK_MB", cls.min_free_disk_mb),
                 ("AGENTENV_DISK_BPS_MB", cls.disk_bps_mb),
@@ -402,6 +406,7 @@ class Settings:
             boot_timeout_s=float(env_int("AGENTENV_BOOT_TIMEOUT", 120)),
             snapshots=env_int("AGENTENV_SNAPSHOTS", 1) != 0,
             paused_retention_s=float(env_int("AGENTENV_PAUSED_RETENTION", 7 * 24 * 3600)),
+            timeout_grace_s=limits["AGENTENV_TIMEOUT_GRACE_S"],
             dns=dns_servers_from_env(),
             idle_reclaim_s=float(idle),
             balloon_floor_mb=floor,

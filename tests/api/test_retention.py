@@ -122,8 +122,12 @@ def test_paused_past_retention_goes_with_what_only_it_held(
         resp = rapi.post(f"/sandboxes/{src.sandbox_id}/fork", json={"count": 1})
         assert resp.status_code == 201, resp.text
         child_id = resp.json()[0]["sandbox"]["sandboxID"]
-        _pause(rapi, src.sandbox_id)
-        _pause(rapi, child_id)
+        for sid in (src.sandbox_id, child_id):
+            _pause(rapi, sid)
+            # Held past the retention until the checks below are ready (a loaded host can
+            # take longer than the 4 s retention to create the next sandbox).
+            resp = rapi.post(f"/sandboxes/{sid}/timeout", json={"timeout": 600})
+            assert resp.status_code == 204, resp.text
         kept = Sandbox.create(template="base", timeout=600, **opts)  # type: ignore[arg-type]
         kept_id = kept.sandbox_id
         _pause(rapi, kept_id)
@@ -172,6 +176,19 @@ def test_paused_past_retention_goes_with_what_only_it_held(
             assert from_snap.files.read(NOTE) == secret
         finally:
             from_snap.kill()
+        # Fork N from the snapshot in one call (#24): each child has the source's file.
+        resp = rapi.post(f"/snapshots/{snap_name}/fork", json={"count": 2, "timeout": 120})
+        assert resp.status_code == 201, resp.text
+        kids = [row["sandbox"]["sandboxID"] for row in resp.json()]
+        try:
+            assert len(set(kids)) == 2
+            for kid in kids:
+                child = Sandbox.connect(kid, **opts)  # type: ignore[arg-type]
+                assert child.files.read(NOTE) == secret
+        finally:
+            _kill_quietly(rapi, *kids)
+        assert "nope" in _error(rapi.post("/snapshots/nope/fork", json={"count": 1}), 404)
+        assert "count" in _error(rapi.post(f"/snapshots/{snap_name}/fork", json={"count": 0}), 400)
         fresh = Sandbox.create(template="base", timeout=120, **opts)  # type: ignore[arg-type]
         try:
             assert fresh.commands.run("echo ok").stdout.strip() == "ok"
@@ -180,3 +197,76 @@ def test_paused_past_retention_goes_with_what_only_it_held(
     finally:
         _kill_quietly(rapi, *(s for s in (src.sandbox_id, child_id, kept_id) if s))
         rapi.delete(f"/templates/{snap_name}")
+
+
+def _wait_state(api: httpx.Client, sid: str, state: str, bound_s: float = GC_DEADLINE_S) -> None:
+    deadline = time.monotonic() + bound_s
+    while (got := api.get(f"/sandboxes/{sid}").json().get("state")) != state:
+        assert time.monotonic() < deadline, f"{sid} is {got}, not {state}, after {bound_s} s"
+        time.sleep(0.3)
+
+
+def test_a_grace_period_pauses_at_the_timeout_for_a_late_scorer_then_deletes(
+    short_retention: ServerProcess, rapi: httpx.Client
+) -> None:
+    """`gracePeriod`: at its timeout the sandbox is paused with its memory, not killed; a
+    scorer that connects during the grace finds it as it was; once a timeout pause has
+    lasted the grace, it is deleted (the server's retention, 4 s here, would have been the
+    same: so the grace here is longer, and the check is that it outlives the retention)."""
+    grace = 7
+    resp = rapi.post("/sandboxes", json={"templateID": "base", "timeout": 4, "gracePeriod": grace})
+    assert resp.status_code == 201, resp.text
+    sid = resp.json()["sandboxID"]
+    try:
+        scorer = Sandbox.connect(sid, **_sdk(short_retention))  # type: ignore[arg-type]
+        scorer.files.write(NOTE, "episode-1")
+        _wait_state(rapi, sid, "paused")
+        # Connecting resumes it; what the episode left is there.
+        late = Sandbox.connect(sid, timeout=2, **_sdk(short_retention))  # type: ignore[arg-type]
+        assert late.files.read(NOTE) == "episode-1"
+        _wait_state(rapi, sid, "paused")
+        paused_at = time.monotonic()
+        logs = rapi.get(f"/sandboxes/{sid}/logs").text
+        assert f"grace period ({grace} s)" in logs, logs
+        _error(_wait_gone(rapi, sid), 404)
+        # Gone after the grace, not after the server's retention (4 s).
+        assert time.monotonic() - paused_at > RETENTION_S + 1
+    finally:
+        _kill_quietly(rapi, sid)
+    # Bad input is a 400 naming the field.
+    resp = rapi.post("/sandboxes", json={"templateID": "base", "gracePeriod": -1})
+    assert "gracePeriod" in _error(resp, 400)
+
+
+def test_a_keepalive_kills_a_sandbox_whose_client_went_away(
+    short_retention: ServerProcess, rapi: httpx.Client
+) -> None:
+    """`keepalive`: API calls on the sandbox and proxied traffic keep it; silence for the
+    keepalive kills it, long before its timeout."""
+    keepalive = 4
+    resp = rapi.post(
+        "/sandboxes", json={"templateID": "base", "timeout": 600, "keepalive": keepalive}
+    )
+    assert resp.status_code == 201, resp.text
+    sid = resp.json()["sandboxID"]
+    try:
+        sbx = Sandbox.connect(sid, **_sdk(short_retention))  # type: ignore[arg-type]
+        start = time.monotonic()
+        # Longer than the keepalive, touches: commands through the proxy, then API reads.
+        while time.monotonic() - start < keepalive + 1:
+            assert sbx.commands.run("true").exit_code == 0
+            time.sleep(1.0)
+        while time.monotonic() - start < keepalive + 3:
+            assert rapi.get(f"/sandboxes/{sid}").json()["state"] == "running"
+            time.sleep(1.0)
+        # Then nobody: it goes within the keepalive and the reaper's check.
+        deadline = time.monotonic() + GC_DEADLINE_S
+        while rapi.get("/v2/sandboxes").json() and any(
+            s["sandboxID"] == sid for s in rapi.get("/v2/sandboxes").json()
+        ):
+            assert time.monotonic() < deadline, "an unattended sandbox outlived its keepalive"
+            time.sleep(1.0)
+        resp = rapi.get(f"/sandboxes/{sid}")
+        assert resp.status_code == 404
+    finally:
+        _kill_quietly(rapi, sid)

@@ -58,6 +58,8 @@ class AgentenvApp:
         manager.metrics.watch_states(lambda: manager.state_counts_seen, lambda: manager.builds_seen)
         # Pooled connections to a killed or paused sandbox's VM are dead: never reuse them.
         manager.on_release.append(self.proxy.drop)
+        # A keepalive counts an open stream (a long command) as its client being there.
+        manager.open_requests = self.proxy.open_requests
         manager.metrics.watch_host_memory(lambda: manager.host_memory_seen)
         self.signed = SignedUrls(manager.store.envd_tokens, self._envd_token)
         self._started = False

@@ -77,6 +77,12 @@ class NewSandbox(_Strict):
     cpuCount: Annotated[StrictInt, Field(ge=1, le=64)] | None = None
     memoryMB: Annotated[StrictInt, Field(ge=1, le=1 << 20)] | None = None
     diskSizeMB: Annotated[StrictInt, Field(ge=1, le=1 << 22)] | None = None
+    # agentenv extensions for rollouts: after the timeout, paused (memory kept) this many
+    # seconds before it is deleted, so a late scorer can still connect (0: off; unset: the
+    # server's AGENTENV_TIMEOUT_GRACE_S); and killed once no client touched it (an API call
+    # on it, proxied traffic) for `keepalive` seconds (0: off).
+    gracePeriod: Annotated[StrictInt, Field(ge=0, le=MAX_TIMEOUT_S)] | None = None
+    keepalive: Annotated[StrictInt, Field(ge=0, le=MAX_TIMEOUT_S)] = 0
 
     @field_validator("metadata")
     @classmethod

@@ -75,6 +75,8 @@ def mount_create(app: FastAPI, ctx: ControlContext, builds: TemplateBuilds) -> N
             cpu=body.cpuCount,
             memory_mb=body.memoryMB,
             disk_mb=body.diskSizeMB,
+            grace_s=body.gracePeriod,
+            keepalive_s=body.keepalive,
         )
         if not idem_key:
             rec = await mgr.create(spec, key.id, key.team_id)

@@ -37,6 +37,7 @@ from agentenv.api.sandbox_create import check_targets
 from agentenv.api.template_builds import TemplateBuilds
 from agentenv.build.templates import is_internal_name
 from agentenv.contract.errors import Conflict, SandboxNotFound
+from agentenv.control.sandbox_base import DEFAULT_TIMEOUT_S, CreateSpec
 from agentenv.control.store import ApiKey, SandboxRecord, SandboxState
 
 
@@ -196,6 +197,26 @@ def mount_sandbox_routes(app: FastAPI, ctx: ControlContext, builds: TemplateBuil
         info = await mgr.snapshot(sandbox_id, body.name, memory=body.memory is not False)
         await mgr.store.set_snapshot_owner(info.snapshot_id, key.team_id)
         return JSONResponse({"snapshotID": info.snapshot_id, "names": info.names}, 201)
+
+    @app.post("/snapshots/{snapshot_id}/fork", status_code=201, tags=["snapshots"])
+    async def fork_snapshot(
+        snapshot_id: str, key: Auth, body: ForkBody | None = None
+    ) -> JSONResponse:
+        """`count` new sandboxes from a persistent snapshot of this team (by id or name), all
+        or none, as a running sandbox's fork answers: each maps the snapshot's memory file
+        copy-on-write and is reseeded (RNG, identity) like any create from it."""
+        body = body or ForkBody()
+        found = [
+            s
+            for s in await mgr.snapshots()
+            if snapshot_id in (s.snapshot_id, *s.names)
+            and not (s.names and all(map(is_internal_name, s.names)))
+        ]
+        if not found or await mgr.store.snapshot_owner(found[0].snapshot_id) != key.team_id:
+            raise ApiError(404, f"snapshot {snapshot_id!r} not found")
+        spec = CreateSpec(template=found[0].snapshot_id, timeout=body.timeout or DEFAULT_TIMEOUT_S)
+        children = await mgr.create_many(spec, body.count, key.id, key.team_id)
+        return JSONResponse([{"sandbox": views.sandbox(c, ctx.domain)} for c in children], 201)
 
     @app.get("/snapshots", tags=["snapshots"])
     async def list_snapshots(

@@ -128,6 +128,7 @@ def build_app(
         default_memory_mb=settings.default_memory_mb,
         max_cpu=settings.max_cpu,
         paused_retention_s=settings.paused_retention_s,
+        timeout_grace_s=settings.timeout_grace_s,
         min_memory_mb=settings.min_memory_mb,
         max_memory_mb=settings.max_memory_mb,
         auto_resume=settings.auto_resume,

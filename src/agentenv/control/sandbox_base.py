@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -75,6 +76,9 @@ class CreateSpec:
     cpu: int | None = None
     memory_mb: int | None = None
     disk_mb: int | None = None
+    # None: the server's default grace (`SandboxBase.timeout_grace_s`).
+    grace_s: int | None = None
+    keepalive_s: int = 0
 
 
 class SandboxBase:
@@ -95,6 +99,7 @@ class SandboxBase:
         max_memory_mb: int = 16384,
         paused_retention_s: float = 0.0,
         retention_check_s: float | None = None,
+        timeout_grace_s: int = 0,
         auto_resume: bool = False,
         shared: bool = False,
         replicas: Replicas | None = None,
@@ -131,6 +136,17 @@ class SandboxBase:
         )
         # Whether proxy traffic resumes a paused sandbox whose create request left it unset.
         self.auto_resume = auto_resume
+        # The grace after the timeout of a sandbox whose create did not say (`grace_s`).
+        self.timeout_grace_s = timeout_grace_s
+        # Touches of sandboxes with a keepalive, not yet stored (`touch`, the reaper flushes).
+        self._touched: dict[str, float] = {}
+        self._keepalive_checked = 0.0
+        # Whether any row may have a keepalive or a grace period (None: not looked yet): the
+        # reaper scans the store for them only then.
+        self._unattended_rows: bool | None = None
+        # Requests the proxy has open to a sandbox now (set by the app that holds both): an
+        # open stream is a client that is there.
+        self.open_requests: Callable[[str], int] = lambda _sandbox_id: 0
         # Each team's own limits (concurrent sandboxes, create rate); none by default.
         own = self.replicas
         self.limits = TeamLimits(store, lease=(lambda: own.lease_id) if own is not None else None)
@@ -180,7 +196,14 @@ class SandboxBase:
             if why is not None:
                 raise SandboxLost(sandbox_id, why)
             raise SandboxNotFound(sandbox_id)
+        self.touch(rec)
         return rec
+
+    def touch(self, rec: SandboxRecord) -> None:
+        """A client reached this sandbox (an API call on it, proxied traffic): its keepalive
+        starts over. Kept in memory; the reaper stores it at its next keepalive check."""
+        if rec.keepalive_s:
+            self._touched[rec.id] = time.time()
 
     def _spec(self, rec: SandboxRecord) -> SandboxSpec:
         """Everything the node needs of this sandbox (`contract.runtime.SandboxSpec`): the

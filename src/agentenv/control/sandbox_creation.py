@@ -46,6 +46,53 @@ class SandboxCreation(SandboxBase):
         """A new sandbox of `team_id` (default: the team of `api_key_id`). The team's limits
         apply (429), except to template build sandboxes, which are the server's."""
         team = team_id or await self.team_of_key(api_key_id)
+        rec, ref = await self._new_record(spec, team, api_key_id)
+        async with self._locked(rec.id):
+            if BUILD_METADATA in rec.metadata:
+                await self.store.insert(rec)
+            else:
+                # The place is held from the check until the row that takes it is stored.
+                async with self.limits.reserve(team):
+                    await self.store.insert(rec)
+            await self._place(rec, ref, spec)
+        self._wake.set()
+        return await self.get(rec.id)
+
+    async def create_many(
+        self, spec: CreateSpec, count: int, api_key_id: str | None, team_id: str
+    ) -> list[SandboxRecord]:
+        """`count` sandboxes of one spec (a snapshot's fork), all or none: the team's limits
+        count all of them at once, and if one cannot be made the others are killed and the
+        first failure is raised."""
+        recs = [(await self._new_record(spec, team_id, api_key_id)) for _ in range(count)]
+        async with self.limits.reserve(team_id, count):
+            for rec, _ in recs:
+                await self.store.insert(rec)
+        results = await asyncio.gather(
+            *(self._place_locked(rec, ref, spec) for rec, ref in recs),
+            return_exceptions=True,
+        )
+        failures = [r for r in results if isinstance(r, BaseException)]
+        if failures:
+            made = [rec.id for (rec, _), r in zip(recs, results, strict=True) if r is None]
+            for sandbox_id in made:
+                try:
+                    async with self._locked(sandbox_id):
+                        row = await self.store.get(sandbox_id)
+                        if row is not None and row.state is SandboxState.RUNNING:
+                            why = f"a sandbox of its batch failed: {failures[0]}"
+                            await self._kill_locked(row, why)
+                except Exception as exc:
+                    log.error("sandbox %s: rollback of its batch failed: %r", sandbox_id, exc)
+            raise failures[0]
+        self._wake.set()
+        return [await self.get(rec.id) for rec, _ in recs]
+
+    async def _new_record(
+        self, spec: CreateSpec, team: str, api_key_id: str | None
+    ) -> tuple[SandboxRecord, str]:
+        """The row of a sandbox about to be made (not stored yet), and the template reference
+        the node starts it from."""
         try:
             tpl = await self.templates.get(spec.template)
         except TemplateUnavailable as exc:
@@ -90,55 +137,60 @@ class SandboxCreation(SandboxBase):
             api_key_id=api_key_id,
             team_id=team,
             replica_id=self.replica_id,
+            grace_s=self.timeout_grace_s if spec.grace_s is None else spec.grace_s,
+            keepalive_s=spec.keepalive_s,
+            seen_at=now,
+        )
+        if rec.grace_s or rec.keepalive_s:
+            self._unattended_rows = True
+        return rec, tpl.ref or rec.template
+
+    async def _place_locked(self, rec: SandboxRecord, ref: str, spec: CreateSpec) -> None:
+        async with self._locked(rec.id):
+            await self._place(rec, ref, spec)
+
+    async def _place(self, rec: SandboxRecord, ref: str, spec: CreateSpec) -> None:
+        """Start the stored `creating` row's sandbox on the runtime and mark it running; a
+        failure tears down what was made and raises what the API answers."""
+        await self.store.log(rec.id, f"creating from template {rec.template!r}")
+        log.info(
+            "sandbox %s creating template=%s",
+            rec.id,
+            rec.template,
+            extra={"sandbox_id": rec.id, "template": rec.template},
         )
         started = time.monotonic()
-        async with self._locked(rec.id):
-            if BUILD_METADATA in rec.metadata:
-                await self.store.insert(rec)
-            else:
-                # The place is held from the check until the row that takes it is stored.
-                async with self.limits.reserve(team):
-                    await self.store.insert(rec)
-            await self.store.log(rec.id, f"creating from template {rec.template!r}")
-            log.info(
-                "sandbox %s creating template=%s",
+        placement: Placement | None = None
+        try:
+            placement = await self.runtime.create(replace(self._spec(rec), template=ref))
+            # The sandbox's life (and its timeout) starts when it is usable, not when the
+            # request arrived: a slow boot must not eat into the caller's timeout.
+            ready_at = time.time()
+            if not await self.store.transition(
                 rec.id,
-                rec.template,
-                extra={"sandbox_id": rec.id, "template": rec.template},
-            )
-            placement: Placement | None = None
-            try:
-                placement = await self.runtime.create(
-                    replace(self._spec(rec), template=tpl.ref or rec.template)
-                )
-                # The sandbox's life (and its timeout) starts when it is usable, not when the
-                # request arrived: a slow boot must not eat into the caller's timeout.
-                ready_at = time.time()
-                if not await self.store.transition(
-                    rec.id,
-                    SandboxState.CREATING,
-                    SandboxState.RUNNING,
-                    address=placement.address,
-                    node_id=placement.node_id,
-                    envd_url=placement.envd_url,
-                    started_at=ready_at,
-                    end_at=ready_at + spec.timeout,
-                ):
-                    raise CreateFailed(f"sandbox {rec.id} left 'creating' unexpectedly")
-            except BaseException as exc:
-                if isinstance(exc, Unavailable | InsufficientStorage):
-                    status = "503" if isinstance(exc, Unavailable) else "507"
-                    self.metrics.create_refusals.labels(status).inc()
-                else:
-                    self.metrics.create_failures.inc()
-                await self._teardown_failed_create(rec, placement, exc)
-                if isinstance(exc, TemplateUnavailable):
-                    raise TemplateNotFound(spec.template) from exc
-                # A node's refusal (503, nothing was made) and a full disk (507) keep theirs.
-                passed = (CreateFailed, Unavailable, InsufficientStorage)
-                if isinstance(exc, Exception) and not isinstance(exc, passed):
-                    raise CreateFailed(f"sandbox creation failed: {exc}") from exc
-                raise
+                SandboxState.CREATING,
+                SandboxState.RUNNING,
+                address=placement.address,
+                node_id=placement.node_id,
+                envd_url=placement.envd_url,
+                started_at=ready_at,
+                end_at=ready_at + spec.timeout,
+            ):
+                raise CreateFailed(f"sandbox {rec.id} left 'creating' unexpectedly")
+        except BaseException as exc:
+            if isinstance(exc, Unavailable | InsufficientStorage):
+                status = "503" if isinstance(exc, Unavailable) else "507"
+                self.metrics.create_refusals.labels(status).inc()
+            else:
+                self.metrics.create_failures.inc()
+            await self._teardown_failed_create(rec, placement, exc)
+            if isinstance(exc, TemplateUnavailable):
+                raise TemplateNotFound(spec.template) from exc
+            # A node's refusal (503, nothing was made) and a full disk (507) keep theirs.
+            passed = (CreateFailed, Unavailable, InsufficientStorage)
+            if isinstance(exc, Exception) and not isinstance(exc, passed):
+                raise CreateFailed(f"sandbox creation failed: {exc}") from exc
+            raise
         self.metrics.create_seconds.observe(time.monotonic() - started)
         await self.store.log(rec.id, "running")
         log.info(
@@ -147,8 +199,6 @@ class SandboxCreation(SandboxBase):
             placement.address,
             extra={"sandbox_id": rec.id, "address": placement.address},
         )
-        self._wake.set()
-        return await self.get(rec.id)
 
     async def _teardown_failed_create(
         self, rec: SandboxRecord, placement: Placement | None, exc: BaseException
@@ -249,6 +299,11 @@ class SandboxCreation(SandboxBase):
                 api_key_id=api_key_id,
                 team_id=src.team_id,
                 replica_id=self.replica_id,
+                # A rollout's children end as their parent would: the same grace and
+                # keepalive.
+                grace_s=src.grace_s,
+                keepalive_s=src.keepalive_s,
+                seen_at=now,
             )
             await self.store.insert(rec)
             await self.store.log(rec.id, f"forked from {sandbox_id}")

@@ -21,8 +21,10 @@ class SandboxQueries(SandboxBase):
         return await self.runtime.guest_metrics(rec.id, rec.envd_token)
 
     def note_activity(self, rec: SandboxRecord) -> None:
-        """The proxy passed traffic to this sandbox (it is not idle)."""
+        """The proxy passed traffic to this sandbox (it is not idle, and its client is
+        there)."""
         self.runtime.note_activity(rec.id)
+        self.touch(rec)
 
     async def host_memory(self, rec: SandboxRecord) -> HostMemory | None:
         if rec.state is not SandboxState.RUNNING:

@@ -100,7 +100,8 @@ _COLUMNS = (
     "id", "template", "alias", "state", "started_at", "end_at", "cpu", "memory_mb", "disk_mb",
     "envd_version", "metadata", "env_vars", "envd_token", "traffic_token", "auto_pause",
     "auto_resume", "allow_internet", "network", "address", "envd_url", "api_key_id",
-    "auto_pause_memory", "pause_mode", "team_id", "replica_id", "node_id",
+    "auto_pause_memory", "pause_mode", "team_id", "replica_id", "node_id", "grace_s",
+    "keepalive_s", "seen_at", "grace_until",
 )  # fmt: skip
 # Columns added after the first schema: (table, name, declaration), added to older databases.
 _ADDED_COLUMNS = (
@@ -109,6 +110,10 @@ _ADDED_COLUMNS = (
     ("sandboxes", "team_id", "TEXT"),
     ("sandboxes", "replica_id", "TEXT"),
     ("sandboxes", "node_id", "TEXT"),
+    ("sandboxes", "grace_s", "INTEGER NOT NULL DEFAULT 0"),
+    ("sandboxes", "keepalive_s", "INTEGER NOT NULL DEFAULT 0"),
+    ("sandboxes", "seen_at", "REAL NOT NULL DEFAULT 0"),
+    ("sandboxes", "grace_until", "REAL NOT NULL DEFAULT 0"),
     ("api_keys", "team_id", "TEXT"),
 )
 _KEY_COLUMNS = "id, name, prefix, created_at, revoked_at, team_id"
@@ -507,5 +512,9 @@ def _from_row(row: sqlite3.Row) -> SandboxRecord:
         pause_mode=row["pause_mode"],
         replica_id=row["replica_id"],
         node_id=row["node_id"],
+        grace_s=row["grace_s"],
+        keepalive_s=row["keepalive_s"],
+        seen_at=row["seen_at"],
+        grace_until=row["grace_until"],
         seq=row["seq"],
     )

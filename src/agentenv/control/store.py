@@ -83,6 +83,19 @@ class SandboxRecord:
     # The cluster node it runs (or last ran) on, as its placement said; None on one server.
     # The proxy reaches `address` through that node's data gateway.
     node_id: str | None = None
+    # After its timeout, paused (memory kept) for this long, then deleted (0: the timeout
+    # kills, or pauses for the retention limit with `auto_pause`): a late scorer can still
+    # connect and read it.
+    grace_s: int = 0
+    # When the grace period of its last timeout pause ends (0: not paused by one). Only a
+    # pause at or after the latest `end_at` counts: a later resume and pause move `end_at`
+    # past it.
+    grace_until: float = 0.0
+    # Killed once no client has touched it (an API call on it, proxied traffic) for this
+    # long (0: off): the dead man's switch of a client that went away.
+    keepalive_s: int = 0
+    # The last touch stored (each replica flushes what its own API and proxy saw).
+    seen_at: float = 0.0
     seq: int = 0
 
     @property

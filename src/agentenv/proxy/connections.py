@@ -76,6 +76,11 @@ class ProxyConnections:
         if entry is not None:
             await entry[1].aclose()
 
+    def open_requests(self, sandbox_id: str) -> int:
+        """Requests and WebSockets to the sandbox this proxy has open now (a long command's
+        stream is one): its client is there even when it sends nothing new."""
+        return len(self._open.get(sandbox_id, ()))
+
     @contextlib.contextmanager
     def _opened(self, sandbox_id: str) -> Iterator[asyncio.Event]:
         cut = asyncio.Event()

@@ -43,6 +43,7 @@ _CONTROL_PATTERNS: tuple[tuple[frozenset[str], re.Pattern[str]], ...] = tuple(
         ("POST", f"/v2/sandboxes/{_SEG}/connect"),
         ("GET", f"/v2/sandboxes/{_SEG}/logs"),
         ("GET", "/snapshots"),
+        ("POST", f"/snapshots/{_SEG}/fork"),
         ("GET POST PUT PATCH DELETE", "/(?:v2/|v3/)?templates(?:/.*)?"),
         ("GET POST PUT PATCH DELETE", "/(?:volumes|secrets)(?:/.*)?"),
         # Our own endpoints. /health and /metrics are the server's only without a sandbox id.
