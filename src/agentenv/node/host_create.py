@@ -12,11 +12,11 @@ from pathlib import Path
 
 from agentenv import snapshot as snaps
 from agentenv.aio import thread_whole
+from agentenv.cleanup import Cleanup, CleanupFailed
 from agentenv.contract.ids import is_sandbox_id, new_sandbox_id
 from agentenv.faults import crash_point
 from agentenv.guest.envd.client import EnvdClient, EnvdError
 from agentenv.network import OPEN, Egress, Slot
-from agentenv.node.cleanup import Cleanup, CleanupFailed
 from agentenv.node.errors import (
     BootFailed,
     DiskTooSmallForTemplate,

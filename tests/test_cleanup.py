@@ -1,4 +1,4 @@
-"""node.cleanup.Cleanup: reverse order, every step runs past a failure or an overrun, one
+"""agentenv.cleanup.Cleanup: reverse order, every step runs past a failure or an overrun, one
 summary error, and a second run does nothing."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 
-from agentenv.node.cleanup import Cleanup, CleanupFailed
+from agentenv.cleanup import Cleanup, CleanupFailed
 
 
 async def test_runs_in_reverse_and_empties() -> None:
@@ -53,3 +53,33 @@ async def test_failures_and_overruns_do_not_stop_the_rest() -> None:
     assert info.value.failed == ["stuck", "broken"]
     assert ran == ["first"]
     assert "i2" in str(info.value)
+
+
+async def test_a_cancel_mid_run_still_runs_every_step() -> None:
+    """A cancelled create's teardown is not cut in half: the cancel comes after the last
+    step."""
+    ran: list[str] = []
+    started = asyncio.Event()
+    release = asyncio.Event()
+    stack = Cleanup("i3")
+
+    async def first() -> None:
+        ran.append("first")
+
+    async def slow() -> None:
+        started.set()
+        await release.wait()
+        ran.append("slow")
+
+    stack.push("first", first)
+    stack.push("slow", slow)
+    task = asyncio.create_task(stack.run())
+    await started.wait()
+    task.cancel()
+    await asyncio.sleep(0)
+    assert not task.done()
+    release.set()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert ran == ["slow", "first"]
+    assert len(stack) == 0

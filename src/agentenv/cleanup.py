@@ -2,7 +2,10 @@
 the undo of what it just acquired, and a failure runs the stack in reverse. Every step has a
 deadline; a step that fails or overruns is logged and the rest still run; `run` then raises
 one `CleanupFailed` naming every step that did not finish. Running empties the stack, so a
-second run does nothing."""
+second run does nothing, and a run is whole (`aio.whole`): a cancel that arrives meanwhile is
+raised once every step has run, so a cancelled create never stops its teardown halfway.
+
+Top-level (it imports only `aio`) so that `snapshot/` as well as `node/` can push onto it."""
 
 from __future__ import annotations
 
@@ -11,7 +14,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from agentenv.node.errors import SandboxError
+from agentenv.aio import whole
 
 log = logging.getLogger(__name__)
 
@@ -19,7 +22,7 @@ log = logging.getLogger(__name__)
 STEP_TIMEOUT_S = 60.0
 
 
-class CleanupFailed(SandboxError):
+class CleanupFailed(Exception):
     """Some undo steps of a sandbox did not finish; `failed` names them."""
 
     def __init__(self, owner: str, failed: list[str]) -> None:
@@ -60,7 +63,10 @@ class Cleanup:
 
     async def run(self) -> None:
         """Run every step, last pushed first, each under its deadline; raise `CleanupFailed`
-        at the end if any failed."""
+        at the end if any failed. A cancel meanwhile is raised after the last step."""
+        await whole(self._run())
+
+    async def _run(self) -> None:
         failed: list[str] = []
         while self._steps:
             step = self._steps.pop()
