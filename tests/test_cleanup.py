@@ -83,3 +83,43 @@ async def test_a_cancel_mid_run_still_runs_every_step() -> None:
         await task
     assert ran == ["slow", "first"]
     assert len(stack) == 0
+
+
+async def test_release_runs_one_step_now_and_drop_forgets_one() -> None:
+    """A pause gives its slot back out of order (`release`) and forgets its exited QEMU
+    (`drop`); delete then runs only what is left, once each."""
+    ran: list[str] = []
+    stack = Cleanup("i4")
+
+    def step(name: str) -> Callable[[], Awaitable[None]]:
+        async def undo() -> None:
+            ran.append(name)
+
+        return undo
+
+    for name in ("workdir", "slot", "vm"):
+        stack.push(name, step(name))
+    await stack.release("slot")
+    assert ran == ["slot"]
+    assert stack.drop("vm")
+    assert not stack.drop("vm")
+    await stack.release("slot")
+    assert ran == ["slot"]
+    stack.push("slot", step("slot again"))
+    assert "slot" in stack
+    await stack.run()
+    assert ran == ["slot", "slot again", "workdir"]
+    assert len(stack) == 0
+
+
+async def test_release_of_a_failing_step_raises_and_forgets_it() -> None:
+    stack = Cleanup("i5")
+
+    async def broken() -> None:
+        raise OSError("gone")
+
+    stack.push("slot", broken)
+    with pytest.raises(CleanupFailed) as info:
+        await stack.release("slot")
+    assert info.value.failed == ["slot"]
+    assert "slot" not in stack

@@ -61,15 +61,36 @@ class Cleanup:
     def __len__(self) -> int:
         return len(self._steps)
 
+    def __contains__(self, name: object) -> bool:
+        return any(s.name == name for s in self._steps)
+
+    def _take(self, name: str) -> Step | None:
+        for i in range(len(self._steps) - 1, -1, -1):
+            if self._steps[i].name == name:
+                return self._steps.pop(i)
+        return None
+
+    def drop(self, name: str) -> bool:
+        """Forget the last step called `name` without running it (what it undoes went
+        another way, e.g. a pause's QEMU exited by itself); False if there was none."""
+        return self._take(name) is not None
+
+    async def release(self, name: str) -> None:
+        """Run the last step called `name` now, out of order, and forget it (a pause gives
+        its slot back while the rest of the sandbox stays); nothing if there is none."""
+        step = self._take(name)
+        if step is not None:
+            await whole(self._run_steps([step]))
+
     async def run(self) -> None:
         """Run every step, last pushed first, each under its deadline; raise `CleanupFailed`
         at the end if any failed. A cancel meanwhile is raised after the last step."""
-        await whole(self._run())
+        steps, self._steps = self._steps[::-1], []
+        await whole(self._run_steps(steps))
 
-    async def _run(self) -> None:
+    async def _run_steps(self, steps: list[Step]) -> None:
         failed: list[str] = []
-        while self._steps:
-            step = self._steps.pop()
+        for step in steps:
             try:
                 async with asyncio.timeout(step.timeout_s):
                     await step.undo()

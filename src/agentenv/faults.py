@@ -30,6 +30,8 @@ POINTS = frozenset(
         "fork:child",  # first child restored, others not
         "template:booted",  # template build VM booted, not captured
         "create:relocated",  # a create took a warm entry: moved into the sandboxes dir, no state
+        "create:acquired",  # a create holds its workdir, layer reference, slot; no QEMU yet
+        "create:loaded",  # a create's restored guest runs its state, not yet given its identity
         "create:restored",  # a create's guest runs, the control plane not told
         "control:pausing",  # the control plane's row says pausing, the runtime not asked
     }

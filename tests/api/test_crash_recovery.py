@@ -25,6 +25,8 @@ from e2b import Sandbox
 
 from agentenv.api.devserver import ServerProcess, prepare_home
 from agentenv.faults import POINTS
+from agentenv.snapshot import SnapshotRepository
+from agentenv.storage import LayerStore
 from agentenv.vmm import cgroup
 from agentenv.vmm.registry import load_all
 
@@ -304,6 +306,62 @@ def test_sigkill_mid_create_leaves_nothing(home: Path, restore_env: None, point:
             assert api.get("/v2/sandboxes").json() == []
             # Its warm pool fills only for shapes created from, so nothing at all runs.
             assert not qemu_processes(home, warm=True, converters=True)
+            resp = api.post("/v2/sandboxes", json={"templateID": "base"})
+            assert resp.status_code == 201, resp.text
+            assert api.delete(f"/sandboxes/{resp.json()['sandboxID']}").is_success
+    finally:
+        _finish(srv)
+
+
+def _held(home: Path, sandbox_id: str) -> list[str]:
+    """What of a sandbox's cleanup stack is still there (its slot: `_finish` checks slots
+    and namespaces once the server is stopped)."""
+    layers = LayerStore(home / "layers")
+    repo = SnapshotRepository(home / "snapshots", layers)
+    return [
+        what
+        for what, still in (
+            ("workdir", (home / "sandboxes" / sandbox_id).exists()),
+            ("layer ref", sandbox_id in layers.all_holders()),
+            ("snapshot ref", sandbox_id in repo.all_holders()),
+            ("vm record", sandbox_id in {r.name for r in load_all(home / "run" / "vms")}),
+            ("cgroup", any(p.name == sandbox_id for p in cgroup.stale())),
+        )
+        if still
+    ]
+
+
+def test_sigkill_at_each_create_point_frees_its_stack(home: Path, restore_env: None) -> None:
+    """A SIGKILL at each crash point of a create's restore path, one server start per point
+    (the server that recovers from one crash is the next one to crash): after the restart
+    everything the cut-short create had recorded (its workdir, layer and snapshot
+    references, QEMU, VM record, cgroup) is gone, nothing is listed, and at the end no slot
+    or namespace is left. `create:acquired`: workdir, references and slot, no QEMU (a lost
+    sandbox); `create:loaded`: its restored QEMU runs (adopted, then deleted as unknown)."""
+    points = ["create:acquired", "create:loaded"]
+    assert set(points) <= POINTS
+    # No warm pool: a create starts filling it, and an entry's QEMU spawning at the moment
+    # of the SIGKILL is a race of the warm pool's, not a part of the create's stack.
+    cold = {"AGENTENV_WARM_LOW": "0", "AGENTENV_WARM_HIGH": "0"}
+    srv = _start(home, AGENTENV_CRASH_AT=points[0], **cold)
+    try:
+        for i, point in enumerate(points):
+            with _api(srv) as api, pytest.raises(httpx.TransportError):
+                api.post("/v2/sandboxes", json={"templateID": "base"})
+            _await_crash(srv)
+            ids = sorted(p.name for p in (home / "sandboxes").iterdir())
+            assert len(ids) == 1, (point, ids)
+            recorded = _held(home, ids[0])
+            assert {"workdir", "layer ref"} <= set(recorded), (point, recorded)
+            if point == "create:loaded":
+                assert {"vm record", "snapshot ref"} <= set(recorded), (point, recorded)
+            nxt = {"AGENTENV_CRASH_AT": points[i + 1]} if i + 1 < len(points) else {}
+            srv = _start(home, srv.port, **cold, **nxt)
+            with _api(srv) as api:
+                assert api.get("/v2/sandboxes").json() == []
+            assert not qemu_processes(home, warm=True, converters=True), point
+            assert not _held(home, ids[0]), (point, _held(home, ids[0]))
+        with _api(srv) as api:
             resp = api.post("/v2/sandboxes", json={"templateID": "base"})
             assert resp.status_code == 201, resp.text
             assert api.delete(f"/sandboxes/{resp.json()['sandboxID']}").is_success

@@ -29,6 +29,7 @@ from pathlib import Path
 from agentenv import snapshot as snaps
 from agentenv.network import Egress, recover_slots, slot_for
 from agentenv.network.slot import NETNS_PREFIX
+from agentenv.node.cleanup import push_slot, push_vm
 from agentenv.node.errors import (
     SandboxError,
 )
@@ -148,7 +149,8 @@ class Node(NodePause):
                 name, "its VM was no longer running when the server restarted"
             )
             log.warning("sandbox %s lost: %s", name, why)
-            await asyncio.to_thread(shutil.rmtree, workdir, True)
+            # What its files record (its QEMU's record went above, its slot goes below).
+            await self._unwind(self._stack_on_disk(name), f"the lost sandbox {name}")
         removed = await recover_slots(s.network, s.slots_dir, keep)
         if removed:
             log.info("removed %d network slot(s) a previous server left", len(removed))
@@ -229,6 +231,10 @@ class Node(NodePause):
         # (DNS, inspecting proxy) died with it and comes back here.
         handle.egress = Egress.from_json(meta.get("egress"))
         await self.pool.adopt(slot, handle.egress)
+        # Its stack, rebuilt from what was persisted: workdir, references, slot, QEMU.
+        handle.cleanup = self._stack_on_disk(rec.name)
+        push_slot(handle.cleanup, self.pool, slot)
+        push_vm(handle.cleanup, lambda: machine.vm)
         self._sandboxes[rec.name] = handle
         # A running sandbox has no use for saved state: what is there is from a pause cut
         # short before it wrote its record.

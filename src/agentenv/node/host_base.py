@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from agentenv import snapshot as snaps
+from agentenv.cleanup import Cleanup, CleanupFailed
 from agentenv.config import Settings
 from agentenv.contract.ids import new_sandbox_id
 from agentenv.contract.runtime import HostMemory
@@ -21,6 +22,7 @@ from agentenv.files import PAUSED
 from agentenv.guest.envd.client import EnvdClient, EnvdError
 from agentenv.network import Egress, Slot, SlotPool
 from agentenv.network.dns import DnsForwarder
+from agentenv.node import cleanup as node_cleanup
 from agentenv.node.admission import Admission, Limits
 from agentenv.node.conversions import PausedConversions
 from agentenv.node.errors import (
@@ -55,13 +57,9 @@ from agentenv.snapshot.restore import (
     Prepared,
     discard,
     prepare,
-    unlink_relocated,
 )
 from agentenv.storage import (
-    LayerInUse,
-    LayerNotFound,
     LayerStore,
-    StorageError,
     info,
 )
 from agentenv.vmm.accel import AccelChoice
@@ -274,46 +272,34 @@ class NodeBase:
                 ) from exc
 
     async def delete(self, sandbox_id: str) -> None:
+        """Run the sandbox's cleanup stack (`node.cleanup`): the one its create, resume or
+        fork built, or, for one that runs nowhere (paused, or left of one lost while
+        resuming), the one its files record."""
         sb = self._sandboxes.pop(sandbox_id, None)
         self.memory.forget(sandbox_id)
         await self.conversions.cancel(sandbox_id)
-        if sb is None:
-            # Paused, or what is left of one that was lost while resuming.
-            if not self._on_disk(sandbox_id):
-                raise UnknownSandbox(f"sandbox {sandbox_id!r} does not exist")
-            workdir = sandbox_files(self.settings, sandbox_id).workdir
+        if sb is not None:
+            stack = sb.cleanup
+        elif self._on_disk(sandbox_id):
+            stack = self._stack_on_disk(sandbox_id)
         else:
-            workdir = sb.workdir
+            raise UnknownSandbox(f"sandbox {sandbox_id!r} does not exist")
         try:
-            if sb is not None and not sb.paused:
-                await sb.vm.kill()
-                await self._drop_warm_link(sb)
-        finally:
-            if sb is not None and not sb.paused:
-                await self.pool.release(sb.slot)
-            held = await asyncio.to_thread(self.layers.held_by, sandbox_id)
-            await asyncio.to_thread(self.layers.unref_holder, sandbox_id)
-            await asyncio.to_thread(self.repo.unref_holder, sandbox_id)
-            await asyncio.to_thread(shutil.rmtree, workdir, True)
-        # The snapshot a fork made goes with its last child.
-        await asyncio.to_thread(self.repo.gc)
-        await asyncio.to_thread(self._remove_unheld_layers, held)
+            await stack.run()
+        except CleanupFailed as exc:
+            raise SandboxError(str(exc)) from exc
 
-    def _remove_unheld_layers(self, digests: builtins.list[str]) -> None:
-        """Layers the deleted sandbox was the last to hold (a fork's top layer once the fork
-        snapshot is gone), top down, up to the first one something else still uses. Not a
-        store-wide gc: that would race with a capture between adding a layer and committing
-        the snapshot that references it."""
-        for top in digests:
-            try:
-                chain = self.layers.chain(top)
-            except (LayerNotFound, StorageError):
-                continue
-            for digest in chain:
-                try:
-                    self.layers.remove(digest)
-                except (LayerInUse, LayerNotFound):
-                    break
+    def _stack_on_disk(self, sandbox_id: str) -> Cleanup:
+        workdir = sandbox_files(self.settings, sandbox_id).workdir
+        return node_cleanup.on_disk(sandbox_id, workdir, self.layers, self.repo)
+
+    async def _unwind(self, stack: Cleanup, what: str) -> None:
+        """Run the stack of a start that failed; its own failures are logged (the start's
+        error is the one the caller sees)."""
+        try:
+            await stack.run()
+        except CleanupFailed as exc:
+            log.error("after %s: %s", what, exc)
 
     # -- snapshots --------------------------------------------------------------------------
 
@@ -448,16 +434,6 @@ class NodeBase:
 
         await asyncio.to_thread(rewrite)
 
-    async def _drop_warm_link(self, sb: SandboxHandle) -> None:
-        """The old name of a sandbox that came from the warm pool (`relocate`), once its
-        QEMU is gone. A sandbox adopted after a restart has no record of it: the old name
-        lives in a dead process's warm root, which the next start removes."""
-        link, sb.warm_link = sb.warm_link, None
-        if link is None and self._warm_root is not None:
-            link = self._warm_root / sb.id
-        if link is not None:
-            await asyncio.to_thread(unlink_relocated, link)
-
     async def _warm_current(self, shape: Shape) -> str | None:
         from agentenv.template.catalog import TemplateNotFound
 
@@ -521,11 +497,6 @@ class NodeBase:
             vm=machine.vm,
             machine=machine,
         )
-
-    async def _release(self, handle: SandboxHandle) -> None:
-        """Undo of a restore: the VM and its references (the caller owns slot and workdir)."""
-        if handle.machine is not None:
-            await snaps.release(handle.machine, self.repo, self.layers)
 
     def _machine(self, sandbox_id: str) -> tuple[SandboxHandle, Machine]:
         sb = self.get(sandbox_id)

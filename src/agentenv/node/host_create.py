@@ -12,11 +12,12 @@ from pathlib import Path
 
 from agentenv import snapshot as snaps
 from agentenv.aio import thread_whole
-from agentenv.cleanup import Cleanup, CleanupFailed
+from agentenv.cleanup import Cleanup
 from agentenv.contract.ids import is_sandbox_id, new_sandbox_id
 from agentenv.faults import crash_point
 from agentenv.guest.envd.client import EnvdClient, EnvdError
 from agentenv.network import OPEN, Egress, Slot
+from agentenv.node.cleanup import push_refs, push_slot, push_vm, push_warm_link, push_workdir
 from agentenv.node.errors import (
     BootFailed,
     DiskTooSmallForTemplate,
@@ -37,13 +38,7 @@ from agentenv.node.sandbox import (
 from agentenv.node.warm import Shape
 from agentenv.snapshot import Machine, MemoryMode, Snapshot, SnapshotError
 from agentenv.snapshot.machine import new_vm
-from agentenv.snapshot.restore import (
-    Prepared,
-    discard,
-    load,
-    relocate,
-    unlink_relocated,
-)
+from agentenv.snapshot.restore import Prepared, load, relocate
 from agentenv.snapshot.restore import (
     rename as rename_prepared,
 )
@@ -136,34 +131,35 @@ class NodeCreate(NodeBase):
             warm = self.warm.take(Shape(template, cpu, memory_mb), snap.id)
         sandbox_id = given_id or (warm.name if warm is not None else new_sandbox_id())
         workdir = sandbox_files(self.settings, sandbox_id).workdir
-        cleanup = Cleanup(sandbox_id)
+        # The sandbox's stack from its first acquisition on; it stays on the handle.
+        stack = Cleanup(sandbox_id)
+        handle: SandboxHandle | None = None
         try:
             if warm is None:
                 await asyncio.to_thread(workdir.mkdir, 0o700, False, False)
-            cleanup.push("workdir", lambda: asyncio.to_thread(shutil.rmtree, workdir, True))
+            push_workdir(stack, workdir)
+            push_refs(stack, sandbox_id, self.layers, self.repo)
             if warm is not None:
                 prep = warm
                 slot = prep.slot
-                warm_workdir = prep.workdir
-                cleanup.push("warm slot", lambda: self.pool.release(prep.slot))
-                cleanup.push("warm entry", lambda: discard(prep, self.repo, self.layers))
-                cleanup.push(
-                    "warm workdir", lambda: asyncio.to_thread(shutil.rmtree, warm_workdir, True)
-                )
-                cleanup.push("warm link", lambda: asyncio.to_thread(unlink_relocated, warm_workdir))
+                warm_workdir, warm_name = prep.workdir, prep.name
+                push_slot(stack, self.pool, slot)
+                # Until it is renamed and moved: the entry's references and files.
+                stack.push("warm entry", lambda: self._drop_entry(warm_name, warm_workdir))
+                push_warm_link(stack, warm_workdir)
+                push_vm(stack, lambda: prep.vm if handle is None else handle.vm)
                 if prep.name != sandbox_id:
                     # The entry was made before anyone knew the id; it takes the caller's.
                     await rename_prepared(prep, sandbox_id, self.repo, self.layers)
                 # From here on it is an ordinary sandbox, in the sandboxes dir.
                 await relocate(prep, workdir)
+                stack.drop("warm entry")
                 crash_point("create:relocated")
 
             await thread_whole(self.layers.ref, top, sandbox_id)
-            cleanup.push("layer ref", lambda: asyncio.to_thread(self.layers.unref, top, sandbox_id))
-
             if warm is None:
                 slot = await self.pool.acquire()
-                cleanup.push("slot", lambda: self.pool.release(slot))
+                push_slot(stack, self.pool, slot)
             if not egress.open:
                 # Before the guest runs (a warm entry's QEMU waits for its state).
                 await self.pool.set_egress(slot, egress)
@@ -172,15 +168,13 @@ class NodeCreate(NodeBase):
             await self._write_meta(
                 workdir, template, cpu, memory_mb, disk_mb, top, egress, defaults, metadata
             )
+            crash_point("create:acquired")
             if snap is not None:
                 handle = await self._restore(
-                    snap.id, sandbox_id, template, workdir, slot, top, prepared=warm,
+                    snap.id, sandbox_id, template, workdir, slot, top, stack, prepared=warm,
                     defaults=defaults, init=init,
                 )  # fmt: skip
                 handle.egress = egress
-                if warm is not None:
-                    handle.warm_link = warm_workdir
-                cleanup.push("sandbox", lambda: self._release(handle))
                 if disk_mb > base_mb:
                     await self._grow_disk(handle, disk_mb)
                 handle.boot_s = time.monotonic() - t0
@@ -206,10 +200,7 @@ class NodeCreate(NodeBase):
                 slot=slot,
                 incoming=False,
             )
-            await vm.start()
-            cleanup.push("vm", vm.kill)
-
-            handle = SandboxHandle(
+            booted = SandboxHandle(
                 id=sandbox_id,
                 template=template,
                 cpu=cpu,
@@ -221,9 +212,12 @@ class NodeCreate(NodeBase):
                 top_layer=top,
                 vm=vm,
                 egress=egress,
+                cleanup=stack,
             )
+            await vm.start()
+            push_vm(stack, lambda: booted.vm)
             if self.snapshots:
-                handle.machine = Machine(
+                booted.machine = Machine(
                     name=sandbox_id,
                     workdir=workdir,
                     vcpus=cpu,
@@ -233,23 +227,29 @@ class NodeCreate(NodeBase):
                     memory=MemoryMode.OWN,
                     tools_image=self._boot.tools_image,
                 )
-            await self._wait_healthy(handle)
-            await self._init_booted(handle, defaults, init)
+            await self._wait_healthy(booted)
+            await self._init_booted(booted, defaults, init)
             now = time.monotonic()
-            handle.boot_s = now - t0
-            handle.spawn_to_healthy_s = now - (vm.started_at or t0)
+            booted.boot_s = now - t0
+            booted.spawn_to_healthy_s = now - (vm.started_at or t0)
         except BaseException:
             # The sandbox dir (and its console log) is about to go: keep the console in the log.
             console = tail(SandboxFiles(workdir).serial_log, 40)
             log.warning("create of %s failed; console tail: %s", sandbox_id, console)
-            try:
-                await cleanup.run()
-            except CleanupFailed as exc:
-                log.error("after the failed create: %s", exc)
+            await self._unwind(stack, "the failed create")
             raise
-        self._sandboxes[sandbox_id] = handle
-        log.info("sandbox %s up in %.2fs at %s", sandbox_id, handle.boot_s, handle.address)
-        return handle
+        self._sandboxes[sandbox_id] = booted
+        log.info("sandbox %s up in %.2fs at %s", sandbox_id, booted.boot_s, booted.address)
+        return booted
+
+    async def _drop_entry(self, name: str, workdir: Path) -> None:
+        """What a warm entry taken by a create still holds under its own name and path
+        (nothing once it is renamed and moved: the references then are the sandbox's, and
+        the old path a symlink that `WARM_LINK` removes)."""
+        await asyncio.to_thread(self.layers.unref_holder, name)
+        await asyncio.to_thread(self.repo.unref_holder, name)
+        if not await asyncio.to_thread(workdir.is_symlink):
+            await asyncio.to_thread(shutil.rmtree, workdir, True)
 
     async def _restore(
         self,
@@ -259,6 +259,7 @@ class NodeCreate(NodeBase):
         workdir: Path,
         slot: Slot,
         top: str,
+        stack: Cleanup,
         origin: str = "restore",
         prepared: Prepared | None = None,
         defaults: TemplateDefaults | None = None,
@@ -266,7 +267,8 @@ class NodeCreate(NodeBase):
     ) -> SandboxHandle:
         """Restore `ref` as `sandbox_id` (into `prepared`, a warm pool's guest spawned for
         it, if given) and give it, in one `/init`, its hostname, the template's defaults and
-        `init`; cleans up after itself."""
+        `init`. Its QEMU goes onto `stack` (a prepared one is there already), which the
+        caller runs on failure and keeps on the handle."""
         t0 = time.monotonic()
         if prepared is not None:
             machine = await load(prepared, self.repo, self.layers)
@@ -274,26 +276,25 @@ class NodeCreate(NodeBase):
             machine = await snaps.restore(
                 self.repo, self.layers, self.image, ref, name=sandbox_id, workdir=workdir, slot=slot
             )
-        handle = self._handle(machine, template, top)
+            push_vm(stack, lambda: machine.vm)
+        crash_point("create:loaded")
+        handle = await asyncio.to_thread(self._handle, machine, template, top)
+        handle.cleanup = stack
         handle.origin = "warm" if prepared is not None else origin
         token = (await asyncio.to_thread(self.repo.get, ref)).envd_token
-        try:
-            d = defaults or TemplateDefaults()
-            env = init.env_over(d)
-            await snaps.identify(
-                machine.envd_url,
-                hostname=sandbox_id,
-                current_token=token,
-                # The captured guest's token (if any) is replaced by the sandbox's own.
-                access_token=init.envd_token or ("" if token else None),
-                env_vars=env or None,
-                default_user=d.user,
-                default_workdir=d.workdir,
-            )
-            handle.envd_token = init.envd_token
-        except BaseException:
-            await self._release(handle)
-            raise
+        d = defaults or TemplateDefaults()
+        env = init.env_over(d)
+        await snaps.identify(
+            machine.envd_url,
+            hostname=sandbox_id,
+            current_token=token,
+            # The captured guest's token (if any) is replaced by the sandbox's own.
+            access_token=init.envd_token or ("" if token else None),
+            env_vars=env or None,
+            default_user=d.user,
+            default_workdir=d.workdir,
+        )
+        handle.envd_token = init.envd_token
         handle.spawn_to_healthy_s = time.monotonic() - t0
         return handle
 
@@ -350,10 +351,13 @@ class NodeCreate(NodeBase):
     ) -> SandboxHandle:
         workdir = sandbox_files(self.settings, sandbox_id).workdir
         t0 = time.monotonic()
-        await asyncio.to_thread(workdir.mkdir, 0o700, False, False)
-        slot: Slot | None = None
+        stack = Cleanup(sandbox_id)
         try:
+            await asyncio.to_thread(workdir.mkdir, 0o700, False, False)
+            push_workdir(stack, workdir)
+            push_refs(stack, sandbox_id, self.layers, self.repo)
             slot = await self.pool.acquire()
+            push_slot(stack, self.pool, slot)
             if not egress.open:
                 await self.pool.set_egress(slot, egress)
             await self._write_meta(
@@ -362,34 +366,27 @@ class NodeCreate(NodeBase):
             )  # fmt: skip
             if snap.memory:
                 handle = await self._restore(
-                    snap.id, sandbox_id, ref, workdir, slot, snap.top_layer, init=init
+                    snap.id, sandbox_id, ref, workdir, slot, snap.top_layer, stack, init=init
                 )
             else:
-                handle = await self._boot_snapshot(snap, sandbox_id, ref, workdir, slot)
-                try:
-                    await self._init_booted(handle, None, init)
-                except BaseException:
-                    await handle.vm.kill()
-                    await asyncio.to_thread(self.layers.unref_holder, sandbox_id)
-                    raise
+                handle = await self._boot_snapshot(snap, sandbox_id, ref, workdir, slot, stack)
+                await self._init_booted(handle, None, init)
             handle.egress = egress
         except BaseException:
-            if slot is not None:
-                await self.pool.release(slot)
-            await asyncio.to_thread(shutil.rmtree, workdir, True)
+            await self._unwind(stack, "the failed create")
             raise
         handle.boot_s = time.monotonic() - t0
         self._sandboxes[sandbox_id] = handle
         return handle
 
     async def _boot_snapshot(
-        self, snap: Snapshot, sandbox_id: str, ref: str, workdir: Path, slot: Slot
+        self, snap: Snapshot, sandbox_id: str, ref: str, workdir: Path, slot: Slot, stack: Cleanup
     ) -> SandboxHandle:
         """A sandbox from a filesystem-only snapshot: a cold boot over a fresh upper on its
-        top layer (which the sandbox holds), in the snapshot's shape."""
+        top layer (which the sandbox holds), in the snapshot's shape. What it takes goes
+        onto `stack` (its references are the sandbox's: dropped by the caller's stack)."""
         t0 = time.monotonic()
         top = snap.top_layer
-        machine: Machine | None = None
         try:
             await thread_whole(self.layers.ref, top, sandbox_id)
             upper = SandboxFiles(workdir).upper
@@ -404,17 +401,14 @@ class NodeCreate(NodeBase):
                 slot=slot,
                 timeout_s=self.settings.boot_timeout_s,
             )
+            push_vm(stack, lambda: machine.vm)
             handle = await asyncio.to_thread(self._handle, machine, ref, top)
-        except BaseException as exc:
-            if machine is not None:
-                await machine.vm.kill()
-            await asyncio.to_thread(self.layers.unref_holder, sandbox_id)
-            if isinstance(exc, (SnapshotError, VMMError)):
-                raise BootFailed(
-                    f"sandbox {sandbox_id} from snapshot {ref!r}: {exc}; console: "
-                    f"{tail(SandboxFiles(workdir).serial_log)}"
-                ) from exc
-            raise
+        except (SnapshotError, VMMError) as exc:
+            raise BootFailed(
+                f"sandbox {sandbox_id} from snapshot {ref!r}: {exc}; console: "
+                f"{tail(SandboxFiles(workdir).serial_log)}"
+            ) from exc
+        handle.cleanup = stack
         handle.origin = "boot"
         handle.booted = True
         handle.spawn_to_healthy_s = time.monotonic() - t0

@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import builtins
+import contextlib
 import json
 import logging
 import secrets
-import shutil
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from agentenv import snapshot as snaps
+from agentenv.cleanup import Cleanup, CleanupFailed
 from agentenv.contract.ids import new_sandbox_id
 from agentenv.network import Egress
+from agentenv.node.cleanup import SLOT, VM, WARM_LINK, push_refs, push_slot, push_vm, push_workdir
 from agentenv.node.errors import (
     BootFailed,
     SandboxError,
@@ -29,9 +31,10 @@ from agentenv.node.sandbox import (
     defaults_of,
     meta_defaults,
 )
-from agentenv.snapshot import Snapshot, SnapshotError
+from agentenv.snapshot import Machine, Snapshot, SnapshotError
 from agentenv.snapshot.fork import MAX_CHILDREN, ForkTarget
 from agentenv.snapshot.pause import DISK
+from agentenv.vmm.qemu import QemuVM
 
 log = logging.getLogger(__name__)
 
@@ -66,8 +69,10 @@ class NodePause(NodeCreate):
         sb.paused = True
         if record.kind == "stream":
             self.conversions.start(sandbox_id, machine.workdir)
-        await self._drop_warm_link(sb)
-        await self.pool.release(sb.slot)
+        # Its QEMU has exited; the slot goes back now, the rest stays until delete.
+        sb.cleanup.drop(VM)
+        await sb.cleanup.release(WARM_LINK)
+        await sb.cleanup.release(SLOT)
         # A paused sandbox no longer maps the snapshot it came from; it may have been the
         # last holder of a deleted one.
         await asyncio.to_thread(self.repo.gc)
@@ -133,7 +138,9 @@ class NodePause(NodeCreate):
         await self.conversions.settle(sandbox_id)
         meta = json.loads(await asyncio.to_thread(SandboxFiles(workdir).meta.read_text))
         egress = Egress.from_json(meta.get("egress"))
+        stack = sb.cleanup if sb is not None else self._stack_on_disk(sandbox_id)
         slot = await self.pool.acquire()
+        push_slot(stack, self.pool, slot)
         booted = False
         try:
             if not egress.open:
@@ -148,13 +155,16 @@ class NodePause(NodeCreate):
                 boot_timeout_s=self.settings.boot_timeout_s,
             )
         except BaseException as exc:
-            await self.pool.release(slot)
+            with contextlib.suppress(CleanupFailed):
+                await stack.release(SLOT)
             if isinstance(exc, snaps.ResumedButLost):
                 await self.delete(sandbox_id)
             raise
+        push_vm(stack, lambda: machine.vm)
         if sb is None:
             sb = self._handle(machine, meta["template"], meta["top_layer"])
             sb.egress = egress
+            sb.cleanup = stack
             self._sandboxes[sandbox_id] = sb
         sb.machine, sb.vm, sb.slot, sb.upper, sb.paused, sb.booted = (
             machine,
@@ -234,6 +244,8 @@ class NodePause(NodeCreate):
             else [(new_sandbox_id(), NO_INIT) for _ in range(count)]
         )
         targets: list[ForkTarget] = []
+        # Each child's stack, from its workdir on; a child's QEMU joins it once restored.
+        stacks: dict[str, Cleanup] = {}
         loop = asyncio.get_running_loop()
         futures: list[asyncio.Future[ForkTarget]] = [loop.create_future() for _ in range(count)]
 
@@ -245,11 +257,11 @@ class NodePause(NodeCreate):
                     workdir = sandbox_files(self.settings, child_id).workdir
                     # Synchronous (one mkdir), so that no cancel falls between it and its undo.
                     workdir.mkdir(0o700)
-                    try:
-                        slot = await self.pool.acquire()
-                    except BaseException:
-                        await asyncio.to_thread(shutil.rmtree, workdir, True)
-                        raise
+                    stack = stacks[child_id] = Cleanup(child_id)
+                    push_workdir(stack, workdir)
+                    push_refs(stack, child_id, self.layers, self.repo)
+                    slot = await self.pool.acquire()
+                    push_slot(stack, self.pool, slot)
                     targets.append(
                         ForkTarget(
                             child_id,
@@ -292,22 +304,35 @@ class NodePause(NodeCreate):
             for fut in futures:
                 if fut.done() and not fut.cancelled():
                     fut.exception()
-            for t in targets:
-                await self.pool.release(t.slot)
-                await asyncio.to_thread(shutil.rmtree, t.workdir, True)
+            # The children fork restored it has released; the rest of each is here.
+            for stack in stacks.values():
+                await self._unwind(stack, "the failed fork")
             raise
         sb.vm, sb.upper = machine.vm, machine.upper
-        handles = []
         for child in res.children:
-            top = res.capture.snapshot.top_layer
-            inherited = await asyncio.to_thread(meta_defaults, sb.workdir)
-            await self._write_meta(
-                child.workdir, sb.template, sb.cpu, sb.memory_mb, 0, top, sb.egress, inherited
-            )
-            h = self._handle(child, sb.template, top)
-            h.origin = "fork"
-            h.envd_token = dict(named).get(child.name, NO_INIT).envd_token
-            h.egress = sb.egress
-            self._sandboxes[child.name] = h
-            handles.append(h)
+            push_vm(stacks[child.name], _current_vm(child))
+        handles = []
+        try:
+            for child in res.children:
+                top = res.capture.snapshot.top_layer
+                inherited = await asyncio.to_thread(meta_defaults, sb.workdir)
+                await self._write_meta(
+                    child.workdir, sb.template, sb.cpu, sb.memory_mb, 0, top, sb.egress, inherited
+                )
+                h = await asyncio.to_thread(self._handle, child, sb.template, top)
+                h.cleanup = stacks[child.name]
+                h.origin = "fork"
+                h.envd_token = dict(named).get(child.name, NO_INIT).envd_token
+                h.egress = sb.egress
+                handles.append(h)
+        except BaseException:
+            for stack in stacks.values():
+                await self._unwind(stack, "the failed fork")
+            raise
+        for h in handles:
+            self._sandboxes[h.id] = h
         return handles
+
+
+def _current_vm(machine: Machine) -> Callable[[], QemuVM]:
+    return lambda: machine.vm

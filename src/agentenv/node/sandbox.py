@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from agentenv.cleanup import Cleanup
 from agentenv.network import OPEN, Egress, Slot
 from agentenv.node.errors import (
     SandboxError,
@@ -111,9 +112,12 @@ class SandboxHandle:
     booted: bool = False
     # The token its envd requires (the node's own calls into the guest send it).
     envd_token: str | None = field(default=None, repr=False)
-    # Taken from the warm pool: the entry's old workdir, left as a symlink to the new one
-    # while its QEMU runs (`relocate`); under the entry's name, not the sandbox's.
-    warm_link: Path | None = field(default=None, repr=False)
+    # Everything it holds, last acquired first (`node.cleanup`): built by the create,
+    # resume or fork that made it, run by delete.
+    cleanup: Cleanup = field(default_factory=lambda: Cleanup(""), repr=False)
+
+    def __post_init__(self) -> None:
+        self.cleanup.owner = self.cleanup.owner or self.id
 
     @property
     def address(self) -> str:

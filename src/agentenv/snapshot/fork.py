@@ -4,13 +4,14 @@ identity (id, hostname, reseeded RNG, clock). The source is stopped only for the
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from agentenv.aio import whole
+from agentenv.cleanup import Cleanup, CleanupFailed
 from agentenv.faults import crash_point
 from agentenv.network import Slot
 from agentenv.snapshot.capture import Capture, capture
@@ -25,6 +26,7 @@ log = logging.getLogger(__name__)
 MAX_CHILDREN = 100
 # Restores are mostly QEMU spawn and page faults; a few at once keep two cores busy.
 RESTORE_CONCURRENCY = 4
+CLAIM = "claim"
 
 
 @dataclass(frozen=True)
@@ -82,6 +84,10 @@ async def fork(
         envd_token=envd_token,
     )
     crash_point("fork:captured")
+    # The fork's own stack: the claim on the capture, then each child restored (released
+    # if the fork fails; the caller owns the targets' workdirs and slots).
+    stack = Cleanup(f"fork of {source.name}")
+    stack.push(CLAIM, lambda: asyncio.to_thread(repo.unref, cap.snapshot.id, claim))
     sem = asyncio.Semaphore(concurrency)
     made: dict[int, Machine] = {}
 
@@ -89,30 +95,19 @@ async def fork(
         # Shielded: cancelling this child must not cancel the caller's future.
         t = target if isinstance(target, ForkTarget) else await asyncio.shield(target)
         async with sem:
-            made[i] = await restore(
+            child = made[i] = await restore(
                 repo, layers, image, cap.snapshot.id, name=t.name, workdir=t.workdir, slot=t.slot
             )
+            stack.push(f"child {t.name}", lambda: release(child, repo, layers))
             crash_point("fork:child")
             env = {**(env_vars or {}), **(t.env_vars or {})}
             await identify(
-                made[i].envd_url,
+                child.envd_url,
                 hostname=t.name,
                 env_vars=env or None,
                 current_token=envd_token,
                 access_token=t.access_token or ("" if envd_token else None),
             )
-
-    claimed = True
-
-    async def unclaim() -> None:
-        nonlocal claimed
-        if claimed:
-            await asyncio.to_thread(repo.unref, cap.snapshot.id, claim)
-            claimed = False
-
-    async def undo() -> None:
-        await _release_all(list(made.values()), repo, layers)
-        await unclaim()
 
     try:
         try:
@@ -122,10 +117,11 @@ async def fork(
         except BaseExceptionGroup as group:
             # Callers map single errors (RestoreFailed, ...) to their own; give them the first.
             raise _first(group) from None
-        # A cancel arriving here still releases the children (below).
-        await whole(unclaim())
+        # Whole: a cancel arriving here still releases the children (below).
+        await stack.release(CLAIM)
     except BaseException:
-        await whole(undo())
+        with contextlib.suppress(CleanupFailed):
+            await stack.run()
         raise
     return ForkResult(cap, [made[i] for i in range(len(targets))], time.monotonic() - t0)
 
@@ -134,11 +130,3 @@ def _first(group: BaseExceptionGroup[BaseException]) -> BaseException:
     for exc in group.exceptions:
         return _first(exc) if isinstance(exc, BaseExceptionGroup) else exc
     return group
-
-
-async def _release_all(children: list[Machine], repo: SnapshotStore, layers: LayerStore) -> None:
-    for child in children:
-        try:
-            await release(child, repo, layers)
-        except Exception as exc:
-            log.warning("fork: releasing child %s failed: %r", child.name, exc)

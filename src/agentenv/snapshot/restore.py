@@ -7,10 +7,11 @@ import contextlib
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from agentenv.aio import thread_whole, whole
+from agentenv.aio import thread_whole
+from agentenv.cleanup import Cleanup, CleanupFailed
 from agentenv.files import ROOTFS
 from agentenv.network import Slot
 from agentenv.snapshot.errors import IncompatibleSnapshot, RestoreFailed
@@ -61,7 +62,8 @@ def check_compatible(
 @dataclass
 class Prepared:
     """A guest waiting for its state: QEMU spawned with `-incoming defer` over the snapshot's
-    memory file, its fresh disk upper made, references taken under `name`."""
+    memory file, its fresh disk upper made, references taken under `name`. `cleanup` holds
+    their undo (not the workdir or slot, which belong to the caller): `discard` runs it."""
 
     snap: Snapshot
     name: str
@@ -69,6 +71,7 @@ class Prepared:
     slot: Slot
     upper: Path
     vm: QemuVM
+    cleanup: Cleanup = field(repr=False)
 
 
 async def prepare(
@@ -97,10 +100,21 @@ async def prepare(
     )
     await asyncio.to_thread(workdir.mkdir, 0o700, True, True)
     upper = workdir / ROOTFS
-    vm: QemuVM | None = None
+    prep: Prepared | None = None
+    stack = Cleanup(name)
+
+    def holder() -> str:
+        # `rename` gives a prepared guest another name: its references move with it.
+        return name if prep is None else prep.name
+
+    def upper_now() -> Path:
+        return upper if prep is None else prep.upper
+
+    stack.push("references", lambda: asyncio.to_thread(_unref, holder(), repo, layers))
+    stack.push("upper", lambda: asyncio.to_thread(upper_now().unlink, True))
     try:
         # Whole: a cancel must not return before a reference its thread still takes, or
-        # `_undo` would run first and the reference would outlive it.
+        # the stack would run first and the reference would outlive it.
         await thread_whole(repo.ref, snap.id, name)
         await thread_whole(layers.ref, snap.top_layer, name)
         top = await asyncio.to_thread(layers.path, snap.top_layer)
@@ -119,11 +133,25 @@ async def prepare(
             incoming=True,
             balloon=snap.balloon,
         )
+        stack.push("vm", vm.kill)
         await vm.start()
     except BaseException:
-        await _undo(vm, upper, name, repo, layers)
+        await _run(stack)
         raise
-    return Prepared(snap, name, workdir, slot, upper, vm)
+    prep = Prepared(snap, name, workdir, slot, upper, vm, stack)
+    return prep
+
+
+def _unref(holder: str, repo: SnapshotStore, layers: LayerStore) -> None:
+    layers.unref_holder(holder)
+    repo.unref_holder(holder)
+
+
+async def _run(stack: Cleanup) -> None:
+    """A failed restore's undo; what of it fails is logged (the restore's error is the one
+    the caller sees)."""
+    with contextlib.suppress(CleanupFailed):
+        await stack.run()
 
 
 async def rename(prep: Prepared, name: str, repo: SnapshotStore, layers: LayerStore) -> None:
@@ -200,27 +228,8 @@ async def load(
 
 
 async def discard(prep: Prepared, repo: SnapshotStore, layers: LayerStore) -> None:
-    """Undo `prepare` (not the workdir or slot, which belong to the caller)."""
-    await _undo(prep.vm, prep.upper, prep.name, repo, layers)
-
-
-async def _undo(
-    vm: QemuVM | None, upper: Path, name: str, repo: SnapshotStore, layers: LayerStore
-) -> None:
-    # Whole: a second cancel (a task group aborting again) must not stop it halfway.
-    await whole(_undo_steps(vm, upper, name, repo, layers))
-
-
-async def _undo_steps(
-    vm: QemuVM | None, upper: Path, name: str, repo: SnapshotStore, layers: LayerStore
-) -> None:
-    if vm is not None:
-        await vm.kill()
-    with contextlib.suppress(Exception):
-        await asyncio.to_thread(layers.unref_holder, name)
-    with contextlib.suppress(Exception):
-        await asyncio.to_thread(repo.unref_holder, name)
-    await asyncio.to_thread(upper.unlink, True)
+    """Undo `prepare` (not the workdir or slot, which belong to the caller): its stack."""
+    await _run(prep.cleanup)
 
 
 async def restore(

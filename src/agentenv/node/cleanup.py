@@ -1,0 +1,97 @@
+"""What a node pushes onto a sandbox's cleanup stack (`agentenv.cleanup.Cleanup`), one function
+per resource, and the stack rebuilt for a sandbox known only from its files.
+
+The stack is made with the first thing a create acquires and lives on the sandbox's
+`SandboxHandle` (`handle.cleanup`) until delete runs it; a failed create, resume or fork runs
+the part it built. In acquisition order (so it runs the other way):
+
+- `workdir`: the sandbox's directory (its upper, memory file, records), removed last;
+- `references`: every layer and snapshot reference held under the sandbox's id (the node's
+  own and those a restore takes), dropped together; then the snapshot a fork made goes with
+  its last holder, and layers nothing holds any more (top down);
+- `slot`: its network slot (a pause gives it back early: `stack.release(SLOT)`);
+- `warm link`: the old name of a warm pool entry's workdir, once its QEMU is gone;
+- `vm`: its QEMU (jail, cgroup, VM record, sockets), whichever QEMU runs it now.
+
+A sandbox known only from its workdir (paused, or found by crash recovery) gets the first two
+from `on_disk`; an adopted one then gets its slot and QEMU pushed like a created one."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+from agentenv.cleanup import Cleanup
+from agentenv.network import Slot, SlotPool
+from agentenv.snapshot import SnapshotStore
+from agentenv.snapshot.restore import unlink_relocated
+from agentenv.storage import LayerInUse, LayerNotFound, LayerStore, StorageError
+from agentenv.vmm.qemu import QemuVM
+
+WORKDIR = "workdir"
+REFS = "references"
+SLOT = "slot"
+WARM_LINK = "warm link"
+VM = "vm"
+
+
+def push_workdir(stack: Cleanup, workdir: Path) -> None:
+    stack.push(WORKDIR, lambda: asyncio.to_thread(shutil.rmtree, workdir, True))
+
+
+def push_refs(stack: Cleanup, holder: str, layers: LayerStore, repo: SnapshotStore) -> None:
+    """Before anything is referenced under `holder`: one step drops whatever it took."""
+    stack.push(REFS, lambda: asyncio.to_thread(drop_refs, holder, layers, repo))
+
+
+def push_slot(stack: Cleanup, pool: SlotPool, slot: Slot) -> None:
+    stack.push(SLOT, lambda: pool.release(slot))
+
+
+def push_warm_link(stack: Cleanup, old_workdir: Path) -> None:
+    stack.push(WARM_LINK, lambda: asyncio.to_thread(unlink_relocated, old_workdir))
+
+
+def push_vm(stack: Cleanup, current: Callable[[], QemuVM]) -> None:
+    """`current` names the QEMU when the step runs: a capture moves a sandbox to another."""
+
+    async def kill() -> None:
+        await current().kill()
+
+    stack.push(VM, kill)
+
+
+def on_disk(sandbox_id: str, workdir: Path, layers: LayerStore, repo: SnapshotStore) -> Cleanup:
+    """The stack of a sandbox that runs nowhere: what its files and references record."""
+    stack = Cleanup(sandbox_id)
+    push_workdir(stack, workdir)
+    push_refs(stack, sandbox_id, layers, repo)
+    return stack
+
+
+def drop_refs(holder: str, layers: LayerStore, repo: SnapshotStore) -> None:
+    held = layers.held_by(holder)
+    layers.unref_holder(holder)
+    repo.unref_holder(holder)
+    # The snapshot a fork made goes with its last child.
+    repo.gc()
+    remove_unheld_layers(layers, held)
+
+
+def remove_unheld_layers(layers: LayerStore, digests: list[str]) -> None:
+    """Layers the sandbox was the last to hold (a fork's top layer once the fork snapshot is
+    gone), top down, up to the first one something else still uses. Not a store-wide gc:
+    that would race with a capture between adding a layer and committing the snapshot that
+    references it."""
+    for top in digests:
+        try:
+            chain = layers.chain(top)
+        except (LayerNotFound, StorageError):
+            continue
+        for digest in chain:
+            try:
+                layers.remove(digest)
+            except (LayerInUse, LayerNotFound):
+                break
