@@ -17,6 +17,7 @@ import pytest
 from e2b import Sandbox
 
 from agentenv.api.devserver import ServerProcess, prepare_home
+from agentenv.rollouts import RolloutError, Rollouts
 from agentenv.snapshot.repository import SnapshotRepository
 from agentenv.storage.layers import LayerStore
 
@@ -176,19 +177,23 @@ def test_paused_past_retention_goes_with_what_only_it_held(
             assert from_snap.files.read(NOTE) == secret
         finally:
             from_snap.kill()
-        # Fork N from the snapshot in one call (#24): each child has the source's file.
-        resp = rapi.post(f"/snapshots/{snap_name}/fork", json={"count": 2, "timeout": 120})
-        assert resp.status_code == 201, resp.text
-        kids = [row["sandbox"]["sandboxID"] for row in resp.json()]
-        try:
-            assert len(set(kids)) == 2
-            for kid in kids:
-                child = Sandbox.connect(kid, **opts)  # type: ignore[arg-type]
-                assert child.files.read(NOTE) == secret
-        finally:
-            _kill_quietly(rapi, *kids)
-        assert "nope" in _error(rapi.post("/snapshots/nope/fork", json={"count": 1}), 404)
-        assert "count" in _error(rapi.post(f"/snapshots/{snap_name}/fork", json={"count": 0}), 400)
+        # Fork N from the snapshot in one call (#24), through the project's client for SDK
+        # users: each child has the source's file.
+        with Rollouts(short_retention.url, short_retention.api_key) as rollouts:
+            kids = rollouts.fork_snapshot(snap_name, 2, timeout=120)
+            try:
+                assert len(set(kids)) == 2
+                for kid in kids:
+                    child = Sandbox.connect(kid, **opts)  # type: ignore[arg-type]
+                    assert child.files.read(NOTE) == secret
+            finally:
+                assert all(rollouts.kill(kid) for kid in kids)
+            with pytest.raises(RolloutError) as err:
+                rollouts.fork_snapshot("nope")
+            assert err.value.status == 404 and "nope" in err.value.message
+            with pytest.raises(RolloutError) as err:
+                rollouts.fork_snapshot(snap_name, 0)
+            assert err.value.status == 400 and "count" in err.value.message
         fresh = Sandbox.create(template="base", timeout=120, **opts)  # type: ignore[arg-type]
         try:
             assert fresh.commands.run("echo ok").stdout.strip() == "ok"
@@ -256,9 +261,10 @@ def test_a_keepalive_kills_a_sandbox_whose_client_went_away(
         while time.monotonic() - start < keepalive + 1:
             assert sbx.commands.run("true").exit_code == 0
             time.sleep(1.0)
-        while time.monotonic() - start < keepalive + 3:
-            assert rapi.get(f"/sandboxes/{sid}").json()["state"] == "running"
-            time.sleep(1.0)
+        with Rollouts(short_retention.url, short_retention.api_key) as rollouts:
+            while time.monotonic() - start < keepalive + 3:
+                assert rollouts.touch(sid) == "running"
+                time.sleep(1.0)
         # Then nobody: it goes within the keepalive and the reaper's check.
         deadline = time.monotonic() + GC_DEADLINE_S
         while rapi.get("/v2/sandboxes").json() and any(

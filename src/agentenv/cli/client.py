@@ -181,6 +181,12 @@ def start(
         list[str] | None, typer.Option("--env", "-e", help="KEY=VALUE environment variable.")
     ] = None,
     keep: bool = typer.Option(False, "--keep", help="Keep the sandbox after the shell exits."),
+    grace: int | None = typer.Option(
+        None, "--grace", help="Seconds paused after the timeout before it is deleted."
+    ),
+    keepalive: int = typer.Option(
+        0, "--keepalive", help="Kill it once no client touched it for this many seconds."
+    ),
 ) -> None:
     """Create a sandbox and open an interactive shell in it (killed when the shell exits)."""
 
@@ -200,7 +206,10 @@ def start(
             "timeout": timeout,
             "metadata": pairs(metadata or [], "--metadata"),
             "envVars": pairs(env or [], "--env"),
+            "keepalive": keepalive,
         }
+        if grace is not None:
+            body["gracePeriod"] = grace
         return api, api.call("POST", "/v2/sandboxes", json=body).json()
 
     api, sbx = _guard(create)
@@ -277,15 +286,16 @@ def fork(
     sandbox_id: str,
     count: int = typer.Option(1, "--count", "-n", help="how many children (1-100)"),
     timeout: int = typer.Option(300, "--timeout", "-t", help="children's lifetime in seconds"),
+    snapshot: bool = typer.Option(
+        False, "--snapshot", help="SANDBOX_ID names a persistent snapshot (id or name)."
+    ),
 ) -> None:
-    """Start COUNT sandboxes from one snapshot of a running sandbox (which keeps running)."""
+    """Start COUNT sandboxes from one snapshot of a running sandbox (which keeps running), or
+    with --snapshot from a persistent snapshot, all or none."""
     if not 1 <= count <= 100:
         _fail("--count must be between 1 and 100")
-    resp = _guard(
-        lambda: _api().call(
-            "POST", f"/sandboxes/{sandbox_id}/fork", json={"count": count, "timeout": timeout}
-        )
-    )
+    path = f"/snapshots/{sandbox_id}/fork" if snapshot else f"/sandboxes/{sandbox_id}/fork"
+    resp = _guard(lambda: _api().call("POST", path, json={"count": count, "timeout": timeout}))
     rows = [entry["sandbox"] for entry in resp.json() if "sandbox" in entry]
     emit(rows, [("SANDBOX", "sandboxID"), ("TEMPLATE", "templateID")])
     err.print(f"forked {len(rows)} sandbox(es) from {sandbox_id}")
