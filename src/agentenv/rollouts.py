@@ -109,6 +109,12 @@ class Rollouts:
         rows = self._call("POST", f"/snapshots/{snapshot}/fork", _fork(count, timeout))
         return [str(row["sandbox"]["sandboxID"]) for row in rows]
 
+    def reset(self, sandbox_id: str, snapshot: str | None = None) -> str:
+        """Put a running sandbox back to the state it was created from (or to `snapshot`),
+        keeping its id, tokens, metadata and deadline; its id."""
+        body = {"snapshot": snapshot} if snapshot is not None else {}
+        return str(self._call("POST", f"/sandboxes/{sandbox_id}/reset", body)["sandboxID"])
+
     def touch(self, sandbox_id: str) -> str:
         """Tell a sandbox with a keepalive that its client is still there; its state."""
         return str(self._call("GET", f"/sandboxes/{sandbox_id}")["state"])

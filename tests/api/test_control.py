@@ -294,3 +294,48 @@ def test_templates_and_prometheus_metrics(api: httpx.Client) -> None:
     assert 'agentenv_sandboxes{state="running"}' in text
     assert "agentenv_sandbox_create_seconds_count" in text
     assert "agentenv_proxy_bytes_total" in text
+
+
+def test_reset_in_place_keeps_the_sandbox_and_drops_what_the_episode_did(
+    api: httpx.Client, server: ServerProcess
+) -> None:
+    """`POST /sandboxes/{id}/reset` (#24): the same id, token, metadata and deadline, the
+    guest back at its template's state; a command in flight ends with an error; the SDK object
+    the client already holds keeps working."""
+    from e2b import Sandbox
+
+    created = _create(api, metadata={"episode": "1"}, timeout=600)
+    sid = str(created["sandboxID"])
+    opts = {"api_key": server.api_key, "api_url": server.url, "sandbox_url": server.url}
+    try:
+        sbx = Sandbox.connect(sid, **opts)  # type: ignore[arg-type]
+        sbx.files.write("/home/user/episode.txt", "step-1")
+        before = next(s for s in api.get("/v2/sandboxes").json() if s["sandboxID"] == sid)
+        with ThreadPoolExecutor(1) as pool:
+            inflight = pool.submit(sbx.commands.run, "sleep 120")
+            deadline = time.monotonic() + 60
+            while not any("sleep 120" in p.cmd + " ".join(p.args) for p in sbx.commands.list()):
+                assert time.monotonic() < deadline, "the command never started"
+                time.sleep(0.2)
+            resp = api.post(f"/sandboxes/{sid}/reset")
+            assert resp.status_code == 200, resp.text
+            with pytest.raises(Exception):  # noqa: B017 - the SDK's error for a cut stream
+                inflight.result(timeout=60)
+        body = resp.json()
+        assert body["sandboxID"] == sid
+        assert body["envdAccessToken"] == created["envdAccessToken"]
+        after = next(s for s in api.get("/v2/sandboxes").json() if s["sandboxID"] == sid)
+        assert after["metadata"] == {"episode": "1"}
+        assert after["endAt"] == before["endAt"]
+        assert not sbx.files.exists("/home/user/episode.txt")
+        assert sbx.commands.run("echo ok").stdout.strip() == "ok"
+        assert "reset to 'base'" in api.get(f"/sandboxes/{sid}/logs").text
+
+        assert "nope" in str(
+            _assert_error(api.post(f"/sandboxes/{sid}/reset", json={"snapshot": "nope"}), 404)
+        )
+        _assert_error(api.post("/sandboxes/nosuchsandbox/reset"), 404)
+        assert api.post(f"/sandboxes/{sid}/pause").status_code == 204
+        _assert_error(api.post(f"/sandboxes/{sid}/reset"), 409)
+    finally:
+        api.delete(f"/sandboxes/{sid}")

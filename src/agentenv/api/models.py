@@ -135,6 +135,12 @@ class SnapshotBody(_Strict):
     memory: StrictBool | None = None
 
 
+class ResetBody(_Strict):
+    # A persistent snapshot (id or name) of the same machine shape; unset: the template the
+    # sandbox was created from.
+    snapshot: Annotated[str, Field(min_length=1, max_length=256)] | None = None
+
+
 class ForkBody(_Strict):
     count: Annotated[StrictInt, Field(ge=1, le=100)] = 1
     timeout: Timeout | None = None

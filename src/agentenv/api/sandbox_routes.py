@@ -19,6 +19,7 @@ from agentenv.api.models import (
     NetworkUpdate,
     PauseBody,
     RefreshBody,
+    ResetBody,
     ResumeBody,
     SnapshotBody,
     TimeoutBody,
@@ -248,6 +249,19 @@ def mount_sandbox_routes(app: FastAPI, ctx: ControlContext, builds: TemplateBuil
         body = body or ForkBody()
         children = await mgr.fork(sandbox_id, body.count, body.timeout, key.id)
         return JSONResponse([{"sandbox": views.sandbox(c, ctx.domain)} for c in children], 201)
+
+    @app.post("/sandboxes/{sandbox_id}/reset", tags=["sandboxes"])
+    async def reset(sandbox_id: str, key: Auth, body: ResetBody | None = None) -> JSONResponse:
+        """Put a running sandbox back to the state it was created from (or to a snapshot of
+        this team), keeping its id, URL, tokens, metadata and timeout."""
+        await owned(sandbox_id, key)
+        body = body or ResetBody()
+        if body.snapshot is not None:
+            found = [s for s in await mgr.snapshots() if body.snapshot in (s.snapshot_id, *s.names)]
+            if not found or await mgr.store.snapshot_owner(found[0].snapshot_id) != key.team_id:
+                raise ApiError(404, f"snapshot {body.snapshot!r} not found")
+        rec = await mgr.reset(sandbox_id, body.snapshot)
+        return JSONResponse(views.sandbox(rec, ctx.domain))
 
     @app.post("/sandboxes/{sandbox_id}/connect", tags=["sandboxes"])
     async def connect_v1(

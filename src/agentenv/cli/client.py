@@ -301,6 +301,19 @@ def fork(
     err.print(f"forked {len(rows)} sandbox(es) from {sandbox_id}")
 
 
+@client_app.command()
+def reset(
+    sandbox_id: str,
+    snapshot: str | None = typer.Option(
+        None, "--snapshot", help="a persistent snapshot to go back to (default: its template)"
+    ),
+) -> None:
+    """Put a running sandbox back to the state it was created from, keeping its id."""
+    body = {"snapshot": snapshot} if snapshot is not None else {}
+    _guard(lambda: _api().call("POST", f"/sandboxes/{sandbox_id}/reset", json=body))
+    err.print(f"reset {sandbox_id}")
+
+
 @client_app.command("timeout")
 def set_timeout(sandbox_id: str, seconds: int) -> None:
     """Make the sandbox expire SECONDS from now."""

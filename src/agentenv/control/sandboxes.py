@@ -8,8 +8,8 @@ race sees the state the winner left. A transition that fails part-way is rolled 
 resume) or torn down to ``gone`` (create), never left in a transitional state.
 
 `SandboxManager` is put together from its parts: `sandbox_base` (state, lock, value types),
-`sandbox_creation`, `sandbox_lifecycle`, `sandbox_queries`, `sandbox_recovery` and
-`sandbox_reaper`; this module starts and stops it.
+`sandbox_creation`, `sandbox_lifecycle`, `sandbox_queries`, `sandbox_recovery`,
+`sandbox_reaper` and `sandbox_reset`; this module starts and stops it.
 """
 
 from __future__ import annotations
@@ -22,10 +22,11 @@ from agentenv.control.sandbox_creation import SandboxCreation
 from agentenv.control.sandbox_queries import SandboxQueries
 from agentenv.control.sandbox_reaper import SandboxReaper
 from agentenv.control.sandbox_recovery import SandboxRecovery
+from agentenv.control.sandbox_reset import SandboxReset
 from agentenv.control.store import LIVE_STATES, SandboxState
 
 
-class SandboxManager(SandboxReaper, SandboxCreation, SandboxQueries, SandboxRecovery):
+class SandboxManager(SandboxReaper, SandboxCreation, SandboxQueries, SandboxRecovery, SandboxReset):
     """Owns the lifecycle of every sandbox on this server."""
 
     async def start(self) -> None:

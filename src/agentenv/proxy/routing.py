@@ -35,7 +35,7 @@ _CONTROL_PATTERNS: tuple[tuple[frozenset[str], re.Pattern[str]], ...] = tuple(
         ("GET DELETE", f"/sandboxes/{_SEG}"),
         (
             "POST",
-            f"/sandboxes/{_SEG}/(?:timeout|pause|resume|connect|snapshots|fork|refreshes)",
+            f"/sandboxes/{_SEG}/(?:timeout|pause|resume|connect|snapshots|fork|refreshes|reset)",
         ),
         ("GET", f"/sandboxes/{_SEG}/(?:metrics|logs)"),
         ("PUT", f"/sandboxes/{_SEG}/network"),
