@@ -50,16 +50,12 @@ def test_only_a_clone_runs_with_the_ram_preload_library(settings: Settings, tmp_
     mem = tmp_path / "m"
     clone = vm(settings, tmp_path, MachineSpec(1, 256, mem_file=mem, mem_shared=False))
     clone.ram_shim = shim
-    argv = clone._launch_argv()
-    assert argv[argv.index("env") : argv.index("env") + 3] == [
-        "env",
-        f"LD_PRELOAD={shim}",
-        f"AGENTENV_PRIVATE_RAM={mem}",
-    ]
-    assert argv.index("env") < argv.index(settings.qemu_binary)
+    plan = clone._launch_plan()
+    assert plan["env"] == {"LD_PRELOAD": str(shim), "AGENTENV_PRIVATE_RAM": str(mem)}
+    assert plan["argv"][0] == settings.qemu_binary
     own = vm(settings, tmp_path, MachineSpec(1, 256, mem_file=mem, mem_shared=True))
     own.ram_shim = shim
-    assert not any(a.startswith("LD_PRELOAD") for a in own._launch_argv())
+    assert own._launch_plan()["env"] == {}
 
 
 async def test_a_clone_without_the_library_does_not_start(

@@ -7,6 +7,8 @@ The first tests run the launch with a shell instead of QEMU (no VM); the rest bo
 from __future__ import annotations
 
 import os
+import select
+import signal
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -15,7 +17,7 @@ import pytest
 
 from agentenv.config import Settings
 from agentenv.storage import create_upper_sync
-from agentenv.vmm import confine
+from agentenv.vmm import confine, launch
 from agentenv.vmm.base import Drive, MachineSpec, VMStatus
 from agentenv.vmm.errors import VMMError, VMStartError
 from agentenv.vmm.qemu import QemuVM
@@ -52,6 +54,29 @@ def test_backing_chain_is_read_from_the_headers(tmp_path: Path) -> None:
     assert confine.backing_chain(raw) == []
 
 
+def _launch_shell(jail: confine.Jail | None, script: str) -> tuple[int | None, str]:
+    """`script` run by the launcher as QEMU would be (in `jail`); its status and output."""
+    plan = {
+        "argv": ["/bin/sh", "-c", script],
+        "env": {},
+        "cgroup_procs": [],
+        "netns": None,
+        "new_net": False,
+        "pid_ns": jail is not None and confine.pid_namespaces(),
+        "jail": None if jail is None else jail.plan(),
+    }
+    launcher = launch.shared()
+    r, w = os.pipe()
+    try:
+        pid, pidfd = launcher.launch(plan, w, w)
+    finally:
+        os.close(w)
+    os.close(pidfd)
+    with os.fdopen(r) as f:
+        out = f.read()
+    return launcher.exit_status(pid, 30.0), out
+
+
 @needs_root
 def test_the_launch_gives_a_process_only_its_root(tmp_path: Path) -> None:
     """The same launch QEMU gets, with a shell in QEMU's place."""
@@ -76,11 +101,9 @@ def test_the_launch_gives_a_process_only_its_root(tmp_path: Path) -> None:
         f"ls / /dev; ls {other}; rm -f {work}/server 2>/dev/null || echo cannot-remove"
     )
     (work / "server").write_text("the server's")
-    res = subprocess.run(
-        jail.wrap(["/bin/sh", "-c", probe]), capture_output=True, text=True, timeout=30
-    )
-    assert res.returncode == 0, res.stderr
-    lines = res.stdout.split()
+    code, out = _launch_shell(jail, probe)
+    assert code == 0, out
+    lines = out.split()
     assert lines[:3] == [str(uid), str(gid), "layer"]
     assert "ro-writable" not in lines and "secret-readable" not in lines
     assert "cannot-remove" in lines and (work / "server").exists()
@@ -91,6 +114,35 @@ def test_the_launch_gives_a_process_only_its_root(tmp_path: Path) -> None:
     assert {"null", "urandom"} <= set(lines) and "kvm" not in lines
     # Nothing of the launch is left on the host.
     assert str(confine.JAIL_DIR) not in Path("/proc/self/mounts").read_text()
+
+
+@needs_root
+def test_a_launch_spawns_one_process_and_a_dead_launcher_is_replaced() -> None:
+    """The launcher forks one child per launch, which execs the program itself: the shell
+    that runs is the launcher's child, PID 1 of its own namespace, and what it reports
+    is its own exec (no wrapper in between). A launcher killed is noticed and replaced."""
+    launcher = launch.shared()
+    code, out = _launch_shell(None, "echo $PPID; ls /proc/$$/fd")
+    # Its parent is the launcher; it holds stdin, stdout and stderr, nothing of the
+    # launcher's (least of all its channel to the server).
+    assert code == 0 and out.split() == [str(launcher.pid), "0", "1", "2"], out
+    jail = confine.Jail(*confine.vm_ids("launch-test", None), programs=("sh",))
+    code, out = _launch_shell(jail, "echo $$; exit 3")
+    assert code == 3, out
+    if confine.pid_namespaces():
+        assert out.split() == ["1"]
+    # Set-up failures come back as the launch's error, with the reason.
+    bad = confine.Jail(0, 0, ro_files=[Path("/nonexistent/file")], programs=("sh",))
+    with pytest.raises(VMStartError, match=r"launch failed.*nonexistent"):
+        _launch_shell(bad, "true")
+    old = launcher.pid
+    assert old is not None
+    pidfd = os.pidfd_open(old)
+    os.kill(old, signal.SIGKILL)
+    select.select([pidfd], [], [], 30.0)
+    os.close(pidfd)
+    code, out = _launch_shell(None, "echo $PPID")
+    assert code == 0 and out.split() == [str(launcher.pid)] and launcher.pid != old
 
 
 @pytest.mark.vm
@@ -174,6 +226,12 @@ def _check_confined(vm: QemuVM, own_files: set[str]) -> None:
     assert status["Seccomp"] == "2"
     assert status["NoNewPrivs"] == "1"
     assert int(status["CapEff"], 16) == 0 and int(status["CapPrm"], 16) == 0
+    # Started with one fork and one exec: the launcher's child, with nothing in between,
+    # and the only process this server has is the launcher.
+    launcher = launch.shared()
+    assert status["PPid"] == str(launcher.pid)
+    me = os.getpid()
+    assert Path(f"/proc/{me}/task/{me}/children").read_text().split() == [str(launcher.pid)]
     # PID 1 of a PID namespace of its own: it sees no other process of the host.
     if confine.pid_namespaces():
         assert status["NSpid"].split() == [str(vm.pid), "1"]

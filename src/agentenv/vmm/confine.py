@@ -16,10 +16,11 @@ Each confined QEMU:
 - under QEMU's seccomp filter (`-sandbox`, `SANDBOX`), which also denies exec, so RAM
   streams go through descriptors passed over QMP, not `exec:`.
 
-The launch is a shell run as root inside the new mount namespace that builds that root and
-execs `chroot --userspec` (which drops to the uid before exec'ing QEMU). The tmpfs exists
-only in the VM's namespace: it goes away with the process, and nothing is left on the host
-to clean up after a crash.
+The launcher (`vmm.launcher`, one process per server) builds that root with system calls in
+the child it forks for the VM, as root, in the new mount namespace (`Jail.plan`), then drops
+to the uid and execs QEMU: no other program runs. The tmpfs exists only in the VM's
+namespace: it goes away with the process, and nothing is left on the host to clean up after
+a crash.
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ from __future__ import annotations
 import functools
 import mmap
 import os
-import shlex
 import shutil
 import stat
 import struct
@@ -35,6 +35,7 @@ import subprocess
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 # Where each VM's namespace mounts its root; an empty directory on the host.
 JAIL_DIR = Path("/run/agentenv-jail")
@@ -46,15 +47,16 @@ SLOTLESS_UIDS = 1_000_000
 NETNS_PREFIX = "ae-s"
 # QEMU's own syscall filter: the default deny list plus everything it can live without.
 SANDBOX = "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny"
-# The commands the launch uses (host side, as root, before the drop); `ldd` tells which
-# libraries the root must hold.
-TOOLS = ("unshare", "mount", "chroot", "mkdir", "mknod", "ldd")
+# The commands confinement uses: `ldd` tells which libraries the root must hold (once per
+# QEMU build; the launch itself spawns nothing but QEMU).
+TOOLS = ("ldd",)
 # Every QEMU gets these; /dev/net/tun and /dev/kvm only when it uses them.
 BASE_DEVICES = ("/dev/null", "/dev/zero", "/dev/urandom", "/dev/random")
 # Merged-/usr links, recreated in the root so library paths that go through them resolve.
 USR_LINKS = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
-# What runs in the root besides QEMU: the preload library's `env` prefix (`vmm.ramshim`).
-QEMU_HELPERS = ("env",)
+# What runs in the root besides QEMU: nothing (the launcher sets the preload library's
+# environment itself).
+QEMU_HELPERS: tuple[str, ...] = ()
 
 
 def vm_ids(name: str, netns: str | None) -> tuple[int, int]:
@@ -241,8 +243,8 @@ class Jail:
     devices: list[str] = field(default_factory=lambda: list(BASE_DEVICES))
     # A tap the launch creates (as root) in a throwaway network namespace.
     make_tap: str | None = None
-    # The programs that run in the root (QEMU and its `env` prefix): what of the host's
-    # system it holds follows from them (`system_view`).
+    # The programs that run in the root (QEMU): what of the host's system it holds follows
+    # from them (`system_view`).
     programs: tuple[str, ...] = ()
 
     def add_ro(self, path: Path) -> None:
@@ -256,107 +258,63 @@ class Jail:
     def _covered(self, path: Path) -> bool:
         return any(path.is_relative_to(d) for d in self.rw_dirs)
 
-    def script(self) -> str:
-        """Shell, run as root in the VM's new mount namespace, that builds the root and
-        execs `"$@"` (QEMU's argv) in it as the VM's uid. Every bind is one line of a table
-        for a single `mount -a` (a launch costs a handful of execs, not one per file)."""
-        q = shlex.quote
-        dirs: list[str] = []
+    def plan(self) -> dict[str, Any]:
+        """The root as the launcher (`vmm.launcher`) builds it, with system calls, in the
+        VM's new mount namespace: directories and empty files to bind onto, links, binds
+        with their flags, device nodes; then the drop to this uid. JSON."""
+        dirs: set[str] = set()
         files: list[str] = []
-        table: list[str] = []
+        binds: list[tuple[str, list[str]]] = []
 
-        def bind(src: str, opts: str, is_file: bool) -> None:
-            (files if is_file else dirs).append(src)
+        def bind(src: str, opts: list[str], is_file: bool) -> None:
             if is_file:
-                dirs.append(str(Path(src).parent))
-            table.append(f"{_fstab(src)} {_fstab(str(JAIL_DIR) + src)} none bind,{opts} 0 0")
+                files.append(src)
+                dirs.add(str(Path(src).parent))
+            else:
+                dirs.add(src)
+            binds.append((src, opts))
 
         view = system_view(self.programs)
         for sysdir in view.dirs:
-            bind(str(sysdir), "ro,nosuid,nodev", False)
+            bind(str(sysdir), ["ro", "nosuid", "nodev"], False)
         for sysfile in view.files:
-            bind(str(sysfile), "ro,nosuid,nodev", True)
-        # Links whose target ends in their own name (usr/lib for /lib) take one `ln`. Where
+            bind(str(sysfile), ["ro", "nosuid", "nodev"], True)
+        # Merged-/usr links, recreated so library paths that go through them resolve. Where
         # /lib is a directory of its own, the files bound above are made at their paths in it.
-        same_name: list[str] = []
-        links: list[str] = []
+        links: list[tuple[str, str]] = []
         for link in USR_LINKS:
             p = Path(link)
             if p.is_symlink():
-                target = os.readlink(p)
-                if not target.startswith("/") and Path(target).name == p.name:
-                    same_name.append(q(target))
-                else:
-                    links.append(f'ln -s {q(target)} "$R"{q(link)}')
-        if same_name:
-            links.append(f'ln -s {" ".join(same_name)} "$R"/')
+                links.append((os.readlink(p), link))
         for d in self.rw_dirs:
-            bind(str(d), "nosuid,nodev", False)
+            bind(str(d), ["nosuid", "nodev"], False)
         for f in self.ro_files:
-            bind(str(f), "ro,nosuid,nodev", True)
+            bind(str(f), ["ro", "nosuid", "nodev"], True)
         for f in self.rw_files:
-            bind(str(f), "nosuid,nodev", True)
-        nodes: list[str] = []
+            bind(str(f), ["nosuid", "nodev"], True)
+        nodes: list[tuple[str, int, int]] = []
         for dev in self.devices:
             st = os.stat(dev)
             if not stat.S_ISCHR(st.st_mode):
                 continue
             if dev in BASE_DEVICES:
-                bind(dev, "nosuid", True)
+                bind(dev, ["nosuid"], True)
                 continue
             # Made, not bound: the host's node may be root's alone. Only this VM's process
             # lives in this root, so 0666 is as narrow as owner-only.
-            dirs.append(str(Path(dev).parent))
-            nodes.append(
-                f'mknod -m 0666 "$R"{q(dev)} c {os.major(st.st_rdev)} {os.minor(st.st_rdev)}'
-            )
-        lines = [
-            "set -e",
-            f"R={q(str(JAIL_DIR))}",
-            'mount -t tmpfs -o mode=0755,size=1m,nosuid agentenv "$R"',
-            'cd "$R"',
-            "mkdir -p " + " ".join(q(d.lstrip("/")) for d in sorted(set(dirs))),
-        ]
-        if files:
-            lines.append(": " + " ".join(f'> "$R"{q(f)}' for f in files))
-        lines += links
-        # libmount reads a table only from a regular file; it leaves the root before QEMU.
-        lines.append("printf '%s\\n' " + " ".join(q(t) for t in table) + ' > "$R"/.fstab')
-        lines.append('mount -a -T "$R"/.fstab')
-        lines.append('rm "$R"/.fstab')
-        lines += nodes
-        if self.make_tap is not None:
-            lines.append(f"ip tuntap add dev {q(self.make_tap)} mode tap")
-        # Nothing in the root itself is QEMU's to change.
-        lines.append('mount -o remount,ro,nosuid "$R"')
-        lines.append("cd /")
-        # What QEMU creates itself (the RAM file of a VM that boots, a serial log) is its
-        # uid's alone: with the default umask guest RAM was world-readable on the host.
-        lines.append("umask 077")
-        lines.append(f'exec chroot --userspec={self.uid}:{self.gid} --groups={self.gid} "$R" "$@"')
-        return "\n".join(lines)
-
-    def wrap(self, argv: list[str], *, pid_ns: bool = False) -> list[str]:
-        """`argv` run inside a new mount namespace, in this root, as this uid; with `pid_ns`
-        also in a PID namespace of its own, as its PID 1 (`unshare` forks it and waits)."""
-        return [
-            "unshare",
-            "--mount",
-            "--propagation",
-            "private",
-            *(["--pid", "--fork"] if pid_ns else []),
-            "--",
-            "sh",
-            "-c",
-            self.script(),
-            "sh",
-            *argv,
-        ]
-
-
-def _fstab(path: str) -> str:
-    """A path as an fstab field (whitespace and backslashes as octal escapes)."""
-    return "".join(f"\\{ord(c):03o}" if c in " \t\n\\" else c for c in path)
+            dirs.add(str(Path(dev).parent))
+            nodes.append((dev, os.major(st.st_rdev), os.minor(st.st_rdev)))
+        return {
+            "root": str(JAIL_DIR),
+            "dirs": sorted(dirs),
+            "files": files,
+            "links": links,
+            "binds": binds,
+            "nodes": nodes,
+            "tap": self.make_tap,
+            "uid": self.uid,
+            "gid": self.gid,
+        }
 
 
 def prepare_host() -> None:

@@ -16,11 +16,12 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import Self
+from typing import Any, Self
 
 from qemu.qmp import QMPClient
 
 from agentenv.vmm import confine as vm_confine
+from agentenv.vmm import launch as vm_launch
 from agentenv.vmm import registry as vm_registry
 from agentenv.vmm.accel import AccelChoice
 from agentenv.vmm.base import BootSource, DiskLimits, Drive, MachineSpec, NetIface, VMStatus
@@ -36,8 +37,11 @@ log = logging.getLogger(__name__)
 QMP_CONNECT_TIMEOUT_S = 10.0
 # A SIGKILLed process is gone within milliseconds unless the kernel holds it (D state).
 KILL_TIMEOUT_S = 30.0
-# The exit status of an adopted QEMU (not our child: its parent reaps it, we only see it end).
+# The exit status of an adopted QEMU (its parent is the dead server's launcher, which reaps
+# it: we only see it end), or of one whose launcher did not tell.
 EXIT_UNKNOWN = -1
+# The launcher reports a status as soon as it reaps the child, milliseconds after its end.
+EXIT_STATUS_TIMEOUT_S = 2.0
 # QEMU itself (TCG code cache, device state, page tables) on top of the guest's RAM.
 MEMORY_OVERHEAD_MB = 192
 PIDS_LIMIT = 256
@@ -49,15 +53,6 @@ def remove_socket(path: Path) -> None:
     if path.parent.parent == SOCK_FALLBACK_DIR:
         with contextlib.suppress(OSError):
             path.parent.rmdir()
-
-
-def _children(pid: int) -> list[int]:
-    # A procfs read: answered from memory, never blocks.
-    try:
-        with open(f"/proc/{pid}/task/{pid}/children") as f:
-            return [int(x) for x in f.read().split()]
-    except (OSError, ValueError):
-        return []
 
 
 _STATUS = {
@@ -98,10 +93,30 @@ class QemuVM(QemuArgv, QemuDisks, QemuMigration):
     having been asked for (QEMU crashed or was killed from outside)."""
 
     async def _wait(self) -> int:
-        if self._proc is not None:
-            return await self._proc.wait()
         await self._ended.wait()
-        return EXIT_UNKNOWN
+        assert self._exit_code is not None
+        return self._exit_code
+
+    def _watch_pidfd(self, fd: int, launcher: vm_launch.Launcher | None) -> None:
+        """Learn of the process's end through its pidfd (readable once it has exited); its
+        status comes from the launcher that reaps it (an adopted QEMU's parent is another)."""
+        loop = asyncio.get_running_loop()
+        pid = self.pid
+        assert pid is not None
+
+        async def status() -> None:
+            code = None
+            if launcher is not None:
+                code = await asyncio.to_thread(launcher.exit_status, pid, EXIT_STATUS_TIMEOUT_S)
+            self._exit_code = EXIT_UNKNOWN if code is None else code
+            self._ended.set()
+
+        def ended() -> None:
+            loop.remove_reader(fd)
+            os.close(fd)
+            self._status_task = loop.create_task(status(), name=f"qemu-exit-{self.name}")
+
+        loop.add_reader(fd, ended)
 
     async def _watch(self: Self) -> None:
         code = await self._wait()
@@ -167,20 +182,13 @@ class QemuVM(QemuArgv, QemuDisks, QemuMigration):
         vm.launch_workdir = Path(spec.get("launch_workdir") or record.workdir)
         vm.qmp_socket = Path(record.qmp_socket)
         vm.launch_socket = Path(record.launch_socket or record.qmp_socket)
-        vm._adopted_pid = pid
+        vm._pid = pid
+        vm._adopted = True
         try:
             fd = os.pidfd_open(pid)
         except ProcessLookupError as exc:
             raise VMMError(f"{vm.name}: QEMU pid {pid} is gone") from exc
-        loop = asyncio.get_running_loop()
-
-        def ended() -> None:
-            loop.remove_reader(fd)
-            os.close(fd)
-            vm._adopted_code = EXIT_UNKNOWN
-            vm._ended.set()
-
-        loop.add_reader(fd, ended)
+        vm._watch_pidfd(fd, None)
         vm._start_watch()
         try:
             await vm._connect_qmp()
@@ -218,7 +226,7 @@ class QemuVM(QemuArgv, QemuDisks, QemuMigration):
                 )
 
     async def start(self) -> None:
-        if self._proc is not None:
+        if self._pid is not None:
             raise VMMError(f"{self.name} was already started")
         self._check_inputs()
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -237,19 +245,8 @@ class QemuVM(QemuArgv, QemuDisks, QemuMigration):
             if self.confine:
                 await asyncio.to_thread(self._prepare_files)
                 jail = await asyncio.to_thread(self._jail)
-            with self.stderr_log.open("wb") as err:
-                self._proc = await asyncio.create_subprocess_exec(
-                    *self._launch_argv(jail),
-                    stdin=asyncio.subprocess.DEVNULL,
-                    stdout=err,
-                    stderr=err,
-                    # Its own session: QEMU outlives a server killed by SIGKILL, and the next
-                    # server adopts it.
-                    start_new_session=True,
-                )
+            await self._spawn(self._launch_plan(jail))
             self.started_at = time.monotonic()
-            if jail is not None and vm_confine.pid_namespaces():
-                self._vmm_pid = await self._launched_child()
             self._write_record()
             self._start_watch()
             await self._connect_qmp()
@@ -261,18 +258,14 @@ class QemuVM(QemuArgv, QemuDisks, QemuMigration):
             await self.kill()
             raise
 
-    async def _launched_child(self) -> int | None:
-        """The PID of the process `unshare --fork` made (QEMU, once it has exec'd); None if
-        the launcher ended first (`_connect_qmp` reports why)."""
-        assert self._proc is not None
-        pid = self._proc.pid
-        deadline = time.monotonic() + QMP_CONNECT_TIMEOUT_S
-        while time.monotonic() < deadline and self._proc.returncode is None:
-            found = _children(pid)
-            if found:
-                return found[0]
-            await asyncio.sleep(0.001)
-        return None
+    async def _spawn(self, plan: dict[str, Any]) -> None:
+        """QEMU started by this server's launcher (`vmm.launch`): the only process a start
+        spawns. Its stdout and stderr go to `stderr_log`."""
+        launcher = vm_launch.shared()
+        with self.stderr_log.open("wb") as err:
+            pid, fd = await asyncio.to_thread(launcher.launch, plan, err.fileno(), err.fileno())
+        self._pid = pid
+        self._watch_pidfd(fd, launcher)
 
     async def _connect_qmp(self) -> None:
         deadline = time.monotonic() + QMP_CONNECT_TIMEOUT_S
@@ -331,24 +324,12 @@ class QemuVM(QemuArgv, QemuDisks, QemuMigration):
         pid = self.pid
         if pid is not None and self.exit_code is None:
             with contextlib.suppress(ProcessLookupError):
-                if self._proc is not None and self._vmm_pid not in (None, self._proc.pid):
-                    # QEMU, not its launcher: `unshare --fork` reaps QEMU and exits. Killed
-                    # first, the launcher would orphan QEMU to the host's init, which need not
-                    # reap it (a zombie that looks alive to kill(pid, 0)).
-                    os.kill(pid, signal.SIGKILL)
-                elif self._proc is not None:
-                    # Its own session and process group: the launcher and a QEMU not yet
-                    # found in its PID namespace go together.
-                    os.killpg(self._proc.pid, signal.SIGKILL)
-                else:
-                    os.kill(pid, signal.SIGKILL)
+                # QEMU itself (PID 1 of its namespace: from outside, SIGKILL reaches it).
+                os.kill(pid, signal.SIGKILL)
             try:
                 async with asyncio.timeout(KILL_TIMEOUT_S):
                     await self._wait()
             except TimeoutError:
-                if self._proc is not None:
-                    with contextlib.suppress(ProcessLookupError):
-                        os.killpg(self._proc.pid, signal.SIGKILL)
                 raise VMMError(
                     f"{self.name}: QEMU pid {pid} did not end {KILL_TIMEOUT_S:.0f}s after SIGKILL"
                 ) from None

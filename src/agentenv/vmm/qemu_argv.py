@@ -1,17 +1,18 @@
 """The QEMU command line of a guest (`QemuArgv.argv`: every QEMU command line is assembled
 here), the devices it names and their version (`DEVICE_SET`), and what a confined launch
-wraps it in: the jail's root, the files the VM's uid gets, the netns and cgroup launchers.
+asks the launcher for: the jail's root, the files the VM's uid gets, the netns and cgroup.
 Split from `qemu.py`: what QEMU is started as, apart from how the process is run."""
 
 from __future__ import annotations
 
 import contextlib
 import json
+from typing import Any
 
 from agentenv.vmm import confine as vm_confine
 from agentenv.vmm.base import MachineSpec
 from agentenv.vmm.qemu_base import QemuBase
-from agentenv.vmm.ramshim import preload_argv
+from agentenv.vmm.ramshim import preload_env
 from agentenv.vmm.version import microvm_machine
 
 # Bumped whenever the devices a guest gets change: device state saved with one set does not
@@ -153,21 +154,24 @@ class QemuArgv(QemuBase):
                     if path.stat().st_uid != 0:
                         vm_confine.disown(path)
 
-    def _launch_argv(self, jail: vm_confine.Jail | None = None) -> list[str]:
-        argv = self.argv()
+    def _launch_plan(self, jail: vm_confine.Jail | None = None) -> dict[str, Any]:
+        """What the launcher (`vmm.launcher`) does to start this VM's QEMU: join the cgroup
+        (so QEMU never runs outside it), enter the slot's network namespace (or a new one:
+        the device state of virtio-net needs a tap backend, and a namespace of its own gives
+        a detached VM one that disappears with the process), build the jail and exec."""
+        env: dict[str, str] = {}
         if private_ram(self.machine):
             assert self.ram_shim is not None and self.machine.mem_file is not None
-            argv = [*preload_argv(self.ram_shim, self.machine.mem_file), *argv]
-        if jail is not None:
-            argv = jail.wrap(argv, pid_ns=vm_confine.pid_namespaces())
-        if self.net is not None and self.net.detached:
-            # The device state of virtio-net needs a tap backend (vnet_hdr); a namespace of
-            # its own gives it one that disappears with the process.
-            argv = ["unshare", "--net", "--", *argv]
-        elif self.netns is not None:
-            argv = ["nsenter", f"--net=/run/netns/{self.netns}", "--", *argv]
-        if self.cgroup is not None:
-            # The shell joins the cgroup and then execs, so QEMU never runs outside it and
-            # keeps the PID we track.
-            argv = ["sh", "-c", self.cgroup.join_script() + 'exec "$@"', "sh", *argv]
-        return argv
+            env = preload_env(self.ram_shim, self.machine.mem_file)
+        detached = self.net is not None and self.net.detached
+        return {
+            "argv": self.argv(),
+            "env": env,
+            "cgroup_procs": []
+            if self.cgroup is None
+            else [str(f) for f in self.cgroup.procs_files],
+            "netns": None if detached or self.netns is None else f"/run/netns/{self.netns}",
+            "new_net": detached,
+            "pid_ns": jail is not None and vm_confine.pid_namespaces(),
+            "jail": None if jail is None else jail.plan(),
+        }

@@ -93,14 +93,13 @@ class QemuBase:
         self.cgroup = Cgroup(name) if cgroup else None
         self.registry = registry
         self.on_exit: Callable[[Self], None] | None = on_exit
-        self._proc: asyncio.subprocess.Process | None = None
-        # A confined QEMU in a PID namespace is the child of the `unshare` we spawn.
-        self._vmm_pid: int | None = None
-        # An adopted QEMU (another server started it): its PID, and a pidfd that becomes
-        # readable when it ends.
-        self._adopted_pid: int | None = None
-        self._adopted_code: int | None = None
+        # QEMU's PID (host view), watched through a pidfd that becomes readable when it ends;
+        # its parent is this server's launcher, or another's for an adopted QEMU.
+        self._pid: int | None = None
+        self._adopted = False
+        self._exit_code: int | None = None
         self._ended = asyncio.Event()
+        self._status_task: asyncio.Task[None] | None = None
         self._expected_exit = False
         self._watcher: asyncio.Task[None] | None = None
         self._qmp: QMPClient | None = None
@@ -114,20 +113,18 @@ class QemuBase:
 
     @property
     def pid(self) -> int | None:
-        """QEMU's PID (not that of the `unshare` in front of a confined one)."""
-        if self._proc is None:
-            return self._adopted_pid
-        return self._vmm_pid or self._proc.pid
+        """QEMU's PID."""
+        return self._pid
 
     @property
     def exit_code(self) -> int | None:
         """QEMU's exit status once it has ended (also when nobody awaited it);
-        `EXIT_UNKNOWN` for an adopted QEMU."""
-        return self._adopted_code if self._proc is None else self._proc.returncode
+        `EXIT_UNKNOWN` for an adopted QEMU or one whose launcher did not say."""
+        return self._exit_code
 
     @property
     def adopted(self) -> bool:
-        return self._adopted_pid is not None
+        return self._adopted
 
     def _in_vm(self, path: Path) -> Path:
         """The name QEMU knows a host path by (its root has the workdir where it was)."""

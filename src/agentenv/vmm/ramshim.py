@@ -57,7 +57,7 @@ def ensure_ram_shim(cache: Path, progress: ProgressFn | None = None) -> Path:
     return path / LIBRARY
 
 
-def preload_argv(shim: Path, mem_file: Path) -> list[str]:
-    """The `env` prefix that loads the library into exactly one process: QEMU (the library
+def preload_env(shim: Path, mem_file: Path) -> dict[str, str]:
+    """The environment that loads the library into exactly one process: QEMU (the library
     removes itself from the environment of anything QEMU starts)."""
-    return ["env", f"LD_PRELOAD={shim}", f"{ENV_VAR}={mem_file}"]
+    return {"LD_PRELOAD": str(shim), ENV_VAR: str(mem_file)}
