@@ -29,7 +29,7 @@ from agentenv.control.sandbox_base import CreateSpec
 from agentenv.control.sandboxes import SandboxManager
 from agentenv.control.sqlite_store import SqliteStore
 from agentenv.control.store import BUILD_METADATA, SandboxRecord, SandboxState, Store
-from agentenv.template import image as image_module
+from agentenv.snapshot.errors import SnapshotNotFound
 
 
 class Refused(Exception):
@@ -40,9 +40,12 @@ class NoVMs:
     """The runtime calls these routes make; `create` records what it was asked for and
     refuses (so no envd is needed)."""
 
-    def __init__(self) -> None:
+    def __init__(self, repo: FakeRepo) -> None:
         self.created: list[str] = []
         self.listed: list[SnapshotInfo] = []
+        # A template's delete drops its snapshots and image through the runtime.
+        self.repo = repo
+        self.removed: list[str] = []
 
     async def create(self, spec: SandboxSpec) -> Placement:
         self.created.append(spec.template)
@@ -50,6 +53,17 @@ class NoVMs:
 
     async def snapshots(self) -> list[SnapshotInfo]:
         return self.listed
+
+    async def delete_snapshot(self, snapshot_id: str) -> bool:
+        try:
+            self.repo.delete(snapshot_id)
+        except SnapshotNotFound:
+            return False
+        return True
+
+    async def remove_image(self, name: str) -> bool:
+        self.removed.append(name)
+        return True
 
     async def host_memory(self, sandbox_id: str) -> None:
         return None
@@ -73,7 +87,7 @@ def env(tmp_path: Path, settings: Settings) -> Iterator[Env]:
     repo = FakeRepo()
     built = built_templates(home, FakeCatalog(["base"], settings), repo)
     store = SqliteStore(home / "db.sqlite")
-    runtime = NoVMs()
+    runtime = NoVMs(repo)
     mgr = SandboxManager(store, runtime, built, envd_version="0.6.4", metrics=Metrics())  # type: ignore[arg-type]
     # As `AgentenvApp` does.
     mgr.metrics.watch_states(lambda: mgr.state_counts_seen, lambda: mgr.builds_seen)
@@ -293,13 +307,8 @@ def test_delete_is_refused_while_sandboxes_use_it(env: Env) -> None:
     assert c.delete("/templates/base").status_code == 400
 
 
-def test_delete_releases_only_what_no_other_template_uses(
-    env: Env, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    removed: list[str] = []
-    monkeypatch.setattr(
-        image_module, "remove_template", lambda _settings, name: removed.append(name)
-    )
+def test_delete_releases_only_what_no_other_template_uses(env: Env) -> None:
+    removed = env.runtime.removed
     shared = env.repo.add(["build-final-" + "2" * 40])
     image: dict[str, Any] = {"fromImage": "registry.test/app:1", "steps": []}
     a1 = add_build(env.built, env.repo, "a", [DEFAULT_TAG], spec=image)

@@ -3,6 +3,7 @@ source and a snapshot repository (ids, names, holders; no files, no VM)."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 import uuid
 from collections.abc import Coroutine
@@ -11,8 +12,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from agentenv.build.state import BuildRecord, BuildState, TemplateRecord
-from agentenv.build.templates import BuiltTemplates, repo_lookup
-from agentenv.contract.runtime import TemplateInfo, TemplateUnavailable
+from agentenv.build.templates import BuiltTemplates
+from agentenv.contract.runtime import SnapshotDetails, TemplateInfo, TemplateUnavailable
 from agentenv.snapshot.errors import SnapshotNotFound
 from agentenv.snapshot.model import Snapshot
 
@@ -101,12 +102,34 @@ class FakeRepo:
         return snap
 
 
+@dataclass
+class FakeFiles:
+    """`SnapshotFiles` over a `FakeRepo` (no layer files: every disk is 100 MB)."""
+
+    repo: FakeRepo
+
+    async def details(self, ref: str) -> SnapshotDetails | None:
+        try:
+            s = self.repo.get(ref)
+        except SnapshotNotFound:
+            return None
+        return SnapshotDetails(s.id, tuple(s.names), s.vcpus, s.memory_mb, s.envd_version, 100)
+
+    def snapshot_id(self, name: str) -> str | None:
+        try:
+            return self.repo.get(name).id
+        except SnapshotNotFound:
+            return None
+
+    async def remove_name(self, name: str) -> None:
+        with contextlib.suppress(SnapshotNotFound):
+            self.repo.remove_name(name)
+
+
 def built_templates(home: Path, catalog: FakeCatalog, repo: FakeRepo) -> BuiltTemplates:
-    state = BuildState(home / "template-builds", snapshot_lookup=repo_lookup(repo))  # type: ignore[arg-type]
-    built = BuiltTemplates(catalog, state, repo)  # type: ignore[arg-type]
-    # No layer files: every disk is 100 MB.
-    built._disk_mb = lambda top: 100  # type: ignore[method-assign]
-    return built
+    files = FakeFiles(repo)
+    state = BuildState(home / "template-builds", snapshot_lookup=files.snapshot_id)
+    return BuiltTemplates(catalog, state, files)
 
 
 def add_build(

@@ -45,7 +45,7 @@ def build_runtime(settings: Settings) -> tuple[Runtime, TemplateSource]:
     """The sandboxes' runtime: this host's node in-process (the single-node default), or, with
     `AGENTENV_ETCD`, the cluster's node agents over RPC (`cluster.runtime.ClusterRuntime`)."""
     from agentenv.build.state import BuildState, builds_dir
-    from agentenv.build.templates import BuiltTemplates, repo_lookup
+    from agentenv.build.templates import BuiltTemplates
     from agentenv.node.runtime import CatalogTemplates, NodeRuntime
 
     catalog = CatalogTemplates(settings)
@@ -67,10 +67,10 @@ def build_runtime(settings: Settings) -> tuple[Runtime, TemplateSource]:
         )
         cluster = ClusterRuntime(settings)
         source = ClusterTemplates(catalog, SharedCatalog(etcd), cluster.delete_snapshot)
-        return cluster, BuiltTemplates(source, shared, catalog.repo, shared=True)
+        return cluster, BuiltTemplates(source, shared, catalog, shared=True)
     # Built templates (`name:tag`) first, then the catalog and snapshots.
-    state = BuildState(builds_dir(settings.home), snapshot_lookup=repo_lookup(catalog.repo))
-    return NodeRuntime(settings), BuiltTemplates(catalog, state, catalog.repo)
+    state = BuildState(builds_dir(settings.home), snapshot_lookup=catalog.snapshot_id)
+    return NodeRuntime(settings), BuiltTemplates(catalog, state, catalog)
 
 
 def build_replicas(settings: Settings) -> Replicas | None:

@@ -5,7 +5,6 @@ routes; other API modules use this object."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import hashlib
 import hmac
@@ -26,16 +25,10 @@ from agentenv.build.templates import (
     NO_BUILD,
     BuiltTemplates,
     image_template_name,
-    repo_lookup,
 )
 from agentenv.config import Settings
-from agentenv.contract.runtime import TemplateUnavailable
+from agentenv.contract.runtime import SnapshotFiles, TemplateUnavailable
 from agentenv.control.store import BUILD_METADATA, LIVE_STATES, SandboxState
-from agentenv.files import snapshots_dir
-from agentenv.snapshot.errors import SnapshotError
-from agentenv.snapshot.repository import SnapshotRepository
-from agentenv.storage import LayerStore
-from agentenv.template.catalog import TemplateNotFound
 
 log = logging.getLogger("agentenv.build")
 
@@ -55,9 +48,10 @@ class TemplateBuilds:
         if not isinstance(built, BuiltTemplates):
             # A context not made by `server.build_runtime`: the same wrapping, so the API
             # and the sandbox manager resolve `name:tag` alike.
-            repo = SnapshotRepository(snapshots_dir(settings), LayerStore(settings.layers_dir))
-            state = BuildState(builds_dir(settings.home), snapshot_lookup=repo_lookup(repo))
-            built = BuiltTemplates(built, state, repo)
+            files = built if isinstance(built, SnapshotFiles) else None
+            lookup = files.snapshot_id if files is not None else None
+            state = BuildState(builds_dir(settings.home), snapshot_lookup=lookup)
+            built = BuiltTemplates(built, state, files)
             ctx.templates = ctx.manager.templates = built
         self.built: BuiltTemplates = built
         self.state = built.state
@@ -193,42 +187,30 @@ class TemplateBuilds:
         live = {r.template for r in await self.ctx.manager.store.select(LIVE_STATES)}
         images = {i for b in mine if (i := _image_of(b)) and i not in theirs and i not in live}
         ours = {b.snapshot_id for b in mine if b.snapshot_id}
-        if self.built.shared:
-            # A cluster's snapshots are on its nodes and in the bucket, its imported images
-            # in the catalogs of the nodes that imported them: each node deletes its copy.
-            runtime = self.ctx.manager.runtime
-            for sid in sorted(snapshots):
-                try:
-                    await runtime.delete_snapshot(sid)
-                except Exception as exc:
-                    log.warning("template %s: snapshot %s not deleted: %s",
-                                tpl.template_id, sid, exc)  # fmt: skip
-            for image in sorted(images):
-                try:
-                    await runtime.remove_image(image)
-                except Exception as exc:
-                    log.warning("template %s: image %s not removed: %s",
-                                tpl.template_id, image, exc)  # fmt: skip
-        else:
-            await asyncio.to_thread(self._release, tpl.template_id, ours, snapshots, images)
+        files = self.built.files
+        if files is not None and not self.built.shared:
+            # Builds before tags resolved through the records named their snapshot too; the
+            # name would go on resolving, to the catalog's snapshot, if left.
+            legacy = await files.details(tpl.template_id)
+            if legacy is not None and legacy.snapshot_id in ours:
+                await files.remove_name(tpl.template_id)
+        # Through the runtime: on one server its repository and catalog; in a cluster every
+        # node's copy and the bucket's, and the catalogs of the nodes that imported the image.
+        runtime = self.ctx.manager.runtime
+        for sid in sorted(snapshots):
+            try:
+                await runtime.delete_snapshot(sid)
+            except Exception as exc:
+                log.warning("template %s: snapshot %s not deleted: %s",
+                            tpl.template_id, sid, exc)  # fmt: skip
+        for image in sorted(images):
+            try:
+                await runtime.remove_image(image)
+            except Exception as exc:
+                log.warning("template %s: image %s not removed: %s",
+                            tpl.template_id, image, exc)  # fmt: skip
         for b in mine:
             await self.state.drop_build(b.build_id)
-
-    def _release(self, name: str, ours: set[str], snapshots: set[str], images: set[str]) -> None:
-        from agentenv.template.image import remove_template  # the OCI stack, only if needed
-
-        repo = self.built.repo
-        with contextlib.suppress(SnapshotError):
-            # Builds before tags resolved through the records named their snapshot too; the
-            # name would go on resolving, to the catalog's snapshot path, if left.
-            if repo.get(name).id in ours:
-                repo.remove_name(name)
-        for sid in snapshots:
-            with contextlib.suppress(SnapshotError):
-                repo.delete(sid)
-        for image in images:
-            with contextlib.suppress(TemplateNotFound):
-                remove_template(self.settings, image)
 
 
 def _image_of(rec: BuildRecord) -> str | None:

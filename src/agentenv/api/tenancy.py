@@ -22,7 +22,6 @@ does not exist (404 with the same message), so ids and names do not leak through
 
 from __future__ import annotations
 
-import asyncio
 import re
 
 from agentenv.build.state import TemplateRecord
@@ -30,7 +29,6 @@ from agentenv.build.templates import BuiltTemplates, image_template_name, split_
 from agentenv.contract.errors import SandboxNotFound
 from agentenv.contract.runtime import SNAPSHOT_ID
 from agentenv.control.store import DEFAULT_TEAM, LIVE_STATES, SandboxRecord, Store
-from agentenv.snapshot.errors import SnapshotError
 
 _SANDBOX_LABEL = re.compile(r'sandbox_id="([^"]*)"')
 IMAGE_PREFIX = "image-"
@@ -86,11 +84,10 @@ class Tenancy:
             if not SNAPSHOT_ID.fullmatch(ref):
                 return None
             return await self.store.snapshot_owner(ref)
-        try:
-            snap = await asyncio.to_thread(self.built.repo.get, ref)
-        except SnapshotError:
+        snap = await self.built.snapshot_details(ref)
+        if snap is None:
             return None
-        return await self.store.snapshot_owner(snap.id)
+        return await self.store.snapshot_owner(snap.snapshot_id)
 
     async def template_visible(self, ref: str, team_id: str) -> bool:
         """Whether `ref` (as a create's templateID) may be used by the team. A ref that

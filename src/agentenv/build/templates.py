@@ -19,24 +19,21 @@ from, build from or delete them by name or id (`internal`).
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import re
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from agentenv.build.state import BuildRecord, BuildStore, TemplateRecord
 from agentenv.contract.runtime import (
     SNAPSHOT_ID,
+    SnapshotDetails,
+    SnapshotFiles,
     TagUnavailable,
     TemplateInfo,
     TemplateSource,
     TemplateUnavailable,
 )
-from agentenv.snapshot.errors import SnapshotError
-from agentenv.snapshot.repository import SnapshotRepository
-from agentenv.storage import info
 
 # E2B's: `name` alone means this tag; it is given to a build that names no tag, and it
 # cannot be removed.
@@ -46,19 +43,6 @@ _TAG_RE = re.compile(r"^[a-z0-9_.-]{1,128}$")
 INTERNAL_PREFIXES = ("build-cache-", "build-final-")
 # E2B's buildID of a template no ready build carries the default tag of.
 NO_BUILD = "00000000-0000-0000-0000-000000000000"
-_MIB = 1024 * 1024
-
-
-def repo_lookup(repo: SnapshotRepository) -> Callable[[str], str | None]:
-    """The builder's snapshot names as one server's repository resolves them."""
-
-    def lookup(name: str) -> str | None:
-        try:
-            return repo.get(name).id
-        except SnapshotError:
-            return None
-
-    return lookup
 
 
 class BadTag(ValueError):
@@ -126,23 +110,24 @@ class BuiltShape:
 class BuiltTemplates:
     """`inner` (the catalog and snapshots) plus the templates of the build API.
 
-    `shared`: a cluster's control plane, whose snapshots live on the nodes and in the bucket,
-    not in this replica's repository; a ready build's shape is then the one its record kept.
+    `files`: the snapshots of this host (a single-node server's, through the contract's
+    `SnapshotFiles`). `shared`: a cluster's control plane, whose snapshots live on the nodes
+    and in the bucket, not on this replica's host; a ready build's shape is then the one its
+    record kept.
     """
 
     def __init__(
         self,
         inner: TemplateSource,
         state: BuildStore,
-        repo: SnapshotRepository,
+        files: SnapshotFiles | None,
         *,
         shared: bool = False,
     ) -> None:
         self.inner = inner
         self.state = state
-        self.repo = repo
+        self.files = files
         self.shared = shared
-        self._size_mb: dict[str, int] = {}
         # The wrapped source's settings, where it has them (`api.templates` reads them).
         self.settings: object = getattr(inner, "settings", None)
 
@@ -173,20 +158,17 @@ class BuiltTemplates:
                 build.snapshot_envd_version or "",
                 0,
             )
-        try:
-            snap = await asyncio.to_thread(self.repo.get, build.snapshot_id)
-        except SnapshotError:
+        snap = await self.snapshot_details(build.snapshot_id)
+        if snap is None:
             return None
-        size = await asyncio.to_thread(self._disk_mb, snap.top_layer)
-        return BuiltShape(snap.id, snap.vcpus, snap.memory_mb, snap.envd_version, size)
+        return BuiltShape(snap.snapshot_id, snap.cpu, snap.memory_mb, snap.envd_version,
+                          snap.size_mb)  # fmt: skip
 
-    def _disk_mb(self, top: str) -> int:
-        """The snapshot's disk (its top layer's virtual size); layers never change, so one
-        `qemu-img info` per layer."""
-        if top not in self._size_mb:
-            size = info(self.repo.layers.path(top)).virtual_size
-            self._size_mb[top] = -(-size // _MIB)
-        return self._size_mb[top]
+    async def snapshot_details(self, ref: str) -> SnapshotDetails | None:
+        """The snapshot `ref` names on this host (id or name); None if none, or no host's."""
+        if self.shared or self.files is None:
+            return None
+        return await self.files.details(ref)
 
     async def get(self, name: str) -> TemplateInfo:
         base, tag = split_name(name)
@@ -233,8 +215,9 @@ class BuiltTemplates:
             return SNAPSHOT_ID.fullmatch(ref) is not None and await self.state.is_builder_snapshot(
                 ref
             )
-        try:
-            snap = await asyncio.to_thread(self.repo.get, ref)
-        except SnapshotError:
+        snap = await self.snapshot_details(ref)
+        if snap is None:
             return False
-        return snap.id == ref and bool(snap.names) and all(map(is_internal_name, snap.names))
+        return (
+            snap.snapshot_id == ref and bool(snap.names) and all(map(is_internal_name, snap.names))
+        )

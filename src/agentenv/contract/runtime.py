@@ -14,7 +14,7 @@ import json
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, runtime_checkable
 
 from agentenv.network.egress import OPEN, Egress
 
@@ -377,6 +377,38 @@ def on_demand_info(name: str) -> TemplateInfo | None:
         return None
     return TemplateInfo(name=real, size_mb=0, created_at=0.0, updated_at=0.0, cpu=0,
                         memory_mb=0, template_id=real)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class SnapshotDetails:
+    """A snapshot in the repository of the control plane's own host (`SnapshotFiles`)."""
+
+    snapshot_id: str
+    names: tuple[str, ...]
+    cpu: int
+    memory_mb: int
+    envd_version: str
+    # Its disk (the top layer's virtual size).
+    size_mb: int
+
+
+@runtime_checkable
+class SnapshotFiles(Protocol):
+    """The snapshots of a single-node server's own host, as its control plane reads and drops
+    them by id or name (the node's catalog implements it; a cluster's replicas hold none and
+    reach snapshots through `Runtime`)."""
+
+    async def details(self, ref: str) -> SnapshotDetails | None:
+        """The snapshot `ref` names (id or name), None if none."""
+        ...
+
+    def snapshot_id(self, name: str) -> str | None:
+        """The id of the snapshot `name` names, None if none (blocking: a file read)."""
+        ...
+
+    async def remove_name(self, name: str) -> None:
+        """`name` stops naming its snapshot (which stays); nothing if it names none."""
+        ...
 
 
 class TemplateSource(Protocol):

@@ -1,15 +1,20 @@
 """The host's template catalog as the contract's `TemplateInfo` rows (`Templates`); persistent
-snapshots count as templates. Split from `runtime.py`."""
+snapshots count as templates. It is also the contract's `SnapshotFiles`: what a single-node
+server's control plane (the built templates, tenancy) reads of this host's snapshots, so
+it opens no repository of its own. Split from `runtime.py`."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 
 from agentenv import snapshot as snaps
 from agentenv.config import Settings
 from agentenv.contract.runtime import (
     ON_DEMAND_TEMPLATES,
+    SnapshotDetails,
+    SnapshotFiles,
     TemplateInfo,
     TemplateUnavailable,
     on_demand_info,
@@ -40,6 +45,29 @@ class CatalogTemplates:
         return TemplateInfo(
             ref, size, s.created_at, s.created_at, s.vcpus, s.memory_mb, snapshot_id=s.id
         )
+
+    # -- SnapshotFiles ----------------------------------------------------------------------
+
+    async def details(self, ref: str) -> SnapshotDetails | None:
+        return await asyncio.to_thread(self._details, ref)
+
+    def _details(self, ref: str) -> SnapshotDetails | None:
+        try:
+            s = self.repo.get(ref)
+        except snaps.SnapshotError:
+            return None
+        size = -(-info(self.layers.path(s.top_layer)).virtual_size // (1024 * 1024))
+        return SnapshotDetails(s.id, tuple(s.names), s.vcpus, s.memory_mb, s.envd_version, size)
+
+    def snapshot_id(self, name: str) -> str | None:
+        try:
+            return self.repo.get(name).id
+        except snaps.SnapshotError:
+            return None
+
+    async def remove_name(self, name: str) -> None:
+        with contextlib.suppress(snaps.SnapshotError):
+            await asyncio.to_thread(self.repo.remove_name, name)
 
     def info_of(self, tpl: Template) -> TemplateInfo:
         return self._info(tpl)
@@ -92,3 +120,7 @@ class CatalogTemplates:
         except snaps.SnapshotNotFound:
             return False
         return True
+
+
+def _check(c: CatalogTemplates) -> SnapshotFiles:
+    return c
