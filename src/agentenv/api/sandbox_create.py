@@ -19,10 +19,10 @@ from agentenv.api.context import ControlContext
 from agentenv.api.ingress import BadIngress, check_ingress
 from agentenv.api.models import NewSandbox
 from agentenv.api.template_builds import TemplateBuilds
+from agentenv.contract.egress import BadTarget, Egress
 from agentenv.contract.errors import TemplateNotFound
 from agentenv.control.sandbox_base import DEFAULT_TIMEOUT_S, CreateSpec
 from agentenv.control.store import BUILD_METADATA, ApiKey
-from agentenv.network.egress import BadTarget, Egress
 
 IDEMPOTENCY_TTL_S = 24 * 3600
 

@@ -41,6 +41,7 @@ from agentenv.cluster.membership import NodeInfo
 from agentenv.cluster.placement import ClusterPlacement
 from agentenv.cluster.reconcile import ClusterReconcile
 from agentenv.cluster.routing import GATEWAY_FRESH_S, NO_NODE_RETRY_S, NodeDown, log
+from agentenv.contract.egress import Egress
 from agentenv.contract.errors import BadRequest, Unavailable
 from agentenv.contract.nodes import NodeDirectory, NodeStatus, UnknownNode
 from agentenv.contract.runtime import (
@@ -55,7 +56,6 @@ from agentenv.contract.runtime import (
     SnapshotInfo,
     TemplateInfo,
 )
-from agentenv.network.egress import Egress
 from agentenv.noderpc.errors import NodeUnreachable
 
 

@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
-from agentenv.network.egress import OPEN, Egress
+from agentenv.contract.egress import OPEN, Egress
 
 
 @dataclass(frozen=True)

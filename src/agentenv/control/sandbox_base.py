@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from agentenv.contract.egress import Egress
 from agentenv.contract.errors import SandboxLost, SandboxNotFound
 from agentenv.contract.runtime import HostMemory, Runtime, SandboxSpec, TemplateSource
 from agentenv.control.metrics import Metrics
@@ -24,7 +25,6 @@ from agentenv.control.ownership import (
 )
 from agentenv.control.store import SandboxRecord, SandboxState, Store
 from agentenv.control.tenants import TeamLimits
-from agentenv.network.egress import Egress
 
 log = logging.getLogger("agentenv.sandboxes")
 

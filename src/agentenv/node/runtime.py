@@ -11,6 +11,7 @@ from typing import Any
 
 from agentenv import snapshot as snaps
 from agentenv.config import Settings
+from agentenv.contract.egress import Egress
 from agentenv.contract.errors import BadRequest, Unavailable
 from agentenv.contract.nodes import NodeStatus
 from agentenv.contract.runtime import (
@@ -26,7 +27,6 @@ from agentenv.contract.runtime import (
     TemplateUnavailable,
     Unsupported,
 )
-from agentenv.network.egress import Egress
 from agentenv.node.catalog_templates import CatalogTemplates
 from agentenv.node.errors import (
     BootFailed,

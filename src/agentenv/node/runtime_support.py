@@ -10,15 +10,13 @@ import errno
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from agentenv import snapshot as snaps
 from agentenv.contract.errors import InsufficientStorage, Unavailable
 from agentenv.contract.nodes import NodeDirectory, NodeStatus, UnknownNode
 from agentenv.node.errors import NoCapacity
-
-if TYPE_CHECKING:
-    from agentenv.node.runtime import NodeRuntime
+from agentenv.node.host import Node
 
 # The id the in-process node has in `GET /nodes` when no `AGENTENV_NODE_ID` names it.
 LOCAL_NODE = "local"
@@ -63,11 +61,21 @@ def host_capacity() -> tuple[int, int]:
     return os.cpu_count() or 1, mem_kb // 1024
 
 
+class _Local(Protocol):
+    """What `LocalNodes` uses of `runtime.NodeRuntime` (named here, not imported: that
+    module imports this one)."""
+
+    node: Node
+    cordon_reason: str | None
+
+    def status(self, node_id: str = ..., rpc_url: str = ..., version: str = ...) -> NodeStatus: ...
+
+
 class LocalNodes:
     """`NodeDirectory` of the single-node server: its one in-process node. A cordon refuses
     new sandboxes there (503), as a cluster's would send them elsewhere."""
 
-    def __init__(self, runtime: NodeRuntime, node_id: str = LOCAL_NODE) -> None:
+    def __init__(self, runtime: _Local, node_id: str = LOCAL_NODE) -> None:
         self.runtime = runtime
         self.node_id = node_id
 

@@ -22,6 +22,7 @@ from pyqwest import Client as HTTPClient
 from pyqwest import HTTPTransport, Proxy
 
 from agentenv.config import Settings
+from agentenv.contract.egress import Egress
 from agentenv.contract.runtime import (
     Found,
     GuestCommand,
@@ -33,7 +34,6 @@ from agentenv.contract.runtime import (
     SnapshotInfo,
     TemplateInfo,
 )
-from agentenv.network.egress import Egress
 from agentenv.noderpc.node_streams import NodeStreams
 
 from . import convert

@@ -6,6 +6,7 @@ from typing import Any, Literal
 
 from protobuf import Message
 
+from agentenv.contract.egress import Egress
 from agentenv.contract.runtime import (
     Found,
     HostMemory,
@@ -13,7 +14,6 @@ from agentenv.contract.runtime import (
     SandboxSpec,
     SnapshotInfo,
 )
-from agentenv.network.egress import Egress
 
 from .gen import node_pb as pb
 
