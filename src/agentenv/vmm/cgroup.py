@@ -138,10 +138,6 @@ class Cgroup:
             else:
                 raise VMMError(f"cgroup {d} still has tasks: {sorted(self.pids())}")
 
-    def join_script(self) -> str:
-        """Shell that moves itself into this cgroup, so the exec'd VMM starts inside it."""
-        return "".join(f'echo $$ > "{f}" && ' for f in self.procs_files)
-
 
 def stale(root: Path = CGROUP_ROOT) -> list[Path]:
     out: list[Path] = []

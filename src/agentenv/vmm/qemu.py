@@ -20,6 +20,7 @@ from typing import Any, Self
 
 from qemu.qmp import QMPClient
 
+from agentenv import aio
 from agentenv.vmm import confine as vm_confine
 from agentenv.vmm import launch as vm_launch
 from agentenv.vmm import registry as vm_registry
@@ -263,9 +264,15 @@ class QemuVM(QemuArgv, QemuDisks, QemuMigration):
         spawns. Its stdout and stderr go to `stderr_log`."""
         launcher = vm_launch.shared()
         with self.stderr_log.open("wb") as err:
-            pid, fd = await asyncio.to_thread(launcher.launch, plan, err.fileno(), err.fileno())
-        self._pid = pid
-        self._watch_pidfd(fd, launcher)
+
+            async def launched() -> None:
+                pid, fd = await asyncio.to_thread(launcher.launch, plan, err.fileno(), err.fileno())
+                self._pid = pid
+                self._watch_pidfd(fd, launcher)
+
+            # A cancel waits for the launch: a QEMU started meanwhile is then ours to kill
+            # (`start` does), not left running untracked.
+            await aio.whole(launched())
 
     async def _connect_qmp(self) -> None:
         deadline = time.monotonic() + QMP_CONNECT_TIMEOUT_S
