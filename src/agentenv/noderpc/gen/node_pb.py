@@ -19,7 +19,7 @@ _EgressFields: TypeAlias = Literal["internet", "allow_out", "deny_out", "dns_ser
 
 class Egress(Message[_EgressFields]):
     """
-    agentenv.network.egress.Egress in its to_json form: CIDRs and domain names share the lists.
+    agentenv.contract.egress.Egress in its to_json form: CIDRs and domain names share the lists.
 
     ```proto
     message agentenv.node.v1.Egress
