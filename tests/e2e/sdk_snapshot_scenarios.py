@@ -159,12 +159,16 @@ def fork_n(r: Run, n: int) -> None:
 def auto_pause_then_connect(r: Run) -> None:
     s = Sandbox.create(
         template="base",
-        timeout=6,
+        timeout=300,
         lifecycle={"on_timeout": "pause", "auto_resume": True},
         request_timeout=300,
     )
     try:
         held = prepare(s)
+        # The short timeout starts once the guest's server is up: on a loaded host the
+        # preparation alone can outlast it, and its own polls through the proxy would then
+        # auto-resume the sandbox this waits to see paused.
+        s.set_timeout(6)
         deadline = time.monotonic() + 60
         state = None
         while time.monotonic() < deadline:
