@@ -44,6 +44,8 @@ class Launcher:
         self._owner = 0
         self._seq = 0
         self._exits: dict[int, int] = {}
+        # Children of the running launcher not yet reported ended: only their status can come.
+        self._children: set[int] = set()
 
     @property
     def pid(self) -> int | None:
@@ -70,6 +72,7 @@ class Launcher:
         """Forget the launcher (the next launch starts another); the error to raise."""
         proc, sock = self._proc, self._sock
         self._proc = self._sock = None
+        self._children.clear()
         if sock is not None:
             sock.close()
         status = "still running"
@@ -90,10 +93,12 @@ class Launcher:
         if self._sock is not None and self._owner != os.getpid():
             # A forked copy of the server: the launcher is the parent's.
             self._proc = self._sock = None
+            self._children.clear()
         if self._proc is not None and self._proc.poll() is not None:
             log.warning("VM launcher (pid %d) had ended (%s); starting another",
                         self._proc.pid, self._proc.returncode)  # fmt: skip
             self._proc = self._sock = None
+            self._children.clear()
         if self._sock is None:
             self._start()
         assert self._sock is not None
@@ -110,7 +115,9 @@ class Launcher:
             raise self._dead("ended")
         msg, fds = got
         if "exit" in msg:
-            self._exits[int(msg["exit"])] = int(msg["status"])
+            pid = int(msg["exit"])
+            self._children.discard(pid)
+            self._exits[pid] = int(msg["status"])
         return msg, fds
 
     def launch(self, plan: dict[str, Any], stdout: int, stderr: int) -> tuple[int, int]:
@@ -139,7 +146,9 @@ class Launcher:
                     for fd in fds:
                         os.close(fd)
                     raise self._dead(f"answered {msg} with {len(fds)} descriptors")
-                return int(msg["pid"]), fds[0]
+                pid = int(msg["pid"])
+                self._children.add(pid)
+                return pid, fds[0]
 
     def exit_status(self, pid: int, timeout_s: float) -> int | None:
         """The status of a child `pid` of this launcher that has ended, once the launcher has
@@ -149,6 +158,9 @@ class Launcher:
             while True:
                 if pid in self._exits:
                     return self._exits.pop(pid)
+                if pid not in self._children:
+                    # Another (dead) launcher's child: its status is nobody's to tell.
+                    return None
                 sock = self._sock
                 if sock is None or self._owner != os.getpid():
                     return None
