@@ -2,15 +2,14 @@
 
 Rule sets are written in nft's rule language (stable and readable). A slot's are applied
 in-process through libnftables (libnftables.so.1, the library behind the `nft` CLI, bound
-with ctypes) from the namespace thread of `network.netns_socket`: one buffer is one
-transaction, and the create path spawns neither nsenter nor nft. Host-wide rules (set up
-once per server) still run `nft -f -`.
+with ctypes) from the namespace thread of `network.netns_socket`; the host-wide table from a
+worker thread, which stays in the host's namespace. One buffer is one transaction, and no path
+spawns nsenter, sh or nft.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import ctypes
 import ipaddress
 import json
@@ -29,33 +28,6 @@ IP_FORWARD = Path("/proc/sys/net/ipv4/ip_forward")
 FORWARD_MARK = Path("/run/agentenv-ip-forward")
 # nft and a namespace's sysctl writes take milliseconds; this long means a stuck host.
 COMMAND_TIMEOUT_S = 30.0
-
-
-async def run_in_netns(netns: str | None, script: str, stdin: str = "") -> None:
-    """Run a shell snippet, inside `netns` when given; raise NetworkError on failure."""
-    argv = ["sh", "-ec", script]
-    if netns is not None:
-        argv = ["nsenter", f"--net=/run/netns/{netns}", "--", *argv]
-    proc = await asyncio.create_subprocess_exec(
-        *argv,
-        stdin=asyncio.subprocess.PIPE,
-        stdout=asyncio.subprocess.DEVNULL,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    where = f"netns {netns}" if netns else "host"
-    try:
-        async with asyncio.timeout(COMMAND_TIMEOUT_S):
-            _, err = await proc.communicate(stdin.encode())
-    except TimeoutError:
-        with contextlib.suppress(ProcessLookupError):
-            proc.kill()
-        await proc.wait()
-        raise NetworkError(
-            f"{where}: {script.split()[0]} did not finish in {COMMAND_TIMEOUT_S:.0f}s"
-        ) from None
-    if proc.returncode != 0:
-        lines = err.decode(errors="replace").strip().splitlines()
-        raise NetworkError(f"{where}: {lines[-1] if lines else 'command failed'}")
 
 
 _NFT_CTX_OUTPUT_JSON = 1 << 4
@@ -403,28 +375,34 @@ def _enable_forwarding() -> bool:
 
 
 async def apply_host_rules() -> None:
+    """The host-wide table (`host_ruleset`), applied in-process in the host's namespace: it is
+    re-applied as each slot is built (one transaction, idempotent), so it spawns nothing."""
     owned = await asyncio.to_thread(_enable_forwarding)
-    await run_in_netns(None, "nft -f -", host_ruleset(slots_only=owned))
+    await _host_nft(host_ruleset(slots_only=owned))
 
 
 async def host_table_exists() -> bool:
-    proc = await asyncio.create_subprocess_exec(
-        "nft",
-        "list",
-        "table",
-        "inet",
-        TABLE,
-        stdout=asyncio.subprocess.DEVNULL,
-        stderr=asyncio.subprocess.DEVNULL,
-    )
-    async with asyncio.timeout(COMMAND_TIMEOUT_S):
-        return await proc.wait() == 0
+    try:
+        await _host_nft(f"list table inet {TABLE}")
+    except NetworkError:
+        return False
+    return True
 
 
 async def remove_host_rules() -> None:
     if await host_table_exists():
-        await run_in_netns(None, f"nft delete table inet {TABLE}")
+        await _host_nft(f"delete table inet {TABLE}")
     await asyncio.to_thread(_restore_forwarding)
+
+
+async def _host_nft(commands: str) -> None:
+    # A worker thread of the default executor is in the host's namespace (only
+    # `netns_socket`'s own thread ever enters a slot's).
+    try:
+        async with asyncio.timeout(COMMAND_TIMEOUT_S):
+            await asyncio.to_thread(nft_run, commands)
+    except TimeoutError:
+        raise NetworkError(f"host: nft did not finish in {COMMAND_TIMEOUT_S:.0f}s") from None
 
 
 def _restore_forwarding() -> None:
