@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import os
 import subprocess
 import sys
@@ -105,8 +106,33 @@ def _wait_listening(netns: str | None, url: str) -> None:
     raise AssertionError(f"{url} never answered")
 
 
+# One test "internet" on the host at a time: its namespace, veth and addresses have fixed
+# names, and this module and test_isolation_probes both build it (on two workers at once,
+# the second `ip netns add` failed).
+INTERNET_LOCK = Path("/run/agentenv-test-internet.lock")
+INTERNET_LOCK_WAIT_S = 900.0
+
+
 @contextlib.contextmanager
 def internet(tmp_path: Path) -> Iterator[Internet]:
+    fd = os.open(INTERNET_LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        deadline = time.monotonic() + INTERNET_LOCK_WAIT_S
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                assert time.monotonic() < deadline, "another test held the test internet"
+                time.sleep(0.2)
+        with _internet(tmp_path) as inet:
+            yield inet
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def _internet(tmp_path: Path) -> Iterator[Internet]:
     (tmp_path / "hello.txt").write_text("from the internet\n")
     procs: list[subprocess.Popen[bytes]] = []
     _ip("netns", "add", NETNS)
