@@ -13,8 +13,8 @@ batches, the lost watch); this module holds the contract's calls, start and clos
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
+import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -42,8 +42,13 @@ from .errors import NodeError
 from .gen import node_pb as pb
 from .gen.node_connect import NodeServiceClient
 
+log = logging.getLogger(__name__)
+
 # An image import pulls every layer it lacks: minutes for a large image on a slow link.
 IMPORT_DEADLINE_S = 1800.0
+# How many times, a second apart, `close` cancels a background task that has not ended.
+CLOSE_ROUNDS = 10
+CLOSE_WAIT_S = 1.0
 
 
 class RemoteRuntime(NodeStreams):
@@ -86,13 +91,20 @@ class RemoteRuntime(NodeStreams):
             self._start_watch()
 
     async def close(self) -> None:
-        tasks = [t for t in (self._watch_task, self._activity_task) if t is not None]
+        pending = {t for t in (self._watch_task, self._activity_task) if t is not None}
         self._watch_task = self._activity_task = None
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        # A background task can swallow its cancel (one landing as a call's own deadline
+        # fires turns into that call's TimeoutError, which the task survives), so it is sent
+        # again until the task ends: a close never waits on it forever. Seen once in the suite:
+        # a close that hung 15 minutes in the activity sender's idle wait.
+        for _ in range(CLOSE_ROUNDS):
+            if not pending:
+                break
+            for task in pending:
+                task.cancel()
+            _, pending = await asyncio.wait(pending, timeout=CLOSE_WAIT_S)
+        if pending:
+            log.error("node %s: %d background task(s) did not stop", self.url, len(pending))
         rpc, transport = self._rpc, self._transport
         self._rpc = self._transport = None
         if rpc is not None:

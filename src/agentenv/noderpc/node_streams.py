@@ -58,6 +58,11 @@ class NodeStreams(NodeChannel):
                 except asyncio.CancelledError:
                     raise
                 except Exception as exc:
+                    task = asyncio.current_task()
+                    if task is not None and task.cancelling():
+                        # A cancel the RPC library turned into some other error mid-call:
+                        # still a cancel (a close is waiting for this task to end).
+                        raise asyncio.CancelledError from exc
                     # Activity is a hint: a node that missed it sees the next traffic. A node
                     # that is down is not asked again at once (nor logged about every time).
                     log.warning("node %s: %d activity notes lost: %s", self.url, len(batch), exc)
