@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -27,7 +28,7 @@ def make(
     available: int = 64 * GIB,
     held: int = 0,
     free: int = 100 * GIB,
-    **limits: int,
+    **limits: Any,
 ) -> Admission:
     rows = running if running is not None else []
     return Admission(
@@ -348,14 +349,7 @@ async def test_runtime_maps_refusals_to_503_and_full_disks_to_507(tmp_path: Path
 
 async def test_a_start_that_does_not_fit_waits_for_a_sandbox_to_end() -> None:
     rows = [Sb(), Sb()]
-    adm = Admission(
-        Limits(max_sandboxes=2, capacity_wait_s=30.0),
-        lambda: rows,
-        Path("/data"),
-        available=lambda: 64 * GIB,
-        held=lambda _pid: 0,
-        free_disk=lambda _path: 100 * GIB,
-    )
+    adm = make(running=rows, max_sandboxes=2, capacity_wait_s=30.0)
     admitted = asyncio.Event()
 
     async def start() -> None:
@@ -374,14 +368,7 @@ async def test_a_start_that_does_not_fit_waits_for_a_sandbox_to_end() -> None:
 
 async def test_capacity_waiters_keep_arrival_order_and_the_head_is_not_overtaken() -> None:
     rows = [Sb(memory_mb=1024)]
-    adm = Admission(
-        Limits(max_sandboxes=2, capacity_wait_s=30.0),
-        lambda: rows,
-        Path("/data"),
-        available=lambda: 64 * GIB,
-        held=lambda _pid: 0,
-        free_disk=lambda _path: 100 * GIB,
-    )
+    adm = make(running=rows, max_sandboxes=2, capacity_wait_s=30.0)
     # A fork of 2 does not fit (1 running of 2); a single start behind it would, but waits.
     order: list[str] = []
 
@@ -401,8 +388,7 @@ async def test_capacity_waiters_keep_arrival_order_and_the_head_is_not_overtaken
 
 
 async def test_the_wait_ends_in_no_capacity_naming_the_resource_and_the_wait() -> None:
-    adm = make(running=[Sb()], max_sandboxes=1)
-    adm.limits = Limits(max_sandboxes=1, capacity_wait_s=0.2)
+    adm = make(running=[Sb()], max_sandboxes=1, capacity_wait_s=0.2)
     with pytest.raises(NoCapacity) as err:
         async with adm.start("a create", 512):
             pass
@@ -412,8 +398,7 @@ async def test_the_wait_ends_in_no_capacity_naming_the_resource_and_the_wait() -
 
 
 async def test_a_full_disk_is_refused_at_once_even_with_a_wait() -> None:
-    adm = make(free=10 * MIB)
-    adm.limits = Limits(capacity_wait_s=30.0)
+    adm = make(free=10 * MIB, capacity_wait_s=30.0)
     with pytest.raises(NoCapacity) as err:
         async with asyncio.timeout(5), adm.start("a create", 512):
             pass
@@ -422,14 +407,7 @@ async def test_a_full_disk_is_refused_at_once_even_with_a_wait() -> None:
 
 async def test_a_cancelled_head_lets_the_next_waiter_in() -> None:
     rows = [Sb()]
-    adm = Admission(
-        Limits(max_sandboxes=1, capacity_wait_s=30.0),
-        lambda: rows,
-        Path("/data"),
-        available=lambda: 64 * GIB,
-        held=lambda _pid: 0,
-        free_disk=lambda _path: 100 * GIB,
-    )
+    adm = make(running=rows, max_sandboxes=1, capacity_wait_s=30.0)
     first = asyncio.create_task(adm.start("first", 512).__aenter__())
     await settle()
 
