@@ -217,6 +217,13 @@ def _ram_open_modes(pid: int, ram: Path) -> set[int]:
     return modes
 
 
+def _comm(pid: str) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:  # gone meanwhile
+        return ""
+
+
 def _check_confined(vm: QemuVM, own_files: set[str]) -> None:
     assert vm.pid is not None
     status = _status(vm.pid)
@@ -227,11 +234,15 @@ def _check_confined(vm: QemuVM, own_files: set[str]) -> None:
     assert status["NoNewPrivs"] == "1"
     assert int(status["CapEff"], 16) == 0 and int(status["CapPrm"], 16) == 0
     # Started with one fork and one exec: the launcher's child, with nothing in between,
-    # and the only process this server has is the launcher.
+    # and no program of the old launch chain is a child of ours. (Other children are other
+    # tests' on a suite worker: a registry, a server of a module still running.)
     launcher = launch.shared()
     assert status["PPid"] == str(launcher.pid)
     me = os.getpid()
-    assert Path(f"/proc/{me}/task/{me}/children").read_text().split() == [str(launcher.pid)]
+    kids = Path(f"/proc/{me}/task/{me}/children").read_text().split()
+    assert str(launcher.pid) in kids
+    chain = {"sh", "unshare", "nsenter", "chroot", "env", "qemu-system-x86"}
+    assert not {_comm(k) for k in kids} & chain, kids
     # PID 1 of a PID namespace of its own: it sees no other process of the host.
     if confine.pid_namespaces():
         assert status["NSpid"].split() == [str(vm.pid), "1"]
