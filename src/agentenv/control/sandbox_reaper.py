@@ -27,15 +27,25 @@ class SandboxReaper(SandboxLifecycle):
     """The timeout reaper of the sandbox manager."""
 
     async def _reap_forever(self) -> None:
+        # A pass that fails (a store down for a while, a row it cannot read) is logged and the
+        # next tick tries again: an exception that left this loop would end every timeout,
+        # retention and keepalive of the server for good, silently.
         while True:
-            deadline = await self.store.next_deadline()
             wait = _REAPER_TICK_S
+            try:
+                deadline = await self.store.next_deadline()
+            except Exception as exc:
+                log.error("reaper: reading the next deadline failed: %r", exc)
+                deadline = None
             if deadline is not None:
                 wait = min(wait, max(0.0, deadline - time.time()))
             self._wake.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), timeout=wait)
-            await self.reap_expired()
+            try:
+                await self.reap_expired()
+            except Exception as exc:
+                log.error("reaper pass failed, tried again at the next tick: %r", exc)
 
     async def reap_expired(self) -> None:
         await self._reap_paused()
