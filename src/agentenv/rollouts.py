@@ -55,6 +55,7 @@ class Rollouts:
         key = api_key or os.environ.get("E2B_API_KEY")
         if not key:
             raise ValueError("no API key: pass api_key or set E2B_API_KEY")
+        self._timeout_s = timeout_s
         self._http = httpx.Client(
             base_url=api_url or os.environ.get("E2B_API_URL") or DEFAULT_API_URL,
             headers={"X-API-Key": key},
@@ -84,10 +85,13 @@ class Rollouts:
         keepalive: int = 0,
         metadata: dict[str, str] | None = None,
         env_vars: dict[str, str] | None = None,
+        capacity_wait: int | None = None,
     ) -> str:
         """A new sandbox; its id. `grace_period`: after `timeout` it is paused (memory kept)
         this many seconds before it is deleted (None: the server's default). `keepalive`:
-        killed once no client touched it for this many seconds (0: off)."""
+        killed once no client touched it for this many seconds (0: off). `capacity_wait`:
+        how long it may queue for capacity before a 503 (None: the server's default; 0:
+        refuse at once); the request's own deadline grows by as much."""
         body: dict[str, Any] = {
             "templateID": template,
             "timeout": timeout,
@@ -97,7 +101,11 @@ class Rollouts:
         }
         if grace_period is not None:
             body["gracePeriod"] = grace_period
-        return str(self._call("POST", "/v2/sandboxes", body)["sandboxID"])
+        extra_s = 0.0
+        if capacity_wait is not None:
+            body["capacityWait"] = capacity_wait
+            extra_s = float(capacity_wait)
+        return str(self._call("POST", "/v2/sandboxes", body, extra_s)["sandboxID"])
 
     def fork(self, sandbox_id: str, count: int = 1, *, timeout: int = 300) -> list[str]:
         """`count` children of a running sandbox, from one capture of it; their ids."""
@@ -129,9 +137,11 @@ class Rollouts:
             raise
         return True
 
-    def _call(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
+    def _call(
+        self, method: str, path: str, body: dict[str, Any] | None = None, extra_s: float = 0.0
+    ) -> Any:
         try:
-            resp = self._http.request(method, path, json=body)
+            resp = self._http.request(method, path, json=body, timeout=self._timeout_s + extra_s)
         except httpx.HTTPError as exc:
             raise RolloutError(0, f"{method} {path}: {type(exc).__name__}: {exc}") from exc
         if resp.status_code >= 400:

@@ -121,15 +121,45 @@ def test_a_node_at_capacity_queues_a_create_then_answers_503(home: Path) -> None
             listed = api.get("/v2/sandboxes").json()
             assert sorted(s["sandboxID"] for s in listed) == sorted(ids)
 
+            # A create sets its own wait: 0 in the body refuses at once, without queueing.
+            queued_before = srv.log_path.read_text(errors="replace").count("waits for capacity")
+            resp = api.post(
+                "/v2/sandboxes", json={"templateID": "base", "timeout": 300, "capacityWait": 0}
+            )
+            assert resp.status_code == 503, resp.text
+            assert "waited" not in resp.json()["message"], resp.text
+            log_now = srv.log_path.read_text(errors="replace")
+            assert log_now.count("waits for capacity") == queued_before
+            # A wait that is not whole seconds in range, or given twice, is refused by name.
+            for headers, body in (
+                ({"X-Capacity-Wait": "soon"}, {}),
+                ({"X-Capacity-Wait": "601"}, {}),
+                ({"X-Capacity-Wait": "1"}, {"capacityWait": 1}),
+            ):
+                resp = api.post(
+                    "/v2/sandboxes",
+                    json={"templateID": "base", "timeout": 300, **body},
+                    headers=headers,
+                )
+                assert resp.status_code == 400, resp.text
+                assert "X-Capacity-Wait" in resp.json()["message"], resp.text
             # The SDK raises ServiceBusyException with the server's message (retries off:
-            # it would otherwise wait Retry-After and try again, three times).
+            # it would otherwise wait Retry-After and try again, three times). It sets its
+            # own wait with a header, the one thing an SDK create can add.
             with pytest.raises(ServiceBusyException) as info:
-                Sandbox.create(template="base", timeout=300, retries=0, **_sdk_opts(srv))
+                Sandbox.create(
+                    template="base",
+                    timeout=300,
+                    retries=0,
+                    api_headers={"X-Capacity-Wait": "1"},
+                    **_sdk_opts(srv),
+                )
             assert "503" in str(info.value)
             assert "2 of 2 sandboxes in use" in str(info.value)
+            assert "waited 1s for capacity" in str(info.value)
             # Refusals are counted as such, not as failed creates.
             metrics = api.get("/metrics").text
-            assert 'agentenv_sandbox_create_refusals_total{status="503"} 2.0' in metrics
+            assert 'agentenv_sandbox_create_refusals_total{status="503"} 3.0' in metrics
             assert "agentenv_sandbox_create_failures_total 0.0" in metrics
             for sid in ids:
                 assert api.delete(f"/sandboxes/{sid}").status_code == 204

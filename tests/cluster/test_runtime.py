@@ -171,6 +171,27 @@ async def test_a_refusing_node_is_skipped_and_keeps_no_binding(
     assert await cluster.bindings.all() == {"sb-y": "n2"}
 
 
+async def test_a_create_that_may_wait_queues_on_a_full_node_instead_of_a_503(
+    cluster: ClusterRuntime, nodes: list[FakeNode]
+) -> None:
+    for n in nodes:
+        n.free_mb = 0
+    for _ in range(200):
+        if all(n.load.free_memory_mb <= 0 for n in await cluster.membership.list_nodes()):
+            break
+        await asyncio.sleep(0.1)
+    # No wait allowed: refused here, with what each node has free.
+    with pytest.raises(Unavailable, match="no node can take a sandbox of 512 MB"):
+        await cluster.create(replace(spec("now"), capacity_wait_s=0.0))
+    assert await cluster.bindings.all() == {}
+    # A wait allowed (its own, or the node's default): sent to one node, whose admission
+    # queues it; the in-memory node takes it at once, with the wait in its spec.
+    for i, wait in enumerate((30.0, None)):
+        placed = await cluster.create(replace(spec(f"w{i}"), capacity_wait_s=wait))
+        node = next(n for n in nodes if n.node_id == placed.node_id)
+        assert node.runtime.held[placed.sandbox_id].spec.capacity_wait_s == wait
+
+
 async def test_calls_go_to_the_bound_node_and_delete_unbinds(
     cluster: ClusterRuntime, nodes: list[FakeNode]
 ) -> None:

@@ -168,6 +168,12 @@ async def test_every_method_round_trips_its_values(
     no_dns = SandboxSpec("sb-3", "base", 1, 512, egress=Egress.of(internet=False, dns_servers=[]))
     await client.create(no_dns)
     assert last(runtime) == ("create", (no_dns,))
+    # A create's own wait for capacity; 0 (refuse at once) is not the same as none given
+    # (the node's default).
+    for wait in (45.0, 0.0):
+        waits = SandboxSpec("sb-3", "base", 1, 512, capacity_wait_s=wait)
+        await client.create(waits)
+        assert last(runtime) == ("create", (waits,))
 
     assert await client.find("sb-1") == Found("running", runtime.placement("sb-1"), True)
     assert await client.find("nope") is None

@@ -10,7 +10,7 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
 
-from agentenv.control.sandbox_base import MAX_TIMEOUT_S
+from agentenv.control.sandbox_base import MAX_CAPACITY_WAIT_S, MAX_TIMEOUT_S
 
 MAX_METADATA_ENTRIES = 64
 MAX_METADATA_KEY = 128
@@ -83,6 +83,10 @@ class NewSandbox(_Strict):
     # on it, proxied traffic) for `keepalive` seconds (0: off).
     gracePeriod: Annotated[StrictInt, Field(ge=0, le=MAX_TIMEOUT_S)] | None = None
     keepalive: Annotated[StrictInt, Field(ge=0, le=MAX_TIMEOUT_S)] = 0
+    # agentenv extension for bursts: how long this create may wait in the node's queue for
+    # capacity before a 503 (0: refuse at once; unset: the server's AGENTENV_CAPACITY_WAIT_S).
+    # The `X-Capacity-Wait` header says the same for clients that cannot add body fields.
+    capacityWait: Annotated[StrictInt, Field(ge=0, le=MAX_CAPACITY_WAIT_S)] | None = None
 
     @field_validator("metadata")
     @classmethod

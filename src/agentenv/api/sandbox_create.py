@@ -21,7 +21,7 @@ from agentenv.api.models import NewSandbox
 from agentenv.api.template_builds import TemplateBuilds
 from agentenv.contract.egress import BadTarget, Egress
 from agentenv.contract.errors import TemplateNotFound
-from agentenv.control.sandbox_base import DEFAULT_TIMEOUT_S, CreateSpec
+from agentenv.control.sandbox_base import DEFAULT_TIMEOUT_S, MAX_CAPACITY_WAIT_S, CreateSpec
 from agentenv.control.store import BUILD_METADATA, ApiKey
 
 IDEMPOTENCY_TTL_S = 24 * 3600
@@ -35,7 +35,7 @@ def mount_create(app: FastAPI, ctx: ControlContext, builds: TemplateBuilds) -> N
     # -- create ----------------------------------------------------------------------------
 
     async def create(
-        body: NewSandbox, key: ApiKey, idem_key: str | None, *, v2: bool
+        body: NewSandbox, key: ApiKey, idem_key: str | None, wait: str | None, *, v2: bool
     ) -> JSONResponse:
         if body.volumeMounts:
             raise ApiError(400, "volumeMounts are not supported by this server")
@@ -77,6 +77,7 @@ def mount_create(app: FastAPI, ctx: ControlContext, builds: TemplateBuilds) -> N
             disk_mb=body.diskSizeMB,
             grace_s=body.gracePeriod,
             keepalive_s=body.keepalive,
+            capacity_wait_s=_capacity_wait(body.capacityWait, wait),
         )
         if not idem_key:
             rec = await mgr.create(spec, key.id, key.team_id)
@@ -115,16 +116,36 @@ def mount_create(app: FastAPI, ctx: ControlContext, builds: TemplateBuilds) -> N
         body: NewSandbox,
         key: Auth,
         idempotency_key: Annotated[str | None, Header()] = None,
+        x_capacity_wait: Annotated[str | None, Header()] = None,
     ) -> JSONResponse:
-        return await create(body, key, idempotency_key, v2=True)
+        return await create(body, key, idempotency_key, x_capacity_wait, v2=True)
 
     @app.post("/sandboxes", status_code=201, tags=["sandboxes"])
     async def create_v1(
         body: NewSandbox,
         key: Auth,
         idempotency_key: Annotated[str | None, Header()] = None,
+        x_capacity_wait: Annotated[str | None, Header()] = None,
     ) -> JSONResponse:
-        return await create(body, key, idempotency_key, v2=False)
+        return await create(body, key, idempotency_key, x_capacity_wait, v2=False)
+
+
+def _capacity_wait(field: int | None, header: str | None) -> float | None:
+    """The create's own wait for capacity, from the body field or the header (SDKs can add
+    headers to a create, not body fields); None: the server's default."""
+    if header is None:
+        return None if field is None else float(field)
+    if field is not None:
+        raise ApiError(400, "capacityWait and X-Capacity-Wait both given: send one")
+    try:
+        seconds = int(header.strip())
+    except ValueError:
+        seconds = -1
+    if not 0 <= seconds <= MAX_CAPACITY_WAIT_S:
+        raise ApiError(
+            400, f"X-Capacity-Wait must be whole seconds from 0 to {MAX_CAPACITY_WAIT_S}"
+        )
+    return float(seconds)
 
 
 # Egress policy this server does not enforce yet: refused by name, never stored and ignored.

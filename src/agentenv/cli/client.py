@@ -187,6 +187,11 @@ def start(
     keepalive: int = typer.Option(
         0, "--keepalive", help="Kill it once no client touched it for this many seconds."
     ),
+    capacity_wait: int | None = typer.Option(
+        None,
+        "--capacity-wait",
+        help="Seconds the create may queue for capacity before a 503 (0: refuse at once).",
+    ),
 ) -> None:
     """Create a sandbox and open an interactive shell in it (killed when the shell exits)."""
 
@@ -210,7 +215,12 @@ def start(
         }
         if grace is not None:
             body["gracePeriod"] = grace
-        return api, api.call("POST", "/v2/sandboxes", json=body).json()
+        wait = {}
+        if capacity_wait is not None:
+            body["capacityWait"] = capacity_wait
+            # The create may queue that long before the node starts it.
+            wait = {"timeout": httpx.Timeout(30.0, read=300.0 + capacity_wait)}
+        return api, api.call("POST", "/v2/sandboxes", json=body, **wait).json()
 
     api, sbx = _guard(create)
     sid = sbx["sandboxID"]

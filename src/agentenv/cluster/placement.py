@@ -1,6 +1,7 @@
 """Placing a new sandbox (`ClusterPlacement.create`): best of K ready nodes sampled, by free
 memory, CPUs and slots, warm template first; the binding written before the node is asked;
-a refusing node skipped. Split from `runtime.py`."""
+a refusing node skipped. When no node has room, a create that may wait goes to the best node
+anyway and queues there for capacity. Split from `runtime.py`."""
 
 from __future__ import annotations
 
@@ -66,6 +67,12 @@ class ClusterPlacement(ClusterRouting):
                     NO_NODE_RETRY_S,
                 )
         fits = [c for c in cands if _fits(c, need)]
+        if not fits and spec.capacity_wait_s != 0 and cands:
+            # No node has room now, and the create may wait: it queues on the node likely to
+            # free room first, in that node's capacity queue (arrival order, bounded by the
+            # create's wait, or the node's default), instead of a 503 here at once. One node
+            # only: a second would wait as long again.
+            return [max(cands, key=_score).info]
         if not fits:
             detail = ", ".join(
                 f"{c.info.node_id}: {c.info.load.free_memory_mb - c.inflight_mb} MiB, "

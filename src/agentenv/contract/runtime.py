@@ -53,6 +53,9 @@ class SandboxSpec:
     envd_token: str | None = None
     # The caller's metadata: the node keeps it with the sandbox (listing, logs), unread.
     metadata: Mapping[str, str] = field(default_factory=dict)
+    # How long a create may wait in the node's queue for capacity before it is refused
+    # (503); None: the node's own default (AGENTENV_CAPACITY_WAIT_S).
+    capacity_wait_s: float | None = None
 
 
 @dataclass(frozen=True)

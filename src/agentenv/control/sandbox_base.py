@@ -35,6 +35,9 @@ DEFAULT_TIMEOUT_S = 300
 # How long a pause with `requireHealthyGuest` waits for envd's `/health` before refusing.
 ENVD_HEALTH_TIMEOUT_S = 5.0
 MAX_TIMEOUT_S = 24 * 3600
+# The longest a create may ask to wait for capacity (`capacityWait`, `X-Capacity-Wait`): a
+# queue that holds callers longer is a stuck client's, not a burst's.
+MAX_CAPACITY_WAIT_S = 600
 # How often the reaper looks for expired sandboxes when nothing is due sooner.
 _REAPER_TICK_S = 1.0
 # How often paused sandboxes are checked against the retention limit (at most; a shorter
@@ -79,6 +82,8 @@ class CreateSpec:
     # None: the server's default grace (`SandboxBase.timeout_grace_s`).
     grace_s: int | None = None
     keepalive_s: int = 0
+    # None: the node's default wait for capacity (AGENTENV_CAPACITY_WAIT_S).
+    capacity_wait_s: float | None = None
 
 
 class SandboxBase:

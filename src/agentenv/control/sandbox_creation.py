@@ -162,7 +162,9 @@ class SandboxCreation(SandboxBase):
         started = time.monotonic()
         placement: Placement | None = None
         try:
-            placement = await self.runtime.create(replace(self._spec(rec), template=ref))
+            placement = await self.runtime.create(
+                replace(self._spec(rec), template=ref, capacity_wait_s=spec.capacity_wait_s)
+            )
             # The sandbox's life (and its timeout) starts when it is usable, not when the
             # request arrived: a slow boot must not eat into the caller's timeout.
             ready_at = time.time()

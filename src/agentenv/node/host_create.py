@@ -65,6 +65,7 @@ class NodeCreate(NodeBase):
         sandbox_id: str | None = None,
         init: GuestInit = NO_INIT,
         metadata: Mapping[str, str] | None = None,
+        capacity_wait_s: float | None = None,
     ) -> SandboxHandle:
         """`egress` (`network.egress`: internet off, destinations allowed or denied) holds
         from before the guest first runs, on every resume and in its fork children. The
@@ -78,12 +79,14 @@ class NodeCreate(NodeBase):
         named = await asyncio.to_thread(self._named_snapshot, template)
         if named is not None:
             return await self._create_from_snapshot(
-                named, template, egress, sandbox_id, init, metadata
+                named, template, egress, sandbox_id, init, metadata, capacity_wait_s
             )
         top, top_path, disk_mb, base_mb, defaults = await asyncio.to_thread(
             self._validate, template, cpu, memory_mb, disk_size_mb
         )
-        async with self.admission.start(f"a create of {template!r}", memory_mb):
+        async with self.admission.start(
+            f"a create of {template!r}", memory_mb, wait_s=capacity_wait_s
+        ):
             return await self._create(
                 template, cpu, memory_mb, disk_size_mb, top, top_path, disk_mb, base_mb, egress,
                 defaults, sandbox_id, init, metadata,
@@ -334,8 +337,11 @@ class NodeCreate(NodeBase):
         sandbox_id: str | None = None,
         init: GuestInit = NO_INIT,
         metadata: Mapping[str, str] | None = None,
+        capacity_wait_s: float | None = None,
     ) -> SandboxHandle:
-        async with self.admission.start(f"a create from snapshot {ref!r}", snap.memory_mb):
+        async with self.admission.start(
+            f"a create from snapshot {ref!r}", snap.memory_mb, wait_s=capacity_wait_s
+        ):
             return await self._from_snapshot(
                 snap, ref, egress, sandbox_id or new_sandbox_id(), init, metadata
             )

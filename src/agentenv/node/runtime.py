@@ -220,6 +220,7 @@ class NodeRuntime(GuestCalls):
                     sandbox_id=spec.sandbox_id,
                     init=_init(spec),
                     metadata=spec.metadata,
+                    capacity_wait_s=spec.capacity_wait_s,
                 )
         except UnknownTemplate as exc:
             raise TemplateUnavailable(str(exc)) from exc

@@ -116,7 +116,8 @@ class RemoteRuntime(NodeStreams):
         req = pb.CreateRequest(spec=convert.spec_to_pb(spec))
         res = await self._call(
             "Create",
-            self._long_s,
+            # A create may wait in the node's capacity queue first, as long as it was allowed.
+            self._long_s + (spec.capacity_wait_s or 0.0),
             lambda ms: self._client().create(req, headers=self._headers, timeout_ms=ms),
         )
         return convert.placement_from_pb(res.placement)

@@ -67,6 +67,7 @@ def spec_to_pb(spec: SandboxSpec) -> pb.SandboxSpec:
         env_vars=dict(spec.env_vars),
         envd_token=spec.envd_token,
         metadata=dict(spec.metadata),
+        capacity_wait_s=spec.capacity_wait_s,
     )
 
 
@@ -83,6 +84,7 @@ def spec_from_pb(msg: pb.SandboxSpec | None) -> SandboxSpec:
         env_vars=dict(msg.env_vars),
         envd_token=opt_str(msg, "envd_token"),
         metadata=dict(msg.metadata),
+        capacity_wait_s=msg.capacity_wait_s if msg.has_field("capacity_wait_s") else None,
     )
 
 
