@@ -34,6 +34,7 @@ POINTS = frozenset(
         "create:loaded",  # a create's restored guest runs its state, not yet given its identity
         "create:restored",  # a create's guest runs, the control plane not told
         "control:pausing",  # the control plane's row says pausing, the runtime not asked
+        "reset:deleted",  # a reset deleted the old guest, the saved state not started yet
     }
 )
 

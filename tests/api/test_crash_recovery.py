@@ -512,6 +512,37 @@ def test_sigkill_during_template_build(tmp_path: Path, restore_env: None) -> Non
         _finish(srv)
 
 
+def test_sigkill_mid_reset_finishes_it(home: Path, restore_env: None) -> None:
+    """A server killed between a reset's delete of the old guest and the start of the saved
+    state (#24): the next server finishes the reset. The sandbox runs again under the same id,
+    token and deadline, at its template's state (the episode's file gone), and after its kill
+    nothing of it is left."""
+    srv = _start(home, AGENTENV_CRASH_AT="reset:deleted")
+    try:
+        sbx = Sandbox.create(timeout=TIMEOUT_S, metadata={"episode": "7"})
+        sbx.files.write("/home/user/episode.txt", "step-1")
+        with _api(srv) as api:
+            before = next(s for s in api.get("/v2/sandboxes").json())
+            with pytest.raises(httpx.TransportError):
+                api.post(f"/sandboxes/{sbx.sandbox_id}/reset")
+        _await_crash(srv)
+        srv = _start(home, srv.port)
+        with _api(srv) as api:
+            (after,) = api.get("/v2/sandboxes").json()
+            assert after["sandboxID"] == sbx.sandbox_id
+            assert after["state"] == "running"
+            assert after["endAt"] == before["endAt"]
+            assert after["metadata"] == {"episode": "7"}
+            assert "finished" in api.get(f"/sandboxes/{sbx.sandbox_id}/logs").text
+        # The SDK object made before the crash (its token) reaches the reset guest.
+        assert not sbx.files.exists("/home/user/episode.txt")
+        assert sbx.commands.run("echo ok").stdout.strip() == "ok"
+        sbx.kill()
+        assert _held(home, sbx.sandbox_id) == []
+    finally:
+        _finish(srv)
+
+
 def test_lost_sandbox_error_names_it(home: Path, restore_env: None) -> None:
     """A running sandbox whose VM died while no server ran is reported lost, not missing."""
     srv = _start(home)

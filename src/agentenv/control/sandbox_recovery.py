@@ -10,13 +10,14 @@ import logging
 import time
 
 from agentenv.control.ownership import RESTART, TRANSITIONAL, Settling, after_replica
-from agentenv.control.sandbox_base import DEFAULT_TIMEOUT_S, LOST, SandboxBase, _pause_mode
+from agentenv.control.sandbox_base import DEFAULT_TIMEOUT_S, LOST, _pause_mode
+from agentenv.control.sandbox_reset import SandboxReset
 from agentenv.control.store import LIVE_STATES, SandboxRecord, SandboxState
 
 log = logging.getLogger("agentenv.sandboxes")
 
 
-class SandboxRecovery(SandboxBase):
+class SandboxRecovery(SandboxReset):
     """Reconcile, orphan sweep and lost sandboxes of the sandbox manager."""
 
     async def _reconcile(self) -> None:
@@ -48,6 +49,8 @@ class SandboxRecovery(SandboxBase):
         runtime (None once gone)."""
         rid = rec.id
         found = await self.runtime.find(rid)
+        if rec.state is SandboxState.RESUMING and rec.reset_to is not None:
+            return await self._finish_reset(rec, found)
         was = rec.state.value
         now = time.time()
         if found is None or rec.state in (SandboxState.CREATING, SandboxState.KILLING):

@@ -5,8 +5,11 @@ The guest is swapped, not rebooted: the node deletes the sandbox's VM and starts
 again under the same id (create = resume of a snapshot, its memory mapped copy-on-write), so
 the proxy keeps routing by id. What was in flight ends first: the proxy's open requests and
 WebSockets to the sandbox are cut (a client's command stream ends with an error), then the
-old VM goes. The row is `resuming` meanwhile; a server that dies mid-reset finds it there, and
-its recovery settles it by what the node holds (running, or lost)."""
+old VM goes. The row is `resuming` meanwhile, with the reference it starts from (`reset_to`):
+a server that dies mid-reset finishes it (`_finish_reset`): the sandbox the node still runs is
+kept as it is (the old guest, or the reset one), and one the node no longer runs is started
+from that reference, so a crash leaves the old state or the reset one, never a lost sandbox
+that a start could have saved."""
 
 from __future__ import annotations
 
@@ -16,9 +19,10 @@ import time
 from dataclasses import replace
 
 from agentenv.contract.errors import Conflict, CreateFailed, TemplateNotFound
-from agentenv.contract.runtime import TagUnavailable, TemplateUnavailable
+from agentenv.contract.runtime import Found, TagUnavailable, TemplateUnavailable
 from agentenv.control.sandbox_base import LOST, SandboxBase
 from agentenv.control.store import SandboxRecord, SandboxState
+from agentenv.faults import crash_point
 
 log = logging.getLogger("agentenv.sandboxes")
 
@@ -43,8 +47,13 @@ class SandboxReset(SandboxBase):
                     f"{ref!r} is a {tpl.cpu} vCPU / {tpl.memory_mb} MB machine; sandbox "
                     f"{sandbox_id} is {rec.cpu} / {rec.memory_mb}: a reset keeps the machine"
                 )
+            target = tpl.ref or ref
             if not await self.store.transition(
-                sandbox_id, SandboxState.RUNNING, SandboxState.RESUMING, **self._stamp
+                sandbox_id,
+                SandboxState.RUNNING,
+                SandboxState.RESUMING,
+                reset_to=target,
+                **self._stamp,
             ):
                 raise Conflict(f"sandbox {sandbox_id} changed state during reset")
             started = time.monotonic()
@@ -52,31 +61,71 @@ class SandboxReset(SandboxBase):
             await self._released(sandbox_id)
             try:
                 await self.runtime.delete(sandbox_id)
-                placement = await self.runtime.create(
-                    replace(self._spec(rec), template=tpl.ref or ref)
-                )
+                crash_point("reset:deleted")
             except BaseException as exc:
-                # The old guest is gone and no new one runs: the sandbox is lost, and says why
-                # (and whatever is left of either VM goes with it).
-                why = f"reset to {ref!r} failed: {exc}"
-                with contextlib.suppress(Exception):
-                    await self.runtime.delete(sandbox_id)
-                await self.store.transition(sandbox_id, SandboxState.RESUMING, SandboxState.GONE)
-                await self.store.log(sandbox_id, LOST + why, "error")
-                log.error("sandbox %s %s", sandbox_id, why, extra={"sandbox_id": sandbox_id})
-                if isinstance(exc, Exception):
-                    raise CreateFailed(f"sandbox {sandbox_id}: {why}") from exc
+                await self._reset_failed(rec, ref, exc)
                 raise
-            # Its timeout stays: the episode's deadline did not move.
+            await self._start_reset(rec, target, ref, started)
+        return await self.get(sandbox_id)
+
+    async def _start_reset(self, rec: SandboxRecord, target: str, ref: str, started: float) -> None:
+        """Start the `resuming` row's sandbox from `target` and mark it running; its deadline
+        stays. A failure leaves it lost, with the reason."""
+        try:
+            placement = await self.runtime.create(replace(self._spec(rec), template=target))
+        except BaseException as exc:
+            await self._reset_failed(rec, ref, exc)
+            raise
+        # Its timeout stays: the episode's deadline did not move.
+        await self.store.transition(
+            rec.id,
+            SandboxState.RESUMING,
+            SandboxState.RUNNING,
+            address=placement.address,
+            node_id=placement.node_id,
+            envd_url=placement.envd_url,
+            reset_to=None,
+        )
+        await self.store.log(rec.id, f"reset to {ref!r} in {time.monotonic() - started:.2f}s")
+
+    async def _reset_failed(self, rec: SandboxRecord, ref: str, exc: BaseException) -> None:
+        """The old guest is gone (or going) and no new one runs: the sandbox is lost, and says
+        why (and whatever is left of either VM goes with it). An `Exception` is raised again
+        as `CreateFailed`; a cancel by the caller."""
+        why = f"reset to {ref!r} failed: {exc}"
+        with contextlib.suppress(Exception):
+            await self.runtime.delete(rec.id)
+        await self.store.transition(rec.id, SandboxState.RESUMING, SandboxState.GONE)
+        await self.store.log(rec.id, LOST + why, "error")
+        log.error("sandbox %s %s", rec.id, why, extra={"sandbox_id": rec.id})
+        if isinstance(exc, Exception):
+            raise CreateFailed(f"sandbox {rec.id}: {why}") from exc
+
+    async def _finish_reset(self, rec: SandboxRecord, found: Found | None) -> str | None:
+        """Recovery of a reset cut short (the row `resuming` with `reset_to`): a sandbox the
+        runtime runs is kept as found (the old guest if the cut came before its delete, else
+        the reset one), its deadline unchanged; one it does not hold is started from
+        `reset_to` now. Returns the id while the sandbox exists (None once lost)."""
+        target = rec.reset_to or rec.template
+        if found is not None and found.state == "running" and found.placement is not None:
             await self.store.transition(
-                sandbox_id,
+                rec.id,
                 SandboxState.RESUMING,
                 SandboxState.RUNNING,
-                address=placement.address,
-                node_id=placement.node_id,
-                envd_url=placement.envd_url,
+                address=found.placement.address,
+                node_id=found.placement.node_id,
+                envd_url=found.placement.envd_url,
+                reset_to=None,
             )
-            await self.store.log(
-                sandbox_id, f"reset to {ref!r} in {time.monotonic() - started:.2f}s"
-            )
-        return await self.get(sandbox_id)
+            await self.store.log(rec.id, f"a reset to {target!r} was cut short; running as found")
+            return rec.id
+        if found is not None:
+            with contextlib.suppress(Exception):
+                await self.runtime.delete(rec.id)
+        try:
+            await self._start_reset(rec, target, target, time.monotonic())
+        except Exception as exc:
+            log.error("sandbox %s: finishing its reset failed: %r", rec.id, exc)
+            return None
+        await self.store.log(rec.id, "the reset was cut short by a restart and finished")
+        return rec.id

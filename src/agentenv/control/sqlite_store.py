@@ -101,7 +101,7 @@ _COLUMNS = (
     "envd_version", "metadata", "env_vars", "envd_token", "traffic_token", "auto_pause",
     "auto_resume", "allow_internet", "network", "address", "envd_url", "api_key_id",
     "auto_pause_memory", "pause_mode", "team_id", "replica_id", "node_id", "grace_s",
-    "keepalive_s", "seen_at", "grace_until",
+    "keepalive_s", "seen_at", "grace_until", "reset_to",
 )  # fmt: skip
 # Columns added after the first schema: (table, name, declaration), added to older databases.
 _ADDED_COLUMNS = (
@@ -114,6 +114,7 @@ _ADDED_COLUMNS = (
     ("sandboxes", "keepalive_s", "INTEGER NOT NULL DEFAULT 0"),
     ("sandboxes", "seen_at", "REAL NOT NULL DEFAULT 0"),
     ("sandboxes", "grace_until", "REAL NOT NULL DEFAULT 0"),
+    ("sandboxes", "reset_to", "TEXT"),
     ("api_keys", "team_id", "TEXT"),
 )
 _KEY_COLUMNS = "id, name, prefix, created_at, revoked_at, team_id"
@@ -516,5 +517,6 @@ def _from_row(row: sqlite3.Row) -> SandboxRecord:
         keepalive_s=row["keepalive_s"],
         seen_at=row["seen_at"],
         grace_until=row["grace_until"],
+        reset_to=row["reset_to"],
         seq=row["seq"],
     )

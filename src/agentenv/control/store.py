@@ -96,6 +96,9 @@ class SandboxRecord:
     keepalive_s: int = 0
     # The last touch stored (each replica flushes what its own API and proxy saw).
     seen_at: float = 0.0
+    # While a reset runs (state `resuming`): the template or snapshot reference the node
+    # starts the sandbox from, so a recovery can finish a reset cut short. None otherwise.
+    reset_to: str | None = None
     seq: int = 0
 
     @property
