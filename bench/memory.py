@@ -5,6 +5,12 @@
   inflated; free page reporting stays on, it is part of every snapshot's device set) and then
   with the balloon inflated to the floor by the real `MemoryManager` (balloon on). Clones
   give memory back through `vmm.ramshim`, which keeps their discards off the template file.
+- Where each row's PSS is (`/proc/PID/smaps`, mean per sandbox): QEMU's TCG translation cache
+  (its one anonymous executable mapping; none under KVM), guest RAM (the memory-file or RAM
+  mapping: private = pages the guest wrote since its restore, shared = its share of the
+  template's page cache, or all of a cold boot's own file), QEMU's heap and malloc arenas
+  (anonymous, not executable: device state, TCG's soft TLB and page descriptors, thread
+  stacks), and binaries and libraries.
 - For each row, how many such sandboxes would fit before host memory is 80% used and the
   overcommit ratio (their nominal memory / host memory). Extrapolated from the measured PSS
   and this host's current use; nothing is started to fill the host.
@@ -19,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import statistics
 import tempfile
 import time
@@ -43,11 +50,17 @@ SETTLE_S = 5.0
 FILL = 0.80
 
 
+# smaps categories, in report order.
+PARTS = ("tcg", "ram_private", "ram_shared", "heap", "files", "other")
+
+
 @dataclass
 class Row:
     what: str
     n: int
     pss_mb: list[float]
+    # Mean PSS per sandbox by `PARTS` (MB).
+    parts: dict[str, float]
 
     @property
     def mean(self) -> float:
@@ -64,6 +77,47 @@ async def sh(sb: SandboxHandle, cmd: str) -> None:
 def pss_mb(sb: SandboxHandle) -> float:
     mem = None if sb.pid is None else host_memory(sb.pid)
     return 0.0 if mem is None else mem.pss / MIB
+
+
+def _part(name: str, perms: str, size: int) -> str:
+    if size >= MEM_MB * MIB:
+        return "ram"  # the guest's RAM: a memory file's mapping, or anonymous
+    if not name and "x" in perms:
+        return "tcg"  # QEMU's translation buffer (rwx, anonymous)
+    if not name or name == "[heap]":
+        return "heap"
+    return "files" if name.startswith("/") else "other"
+
+
+def smaps_parts(pid: int) -> dict[str, float]:
+    """PSS of one QEMU by `PARTS`, in MB; guest RAM split into its private pages (written
+    since the restore, or all of a cold boot's) and its share of pages other clones map."""
+    kb: collections.Counter[str] = collections.Counter()
+    part = "other"
+    try:
+        text = Path(f"/proc/{pid}/smaps").read_text()
+    except OSError:
+        return {}
+    for line in text.splitlines():
+        head, _, rest = line.partition(" ")
+        if not head.endswith(":"):  # a mapping: range perms offset dev inode [name]
+            fields = line.split(None, 5)
+            lo, hi = (int(x, 16) for x in fields[0].split("-"))
+            part = _part(fields[5].strip() if len(fields) > 5 else "", fields[1], hi - lo)
+        elif head == "Pss:":
+            kb["ram_shared" if part == "ram" else part] += int(rest.split()[0])
+        elif head == "Private_Dirty:" and part == "ram":
+            # Private pages have PSS = RSS: move them from the shared share to their own.
+            dirty = int(rest.split()[0])
+            kb["ram_private"] += dirty
+            kb["ram_shared"] -= dirty
+    return {k: kb[k] / 1024 for k in PARTS}
+
+
+def mean_parts(sandboxes: Sequence[SandboxHandle]) -> dict[str, float]:
+    got = [smaps_parts(sb.pid) for sb in sandboxes if sb.pid is not None]
+    got = [g for g in got if g]
+    return {k: statistics.fmean(g[k] for g in got) if got else 0.0 for k in PARTS}
 
 
 async def settle(sandboxes: Sequence[SandboxHandle], touch_mb: int) -> None:
@@ -113,10 +167,10 @@ async def measure(settings: Settings, n: int, touch_mb: int, *, cold: bool) -> t
                 print(f"  cold boot {i + 1}/{n} in {time.monotonic() - t1:.1f}s", flush=True)
         print(f"  {n} {what} in {time.monotonic() - t0:.1f}s", flush=True)
         await settle(sbs, touch_mb)
-        off = Row(f"{what}, balloon off", n, [pss_mb(s) for s in sbs])
+        off = Row(f"{what}, balloon off", n, [pss_mb(s) for s in sbs], mean_parts(sbs))
         floor = settings.balloon_floor_mb
         await inflate_all(node, sbs, floor)
-        on = Row(f"{what}, balloon on ({floor} MiB)", n, [pss_mb(s) for s in sbs])
+        on = Row(f"{what}, balloon on ({floor} MiB)", n, [pss_mb(s) for s in sbs], mean_parts(sbs))
         return off, on
     finally:
         await node.close()
@@ -133,6 +187,11 @@ def report(rows: list[Row], baseline_used: float, total: float) -> None:
         ratio = fit * MEM_MB / total
         print(f"{r.what:<58} {r.n:>3} {r.mean:>9.1f} MB {fit:>8} {ratio:>9.1f}x")
     print("fit@80% and overcommit are extrapolated from the mean PSS, not measured by filling")
+    print()
+    print("PSS per sandbox by part (MB, mean; smaps):")
+    print(f"{'sandboxes':<58} " + " ".join(f"{k:>11}" for k in PARTS))
+    for r in rows:
+        print(f"{r.what:<58} " + " ".join(f"{r.parts.get(k, 0.0):>11.1f}" for k in PARTS))
 
 
 async def main(argv: list[str] | None = None) -> None:
