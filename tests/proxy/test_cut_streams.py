@@ -48,6 +48,7 @@ STEP_S = 20.0
 OPEN_S = 60.0
 # A command the stand-in answers with its start event and half of the next frame.
 HALF_FRAME = "sleep 61"
+RESET_WHY = f"sandbox {SANDBOX_ID} was reset"
 
 
 def _envelope(flags: int, message: dict[str, Any]) -> bytes:
@@ -125,6 +126,10 @@ class Setup:
         rec = self.records[SANDBOX_ID]
         self.records[SANDBOX_ID] = dataclasses.replace(rec, state=SandboxState.GONE)
         await self.proxy.drop(SANDBOX_ID)
+
+    async def reset(self) -> None:
+        """The manager's reset as the proxy sees it: it stays running, released with why."""
+        await self.proxy.drop(SANDBOX_ID, RESET_WHY)
 
 
 @pytest.fixture
@@ -244,6 +249,47 @@ async def test_a_killed_sandbox_ends_the_open_stream_with_unavailable(setup: Set
         health = await client.get("/health", headers=headers)
         assert health.status_code == 502
         assert "was not found" in health.json()["message"]
+
+
+async def test_a_reset_ends_the_open_stream_and_websocket_cleanly_saying_so(setup: Setup) -> None:
+    """A reset (#24): the sandbox lives on, so its clients are told why their stream ended: a
+    Connect stream gets an `unavailable` end frame with the reason, a WebSocket a clean close
+    1012 ("service restart") with it, not the dropped connection of a stopped sandbox."""
+    headers = {
+        "e2b-sandbox-id": SANDBOX_ID,
+        "e2b-sandbox-port": str(ENVD_PORT),
+        "content-type": "application/connect+json",
+        "connect-protocol-version": "1",
+    }
+    url = setup.url.replace("http://", "ws://") + "/"
+    async with asyncio.timeout(STEP_S):
+        ws = await websockets.connect(url, open_timeout=STEP_S, close_timeout=1)
+    try:
+        async with asyncio.timeout(STEP_S):
+            assert await ws.recv() == "hello"
+        async with (
+            httpx.AsyncClient(base_url=setup.url, timeout=STEP_S) as client,
+            client.stream(
+                "POST", "/process.Process/Start", content=_start_body(), headers=headers
+            ) as resp,
+        ):
+            chunks = resp.aiter_raw()
+            assert b'"start"' in await anext(chunks)
+            await setup.reset()
+            rest = b""
+            async with asyncio.timeout(STEP_S):
+                async for chunk in chunks:
+                    rest += chunk
+        frames = _frames(rest)
+        assert [flags for flags, _ in frames] == [2], frames
+        assert json.loads(frames[0][1])["error"] == {"code": "unavailable", "message": RESET_WHY}
+        with pytest.raises(websockets.ConnectionClosed) as caught:
+            async with asyncio.timeout(STEP_S):
+                await ws.recv()
+        assert caught.value.rcvd is not None, "no close frame"
+        assert (caught.value.rcvd.code, caught.value.rcvd.reason) == (1012, RESET_WHY)
+    finally:
+        await ws.close()
 
 
 async def test_a_stream_cut_mid_frame_is_dropped(setup: Setup) -> None:

@@ -161,7 +161,8 @@ class SandboxBase:
         self._wake = asyncio.Event()
         # Called with a sandbox id once it stops being reachable (killed or paused), e.g. so
         # the proxy closes its connections to it.
-        self.on_release: list[Callable[[str], Awaitable[None]]] = []
+        # Told of a sandbox that stops being reachable, and why when it lives on (a reset).
+        self.on_release: list[Callable[[str, str | None], Awaitable[None]]] = []
         self._tasks: set[asyncio.Task[None]] = set()
         # The last `host_memory_all` (the metrics route refreshes it before each scrape).
         self.host_memory_seen: dict[str, HostMemory] = {}
@@ -225,10 +226,10 @@ class SandboxBase:
             metadata=dict(rec.metadata),
         )
 
-    async def _released(self, sandbox_id: str) -> None:
+    async def _released(self, sandbox_id: str, why: str | None = None) -> None:
         for hook in self.on_release:
             try:
-                await hook(sandbox_id)
+                await hook(sandbox_id, why)
             except Exception as exc:
                 log.warning("sandbox %s release hook failed: %r", sandbox_id, exc)
 

@@ -58,7 +58,7 @@ class SandboxReset(SandboxBase):
                 raise Conflict(f"sandbox {sandbox_id} changed state during reset")
             started = time.monotonic()
             # In-flight commands and WebSockets end now, before their VM goes.
-            await self._released(sandbox_id)
+            await self._released(sandbox_id, f"sandbox {sandbox_id} was reset")
             try:
                 await self.runtime.delete(sandbox_id)
                 crash_point("reset:deleted")

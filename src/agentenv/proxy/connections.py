@@ -18,6 +18,7 @@ from agentenv.control.metrics import Metrics
 from agentenv.control.store import SandboxRecord
 from agentenv.gateway.client import GatewayDialer
 from agentenv.ports import ENVD_PORT
+from agentenv.proxy.cuts import Cut
 from agentenv.proxy.routing import TRAFFIC_TOKEN_HEADER, Sandbox
 from agentenv.proxy.upstream import (
     UPSTREAM_LIMITS,
@@ -60,7 +61,7 @@ class ProxyConnections:
         # Per sandbox: (slot address, gateway or None) the pool goes to, and the pool.
         self._pools: dict[str, tuple[tuple[str, str | None], httpx.AsyncClient]] = {}
         # Per sandbox, one event per open request; `drop` sets them.
-        self._open: dict[str, set[asyncio.Event]] = {}
+        self._open: dict[str, set[Cut]] = {}
 
     async def close(self) -> None:
         pools = list(self._pools.values())
@@ -68,9 +69,12 @@ class ProxyConnections:
         for _, client in pools:
             await client.aclose()
 
-    async def drop(self, sandbox_id: str) -> None:
-        """The sandbox stopped being reachable: end its open requests and its pool."""
+    async def drop(self, sandbox_id: str, why: str | None = None) -> None:
+        """The sandbox stopped being reachable: end its open requests and its pool. `why`:
+        the sandbox lives on (a reset), and its clients are told so: a clean WebSocket close
+        and a Connect error carrying it, not the dropped connection of a stopped sandbox."""
         for cut in self._open.pop(sandbox_id, set()):
+            cut.why = why
             cut.set()
         entry = self._pools.pop(sandbox_id, None)
         if entry is not None:
@@ -82,8 +86,8 @@ class ProxyConnections:
         return len(self._open.get(sandbox_id, ()))
 
     @contextlib.contextmanager
-    def _opened(self, sandbox_id: str) -> Iterator[asyncio.Event]:
-        cut = asyncio.Event()
+    def _opened(self, sandbox_id: str) -> Iterator[Cut]:
+        cut = Cut()
         self._open.setdefault(sandbox_id, set()).add(cut)
         try:
             yield cut

@@ -52,6 +52,13 @@ def connect_end_stream_error(message: str) -> bytes:
     return bytes([_END_STREAM_FLAG]) + len(body).to_bytes(4, "big") + body
 
 
+class Cut(asyncio.Event):
+    """Set when an open request's sandbox is released. `why`: the sandbox lives on (a
+    reset) and its clients are told this, with a clean end instead of a dropped connection."""
+
+    why: str | None = None
+
+
 class ClientGone(Exception):
     """The downstream client disconnected while we were relaying its request body."""
 

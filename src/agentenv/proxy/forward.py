@@ -22,6 +22,7 @@ from agentenv.proxy.connections import log
 from agentenv.proxy.cuts import (
     CONNECT_STREAM,
     ClientGone,
+    Cut,
     EnvelopeTracker,
     SandboxGone,
     connect_end_stream_error,
@@ -96,7 +97,7 @@ class SandboxProxy(WebSocketRelay):
         request: httpx.Request,
         receive: Receive,
         send: Send,
-        cut: asyncio.Event,
+        cut: Cut,
         sent: Callable[[], int],
     ) -> None:
         try:
@@ -166,7 +167,10 @@ class SandboxProxy(WebSocketRelay):
                 extra={"sandbox_id": rec.id},
             )
             if frames is not None and frames.at_boundary:
-                message = f"the connection to sandbox {rec.id} ended before the stream completed"
+                message = (
+                    cut.why
+                    or f"the connection to sandbox {rec.id} ended before the stream completed"
+                )
                 end = connect_end_stream_error(message)
                 with contextlib.suppress(Exception):
                     await send({"type": "http.response.body", "body": end, "more_body": False})

@@ -128,6 +128,18 @@ class WebSocketRelay(ProxyConnections):
                     try:
                         await unless_cut(self._ws_pump(upstream, receive, send), cut)
                     except SandboxGone:
+                        if cut.why is not None:
+                            # The sandbox lives on (a reset): a clean close the client can
+                            # act on, 1012 ("service restart") with the reason.
+                            await send(
+                                {
+                                    "type": "websocket.close",
+                                    "code": 1012,
+                                    "reason": cut.why.encode()[:120].decode(errors="ignore"),
+                                }
+                            )
+                            upstream.transport.abort()
+                            return
                         # As E2B's proxy, which resets its connections to a sandbox that
                         # stops: no close frame, the client's connection is dropped (returning
                         # without a close makes uvicorn close the socket), so the client
