@@ -108,7 +108,8 @@ class Rollouts:
         return str(self._call("POST", "/v2/sandboxes", body, extra_s)["sandboxID"])
 
     def fork(self, sandbox_id: str, count: int = 1, *, timeout: int = 300) -> list[str]:
-        """`count` children of a running sandbox, from one capture of it; their ids."""
+        """`count` children of a running or paused sandbox (a paused one stays paused),
+        from one capture of it, all or none; their ids."""
         rows = self._call("POST", f"/sandboxes/{sandbox_id}/fork", _fork(count, timeout))
         return [str(row["sandbox"]["sandboxID"]) for row in rows]
 

@@ -340,3 +340,62 @@ def test_reset_in_place_keeps_the_sandbox_and_drops_what_the_episode_did(
         _assert_error(api.post(f"/sandboxes/{sid}/reset"), 409)
     finally:
         api.delete(f"/sandboxes/{sid}")
+
+
+def test_fork_two_from_a_paused_sandbox_and_two_from_a_snapshot(
+    api: httpx.Client, server: ServerProcess
+) -> None:
+    """#24's acceptance at small scale (bench/rl.py --acceptance runs 8 + 8): each child of a
+    paused sandbox, and of a persistent snapshot, has the parent's files, processes and memory
+    (a file on the guest's tmpfs) and its own /dev/urandom. The paused parent stays paused
+    and resumes with its own state (a child's write never reaches it). A sandbox paused
+    without its memory cannot be forked (409)."""
+    from e2b import Sandbox
+
+    from agentenv.rollouts import Rollouts
+
+    opts = {"api_key": server.api_key, "api_url": server.url, "sandbox_url": server.url}
+    sid = str(_create(api, timeout=600)["sandboxID"])
+    seen: dict[str, str] = {}
+    snapshot_id = ""
+
+    def check_children(kids: list[str]) -> None:
+        assert len(set(kids)) == 2 and sid not in kids
+        for kid in kids:
+            child = Sandbox.connect(kid, **opts)  # type: ignore[arg-type]
+            assert child.files.read("/home/user/f.txt") == "disk"
+            got = child.commands.run("cat /tmp/ram.txt; pgrep -f 'sleep 3601' >/dev/null && echo p")
+            assert got.stdout.split() == ["ram", "p"], got.stdout
+            rnd = child.commands.run("head -c 16 /dev/urandom | od -An -tx1").stdout.strip()
+            assert rnd and rnd not in seen, (kid, seen)
+            seen[rnd] = kid
+            child.files.write("/home/user/f.txt", "child")
+            child.commands.run("echo child > /tmp/ram.txt")
+            assert api.delete(f"/sandboxes/{kid}").status_code == 204
+
+    try:
+        parent = Sandbox.connect(sid, **opts)  # type: ignore[arg-type]
+        parent.files.write("/home/user/f.txt", "disk")
+        parent.commands.run("echo ram > /tmp/ram.txt")
+        parent.commands.run("sleep 3601", background=True)
+        snap = api.post(f"/sandboxes/{sid}/snapshots", json={})
+        assert snap.status_code == 201, snap.text
+        snapshot_id = snap.json()["snapshotID"]
+        assert api.post(f"/sandboxes/{sid}/pause").status_code == 204
+        with Rollouts(server.url, server.api_key) as rollouts:
+            check_children(rollouts.fork(sid, 2, timeout=120))
+            assert api.get(f"/sandboxes/{sid}").json()["state"] == "paused"
+            check_children(rollouts.fork_snapshot(snapshot_id, 2, timeout=120))
+        assert "forked 2 sandbox(es) while paused" in api.get(f"/sandboxes/{sid}/logs").text
+        back = Sandbox.connect(sid, **opts)  # type: ignore[arg-type]
+        assert back.files.read("/home/user/f.txt") == "disk"
+        got = back.commands.run("cat /tmp/ram.txt; pgrep -f 'sleep 3601' >/dev/null && echo p")
+        assert got.stdout.split() == ["ram", "p"], got.stdout
+        resp = api.post(f"/sandboxes/{sid}/pause", json={"memory": False})
+        assert resp.status_code == 204, resp.text
+        err = _assert_error(api.post(f"/sandboxes/{sid}/fork", json={"count": 1}), 409)
+        assert "without its memory" in str(err["message"])
+    finally:
+        api.delete(f"/sandboxes/{sid}")
+        if snapshot_id:
+            api.delete(f"/templates/{snapshot_id}")

@@ -257,6 +257,11 @@ async def test_a_node_that_leaves_reports_its_running_sandboxes_lost(
     assert not await cluster.is_alive("sb-1")
     with pytest.raises(NodeDown, match="n0"):
         await cluster.pause("sb-1")
+    # A fork runs where its source is (running or paused): the error says what would help,
+    # and no child is left bound.
+    with pytest.raises(NodeDown, match=r"n0.*resume the sandbox"):
+        await cluster.fork("sb-1", [spec("kid")], None)
+    assert await cluster.bindings.get("sb-kid") is None
     # The binding stays until the control plane deletes the sandbox; that needs no node.
     await cluster.delete("sb-1")
     assert await cluster.bindings.get("sb-1") is None

@@ -1,6 +1,6 @@
 """A template snapshot captured on one data dir, pushed to SeaweedFS, pulled into a second,
-empty data dir and restored into a running guest there; a sandbox paused on one data dir
-and resumed on another (real microVMs)."""
+empty data dir and restored into a running guest there; a sandbox paused on one data dir,
+forked and resumed on another (real microVMs)."""
 
 from __future__ import annotations
 
@@ -20,9 +20,11 @@ from agentenv.guest.envd.client import EnvdClient
 from agentenv.network import create_slot, destroy_slot
 from agentenv.objstore import ObjectStore
 from agentenv.snapshot import (
+    ForkTarget,
     GuestImage,
     SnapshotNotFound,
     ensure_template_snapshot,
+    fork_paused,
     identify,
     pause,
     release,
@@ -166,9 +168,31 @@ async def test_sandbox_paused_on_a_resumes_on_b(
                     f"{push_s:.1f}s, pull {store_b.stats.bytes_downloaded / 2**20:.0f} MiB in "
                     f"{pull_s:.1f}s"
                 )
+        # A fork of the paused sandbox where it was pulled to (#24): the child has its files,
+        # processes and RAM; the RAM stream is converted first; the parent stays paused.
+        slots.append(await create_slot(settings_b.network))
+        kid = f"{name}-kid"
+        forked = await fork_paused(
+            workdir_b,
+            [ForkTarget(kid, settings_b.sandboxes_dir / kid, slots[-1])],
+            repo_b,
+            repo_b.layers,
+            image,
+        )
+        child = forked.children[0]
+        machines.append((child, repo_b))
+        print(f"forked 1 from the paused copy on B in {forked.total_s:.2f}s")
+        assert await _sh(child.envd_url, "cat /root/file; cat /tmp/ram-only; hostname") == (
+            f"on-disk\nin-ram\n{kid}"
+        )
+        assert await _sh(child.envd_url, f"cat /proc/{pid}/cmdline | tr '\\0' ' '") == (
+            "sleep 100000"
+        )
+        await _sh(child.envd_url, "echo child > /root/file; echo child > /tmp/ram-only")
+        assert (workdir_b / "paused.json").is_file()
         slots.append(await create_slot(settings_b.network))
         t0 = time.monotonic()
-        moved = await resume(workdir_b, image, slots[1])
+        moved = await resume(workdir_b, image, slots[-1])
         machines.append((moved, repo_b))
         print(f"resumed on B in {time.monotonic() - t0:.2f}s")
         assert await _sh(moved.envd_url, "cat /root/file") == "on-disk"
@@ -184,5 +208,6 @@ async def test_sandbox_paused_on_a_resumes_on_b(
             await destroy_slot(slot)
         repo_a.layers.unref_holder(name)
         repo_b.layers.unref_holder(name)
-        for wd in (workdir_a, workdir_b):
+        repo_b.layers.unref_holder(f"{name}-kid")
+        for wd in (workdir_a, workdir_b, settings_b.sandboxes_dir / f"{name}-kid"):
             await asyncio.to_thread(shutil.rmtree, wd, True)

@@ -245,6 +245,10 @@ def mount_sandbox_routes(app: FastAPI, ctx: ControlContext, builds: TemplateBuil
 
     @app.post("/sandboxes/{sandbox_id}/fork", status_code=201, tags=["sandboxes"])
     async def fork(sandbox_id: str, key: Auth, body: ForkBody | None = None) -> JSONResponse:
+        """`count` new running sandboxes from one capture of this one, all or none, within
+        the team's limits: each has its files, processes and memory (mapped copy-on-write)
+        and is reseeded (RNG, identity). A running sandbox keeps running; a paused one stays
+        paused as it was and may be resumed later (409 if its pause kept no memory)."""
         await owned(sandbox_id, key)
         body = body or ForkBody()
         children = await mgr.fork(sandbox_id, body.count, body.timeout, key.id)

@@ -300,8 +300,9 @@ def fork(
         False, "--snapshot", help="SANDBOX_ID names a persistent snapshot (id or name)."
     ),
 ) -> None:
-    """Start COUNT sandboxes from one snapshot of a running sandbox (which keeps running), or
-    with --snapshot from a persistent snapshot, all or none."""
+    """Start COUNT sandboxes from one snapshot of a running sandbox (which keeps running) or
+    of a paused one (which stays paused), or with --snapshot from a persistent snapshot, all
+    or none."""
     if not 1 <= count <= 100:
         _fail("--count must be between 1 and 100")
     path = f"/snapshots/{sandbox_id}/fork" if snapshot else f"/sandboxes/{sandbox_id}/fork"

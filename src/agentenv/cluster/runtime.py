@@ -253,7 +253,17 @@ class ClusterRuntime(ClusterPlacement, ClusterReconcile):
     async def fork(
         self, sandbox_id: str, children: list[SandboxSpec], envd_token: str | None
     ) -> list[Placement]:
-        node_id, client = await self._route(sandbox_id)
+        """On the node that holds the source, running or paused (that node fetches a paused
+        one from object storage if its files are not there). A source whose node is gone is
+        not forked elsewhere: a resume moves a paused one to another node first."""
+        try:
+            node_id, client = await self._route(sandbox_id)
+        except NodeDown as exc:
+            raise NodeDown(
+                f"{exc.message}; a fork runs where its source is: resume the sandbox (which "
+                "moves a paused one to another node) and fork it there",
+                NO_NODE_RETRY_S,
+            ) from exc
         bound: list[str] = []
         try:
             for child in children:

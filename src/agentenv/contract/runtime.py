@@ -266,8 +266,10 @@ class Runtime(Protocol):
         self, sandbox_id: str, children: list[SandboxSpec], envd_token: str | None
     ) -> list[Placement]:
         """One new running sandbox per `children` entry (its id, env vars and envd token;
-        template and shape are the source's) from one capture of a running sandbox whose
-        envd token is `envd_token`; each child's envd has had its `/init`. All or none."""
+        template and shape are the source's) from one capture of a running sandbox, or of
+        a paused one (which stays paused as it was; ``Conflict`` if its pause kept no
+        memory), whose envd token is `envd_token`; each child's envd has had its `/init`.
+        All or none."""
         ...
 
     async def snapshots(self) -> list[SnapshotInfo]:

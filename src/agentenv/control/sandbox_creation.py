@@ -26,7 +26,7 @@ from agentenv.contract.runtime import (
     TemplateUnavailable,
     Unsupported,
 )
-from agentenv.control.sandbox_base import DEFAULT_TIMEOUT_S, CreateSpec, SandboxBase
+from agentenv.control.sandbox_base import DEFAULT_TIMEOUT_S, CreateSpec, SandboxBase, _pause_mode
 from agentenv.control.store import BUILD_METADATA, DEFAULT_TEAM, SandboxRecord, SandboxState
 
 log = logging.getLogger("agentenv.sandboxes")
@@ -241,12 +241,20 @@ class SandboxCreation(SandboxBase):
     async def fork(
         self, sandbox_id: str, count: int, lifetime_s: int | None, api_key_id: str | None = None
     ) -> list[SandboxRecord]:
-        """`count` new running sandboxes from one capture of a running one; they are the
-        source's team's, within its limits."""
+        """`count` new running sandboxes from one capture of a running one, or of a paused
+        one (which stays paused as it was: the node snapshots its files); they are the
+        source's team's, within its limits. The source's row never changes: a crash during
+        the fork leaves it as it was, and its children's rows (stored first, as creating)
+        are finished as kills by recovery."""
         async with self._locked(sandbox_id):
             src = await self.get(sandbox_id)
-            if src.state is not SandboxState.RUNNING:
-                raise Conflict(f"sandbox {sandbox_id} is {src.state.value}, not running")
+            if src.state not in (SandboxState.RUNNING, SandboxState.PAUSED):
+                raise Conflict(f"sandbox {sandbox_id} is {src.state.value}, not running or paused")
+            if src.state is SandboxState.PAUSED and src.pause_mode == _pause_mode(memory=False):
+                raise Conflict(
+                    f"sandbox {sandbox_id} was paused without its memory (filesystem only): "
+                    "a fork needs a pause that kept it, or the sandbox running"
+                )
             async with self.limits.reserve(src.team_id, count):
                 # The children's rows come first (as creating): a crash during the fork
                 # finds them and finishes them as kills.
@@ -263,7 +271,8 @@ class SandboxCreation(SandboxBase):
                     if isinstance(exc, Unsupported):
                         raise NotSupported(str(exc)) from exc
                     raise
-                await self.store.log(sandbox_id, f"forked {len(placements)} sandbox(es)")
+                how = "" if src.state is SandboxState.RUNNING else " while paused"
+                await self.store.log(sandbox_id, f"forked {len(placements)} sandbox(es){how}")
         return await self._start_forks(recs, placements)
 
     async def _fork_rows(

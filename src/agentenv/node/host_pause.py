@@ -1,4 +1,5 @@
-"""Pause, resume, snapshot and fork of a node's sandboxes. Split from `host.py`."""
+"""Pause, resume, snapshot and fork (of a running or a paused sandbox) of a node's sandboxes.
+Split from `host.py`."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import logging
 import secrets
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
 
 from agentenv import snapshot as snaps
 from agentenv.cleanup import Cleanup, CleanupFailed
@@ -217,25 +220,54 @@ class NodePause(NodeCreate):
         *,
         children: Sequence[tuple[str, GuestInit]] | None = None,
     ) -> builtins.list[SandboxHandle]:
-        """`count` new sandboxes from one capture of a running sandbox, which keeps running
-        (admitted as `count` starts of its size). `children`: each child's id and what its
-        envd's one `/init` carries (its token, env vars); else new ids and no token."""
-        sb, _ = self._machine(sandbox_id)
+        """`count` new sandboxes from one capture of a running sandbox, which keeps running,
+        or of a paused one's files, which stays paused as it was (also one paused by an
+        earlier node); admitted as `count` starts of its size. `children`: each child's id
+        and what its envd's one `/init` carries (its token, env vars); else new ids and no
+        token. `envd_token`: the token the source's envd holds."""
+        source = await self._fork_source(sandbox_id)
         if children is not None:
             count = len(children)
             for child_id, _init in children:
                 await asyncio.to_thread(self._check_new_id, child_id)
-        async with self.admission.start(f"a fork of {sandbox_id}", sb.memory_mb, count):
-            return await self._fork(sandbox_id, count, envd_token, children)
+        async with self.admission.start(f"a fork of {sandbox_id}", source.memory_mb, count):
+            return await self._fork(source, count, envd_token, children)
+
+    async def _fork_source(self, sandbox_id: str) -> _ForkSource:
+        sb = self._sandboxes.get(sandbox_id)
+        if sb is not None and not sb.paused:
+            sb, machine = self._machine(sandbox_id)
+            return _ForkSource(
+                sandbox_id, sb.template, sb.cpu, sb.memory_mb, sb.workdir, sb.egress, sb, machine
+            )
+        if not self._paused_on_disk(sandbox_id):
+            raise UnknownSandbox(f"sandbox {sandbox_id!r} does not exist")
+        workdir = sandbox_files(self.settings, sandbox_id).workdir
+        meta = json.loads(await asyncio.to_thread(SandboxFiles(workdir).meta.read_text))
+        return _ForkSource(
+            sandbox_id,
+            str(meta["template"]),
+            int(meta["cpu"]),
+            int(meta["memory_mb"]),
+            workdir,
+            Egress.from_json(meta.get("egress")),
+            sb,
+            None,
+        )
 
     async def _fork(
         self,
-        sandbox_id: str,
+        source: _ForkSource,
         count: int,
         envd_token: str | None,
         children: Sequence[tuple[str, GuestInit]] | None = None,
     ) -> builtins.list[SandboxHandle]:
-        sb, machine = self._machine(sandbox_id)
+        sandbox_id, machine = source.sandbox_id, source.machine
+        if machine is not None:
+            # Still running, and still the same guest (not paused meanwhile).
+            _, machine = self._machine(sandbox_id)
+        elif not self._paused_on_disk(sandbox_id):
+            raise UnknownSandbox(f"sandbox {sandbox_id!r} does not exist")
         if not 1 <= count <= MAX_CHILDREN:
             raise SandboxError(f"fork count must be between 1 and {MAX_CHILDREN}, got {count}")
         named = (
@@ -271,9 +303,9 @@ class NodePause(NodeCreate):
                             env_vars=child_init.env_vars or None,
                         )
                     )
-                    if not sb.egress.open:
+                    if not source.egress.open:
                         # The children inherit the source's policy before they run.
-                        await self.pool.set_egress(slot, sb.egress)
+                        await self.pool.set_egress(slot, source.egress)
                     fut.set_result(targets[-1])
             except BaseException as exc:
                 err = exc if isinstance(exc, Exception) else SandboxError("fork: setup cancelled")
@@ -284,9 +316,11 @@ class NodePause(NodeCreate):
 
         setup_task = asyncio.create_task(setup())
         try:
-            async with self.memory.hold(sandbox_id):
-                res = await snaps.fork(
-                    machine,
+            if machine is None:
+                # Its RAM stream's conversion, if one runs, is what the capture needs first.
+                await self.conversions.settle(sandbox_id)
+                res = await snaps.fork_paused(
+                    source.workdir,
                     futures,
                     self.repo,
                     self.layers,
@@ -294,6 +328,17 @@ class NodePause(NodeCreate):
                     envd_token=envd_token,
                     concurrency=self.settings.max_starts,
                 )
+            else:
+                async with self.memory.hold(sandbox_id):
+                    res = await snaps.fork(
+                        machine,
+                        futures,
+                        self.repo,
+                        self.layers,
+                        self.image,
+                        envd_token=envd_token,
+                        concurrency=self.settings.max_starts,
+                    )
             await setup_task
         except BaseException:
             setup_task.cancel()
@@ -308,22 +353,30 @@ class NodePause(NodeCreate):
             for stack in stacks.values():
                 await self._unwind(stack, "the failed fork")
             raise
-        sb.vm, sb.upper = machine.vm, machine.upper
+        if machine is not None and source.handle is not None:
+            source.handle.vm, source.handle.upper = machine.vm, machine.upper
         for child in res.children:
             push_vm(stacks[child.name], _current_vm(child))
         handles = []
         try:
+            top = res.capture.snapshot.top_layer
+            inherited = await asyncio.to_thread(meta_defaults, source.workdir)
             for child in res.children:
-                top = res.capture.snapshot.top_layer
-                inherited = await asyncio.to_thread(meta_defaults, sb.workdir)
                 await self._write_meta(
-                    child.workdir, sb.template, sb.cpu, sb.memory_mb, 0, top, sb.egress, inherited
+                    child.workdir,
+                    source.template,
+                    source.cpu,
+                    source.memory_mb,
+                    0,
+                    top,
+                    source.egress,
+                    inherited,
                 )
-                h = await asyncio.to_thread(self._handle, child, sb.template, top)
+                h = await asyncio.to_thread(self._handle, child, source.template, top)
                 h.cleanup = stacks[child.name]
                 h.origin = "fork"
                 h.envd_token = dict(named).get(child.name, NO_INIT).envd_token
-                h.egress = sb.egress
+                h.egress = source.egress
                 handles.append(h)
         except BaseException:
             for stack in stacks.values():
@@ -332,6 +385,21 @@ class NodePause(NodeCreate):
         for h in handles:
             self._sandboxes[h.id] = h
         return handles
+
+
+@dataclass(frozen=True)
+class _ForkSource:
+    """What a fork needs of its source: a running sandbox (`machine`) or a paused one (None:
+    its files in `workdir`; `handle` is None for one paused by an earlier node)."""
+
+    sandbox_id: str
+    template: str
+    cpu: int
+    memory_mb: int
+    workdir: Path
+    egress: Egress
+    handle: SandboxHandle | None
+    machine: Machine | None
 
 
 def _current_vm(machine: Machine) -> Callable[[], QemuVM]:

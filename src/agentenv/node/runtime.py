@@ -12,7 +12,7 @@ from typing import Any
 from agentenv import snapshot as snaps
 from agentenv.config import Settings
 from agentenv.contract.egress import Egress
-from agentenv.contract.errors import BadRequest, Unavailable
+from agentenv.contract.errors import BadRequest, Conflict, Unavailable
 from agentenv.contract.nodes import NodeStatus
 from agentenv.contract.runtime import (
     SNAPSHOT_ID,
@@ -374,6 +374,9 @@ class NodeRuntime(GuestCalls):
     ) -> list[Placement]:
         if not 1 <= len(children) <= MAX_CHILDREN:
             raise BadRequest(f"count must be between 1 and {MAX_CHILDREN}")
+        if self.node.running(sandbox_id) is None:
+            # A paused source may have been paused on another node: fetched as a resume would.
+            await self._fetch_paused(sandbox_id)
         try:
             with capacity(self.node.settings.home):
                 made = await self.node.fork(
@@ -386,6 +389,9 @@ class NodeRuntime(GuestCalls):
             raise Unsupported(str(exc)) from exc
         except InvalidResources as exc:
             raise BadRequest(str(exc)) from exc
+        except (snaps.NoMemory, snaps.IncompatibleSnapshot) as exc:
+            # A paused source that kept no memory, or whose state this host cannot load.
+            raise Conflict(str(exc)) from exc
         return [_placement(h) for h in made]
 
     async def gateway(self, node_id: str) -> str | None:

@@ -9,7 +9,8 @@
   `capture.capture_disk`: its disk only (a filesystem-only snapshot, whose creates boot).
 - `pause.pause` / `pause.resume`: a sandbox out of and back into a QEMU, state in its workdir;
   `pause.pause_disk`: its disk only, resumed by a cold boot (`machine.boot`).
-- `fork.fork`: one capture, N restored children.
+- `fork.fork`: one capture, N restored children; `fork.fork_paused`: the same from a paused
+  sandbox's files (`paused_capture.capture_paused`), which stays paused.
 """
 
 from agentenv.snapshot.capture import Capture, capture, capture_disk
@@ -22,12 +23,13 @@ from agentenv.snapshot.errors import (
     SnapshotError,
     SnapshotNotFound,
 )
-from agentenv.snapshot.fork import ForkResult, ForkTarget, fork
+from agentenv.snapshot.fork import ForkResult, ForkTarget, fork, fork_paused
 from agentenv.snapshot.guestsync import GuestSyncFailed
 from agentenv.snapshot.identity import identify
 from agentenv.snapshot.machine import GuestImage, Machine, MemoryMode, boot
 from agentenv.snapshot.model import Snapshot
 from agentenv.snapshot.pause import PausedState, pause, pause_disk, paused_state, resume
+from agentenv.snapshot.paused_capture import NoMemory
 from agentenv.snapshot.repository import SnapshotRepository, SnapshotStore
 from agentenv.snapshot.restore import release, restore
 from agentenv.snapshot.templates import (
@@ -48,6 +50,7 @@ __all__ = [
     "InvalidSnapshotName",
     "Machine",
     "MemoryMode",
+    "NoMemory",
     "PausedState",
     "RestoreFailed",
     "ResumedButLost",
@@ -62,6 +65,7 @@ __all__ = [
     "ensure_template_snapshot",
     "find_template_snapshot",
     "fork",
+    "fork_paused",
     "identify",
     "pause",
     "pause_disk",

@@ -1,5 +1,6 @@
-"""Fork: one capture of a running sandbox, N children restored from it, each with its own
-identity (id, hostname, reseeded RNG, clock). The source is stopped only for the capture."""
+"""Fork: one capture of a running sandbox (or of a paused one's files, `fork_paused`), N
+children restored from it, each with its own identity (id, hostname, reseeded RNG, clock). A
+running source is stopped only for the capture; a paused one stays paused, untouched."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from agentenv.network import Slot
 from agentenv.snapshot.capture import Capture, capture
 from agentenv.snapshot.identity import identify
 from agentenv.snapshot.machine import GuestImage, Machine
+from agentenv.snapshot.paused_capture import capture_paused
 from agentenv.snapshot.repository import SnapshotStore
 from agentenv.snapshot.restore import release, restore
 from agentenv.storage import LayerStore
@@ -67,10 +69,7 @@ async def fork(
     target may be an awaitable (e.g. a future the caller resolves while it sets up the next
     one) so that setting up targets overlaps the capture and the first restores; the caller
     owns what it made for those, also when fork fails before awaiting them."""
-    if not 1 <= len(targets) <= MAX_CHILDREN:
-        raise ValueError(f"fork count must be between 1 and {MAX_CHILDREN}, got {len(targets)}")
-    if concurrency < 1:
-        raise ValueError(f"fork concurrency must be at least 1, got {concurrency}")
+    _check_counts(targets, concurrency)
     t0 = time.monotonic()
     claim = f"fork:{source.name}:{t0}"
     cap = await capture(
@@ -84,9 +83,60 @@ async def fork(
         envd_token=envd_token,
     )
     crash_point("fork:captured")
+    children = await _children(
+        cap, claim, targets, repo, layers, image, env_vars, concurrency, envd_token
+    )
+    return ForkResult(cap, children, time.monotonic() - t0)
+
+
+async def fork_paused(
+    workdir: Path,
+    targets: Sequence[ForkTarget | Awaitable[ForkTarget]],
+    repo: SnapshotStore,
+    layers: LayerStore,
+    image: GuestImage,
+    *,
+    env_vars: Mapping[str, str] | None = None,
+    concurrency: int = RESTORE_CONCURRENCY,
+    envd_token: str | None = None,
+) -> ForkResult:
+    """`fork` of the sandbox paused in `workdir`, which stays paused as it was: the capture
+    is a snapshot of its files (`paused_capture.capture_paused`), the rest as `fork`.
+    `envd_token` is the token the paused guest's envd holds."""
+    _check_counts(targets, concurrency)
+    t0 = time.monotonic()
+    claim = f"fork:{workdir.name}:{t0}"
+    cap = await capture_paused(workdir, repo, layers, image, holders=[claim], envd_token=envd_token)
+    crash_point("fork:captured")
+    children = await _children(
+        cap, claim, targets, repo, layers, image, env_vars, concurrency, envd_token
+    )
+    return ForkResult(cap, children, time.monotonic() - t0)
+
+
+def _check_counts(targets: Sequence[object], concurrency: int) -> None:
+    if not 1 <= len(targets) <= MAX_CHILDREN:
+        raise ValueError(f"fork count must be between 1 and {MAX_CHILDREN}, got {len(targets)}")
+    if concurrency < 1:
+        raise ValueError(f"fork concurrency must be at least 1, got {concurrency}")
+
+
+async def _children(
+    cap: Capture,
+    claim: str,
+    targets: Sequence[ForkTarget | Awaitable[ForkTarget]],
+    repo: SnapshotStore,
+    layers: LayerStore,
+    image: GuestImage,
+    env_vars: Mapping[str, str] | None,
+    concurrency: int,
+    envd_token: str | None,
+) -> list[Machine]:
+    """The children restored from `cap`, which `claim` holds (released here, also when this
+    fails)."""
     # The fork's own stack: the claim on the capture, then each child restored (released
     # if the fork fails; the caller owns the targets' workdirs and slots).
-    stack = Cleanup(f"fork of {source.name}")
+    stack = Cleanup(f"fork from {cap.snapshot.id[:12]}")
     stack.push(CLAIM, lambda: asyncio.to_thread(repo.unref, cap.snapshot.id, claim))
     sem = asyncio.Semaphore(concurrency)
     made: dict[int, Machine] = {}
@@ -113,7 +163,7 @@ async def fork(
         try:
             async with asyncio.TaskGroup() as tg:
                 for i, target in enumerate(targets):
-                    tg.create_task(one(i, target), name=f"fork-{source.name}-{i}")
+                    tg.create_task(one(i, target), name=f"fork-{cap.snapshot.id[:12]}-{i}")
         except BaseExceptionGroup as group:
             # Callers map single errors (RestoreFailed, ...) to their own; give them the first.
             raise _first(group) from None
@@ -123,7 +173,7 @@ async def fork(
         with contextlib.suppress(CleanupFailed):
             await stack.run()
         raise
-    return ForkResult(cap, [made[i] for i in range(len(targets))], time.monotonic() - t0)
+    return [made[i] for i in range(len(targets))]
 
 
 def _first(group: BaseExceptionGroup[BaseException]) -> BaseException:
