@@ -9,7 +9,7 @@ import time
 import pytest
 
 from agentenv.cluster.bindings import Bindings
-from agentenv.cluster.etcd import ClusterUnavailable, Etcd
+from agentenv.cluster.etcd import CasConflict, ClusterUnavailable, Etcd, KeyValue, cas
 from agentenv.cluster.membership import Membership, NodeEvent, NodeRegistration
 
 from .etcd_cluster import EtcdCluster, free_port
@@ -180,3 +180,44 @@ async def test_close_ends_open_watches(etcd_cluster: EtcdCluster, prefix: str) -
     assert await asyncio.wait_for(waiter, 5) is None
     with pytest.raises(RuntimeError, match="closed"):
         await etcd.get(etcd.key("w", "a"))
+
+
+async def test_cas_rereads_after_a_lost_race_and_is_bounded(
+    etcd: Etcd, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The one compare-and-set loop (`cluster.etcd.cas`): a write lost to another writer
+    reads again and is made over the new value; `change` returning None writes nothing; a
+    key rewritten after every read ends in `CasConflict` after the attempts or the
+    deadline."""
+    key = etcd.key("cas", "n")
+    await etcd.put(key, b"0")
+    real_get = etcd.get
+    races = 1  # reads another writer follows at once
+
+    async def get(k: bytes, *, deadline_s: float | None = None) -> KeyValue | None:
+        nonlocal races
+        kv = await real_get(k, deadline_s=deadline_s)
+        if races > 0:
+            races -= 1
+            await etcd.put(k, b"10")
+        return kv
+
+    monkeypatch.setattr(etcd, "get", get)
+    seen: list[bytes] = []
+
+    def bump(kv: KeyValue | None) -> bytes:
+        assert kv is not None
+        seen.append(kv.value)
+        return str(int(kv.value) + 1).encode()
+
+    assert await cas(etcd, key, bump, "n") == b"11"
+    assert seen == [b"0", b"10"]
+    assert await cas(etcd, key, lambda kv: None, "n") is None
+    races = 1_000
+    with pytest.raises(CasConflict, match="3 writes lost"):
+        await cas(etcd, key, bump, "n", attempts=3)
+    with pytest.raises(CasConflict, match="within"):
+        await cas(etcd, key, bump, "n", deadline_s=0.0)
+    monkeypatch.undo()
+    kv = await etcd.get(key)
+    assert kv is not None and kv.value == b"10"

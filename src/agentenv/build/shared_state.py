@@ -42,7 +42,7 @@ from agentenv.build.state import (
     log_row,
     template_from,
 )
-from agentenv.cluster.etcd import Etcd, KeyValue, created_at, get_op, modified_at, put_op
+from agentenv.cluster.etcd import CasConflict, Etcd, KeyValue, cas, put_op
 from agentenv.objstore import ObjectStore
 from agentenv.objstore.bucket import REFS_PREFIX
 
@@ -54,7 +54,6 @@ LOGS = "build-logs"
 FILES = "build-files"
 SNAPSHOTS = "build-snapshots"
 SNAPSHOT_IDS = "build-snapshot-ids"
-MAX_CAS_ATTEMPTS = 64
 # How long a logged line may wait for its chunk to be written.
 FLUSH_S = 0.25
 # A chunk stays well under etcd's request limit (1.5 MiB by default).
@@ -63,12 +62,18 @@ CHUNK_BYTES = 256 * 1024
 MAX_LINE_CHARS = 16 * 1024
 
 
-class BuildStoreConflict(Exception):
-    """A compare-and-set kept losing to other writers."""
+class BuildStoreConflict(CasConflict):
+    """A compare-and-set kept losing to other writers (`cluster.etcd.cas`)."""
 
 
 def _dumps(data: dict[str, Any]) -> bytes:
     return json.dumps(data, separators=(",", ":"), sort_keys=True).encode()
+
+
+def _marked(record: dict[str, Any]) -> bytes:
+    """A record as written by one compare-and-set attempt: a random mark makes the value
+    unique, so an attempt whose answer was lost knows its own write when it reads it back."""
+    return _dumps({**record, "_w": secrets.token_hex(8)})
 
 
 def _data(kv: KeyValue) -> dict[str, Any]:
@@ -113,16 +118,20 @@ class EtcdBuildState:
     async def update_template(
         self, template_id: str, change: TemplateChange
     ) -> TemplateRecord | None:
-        key = self._tkey(template_id)
-        for _ in range(MAX_CAS_ATTEMPTS):
-            kv = await self.etcd.get(key)
+        current: TemplateRecord | None = None
+        new: TemplateRecord | None = None
+
+        def rewrite(kv: KeyValue | None) -> bytes | None:
+            nonlocal current, new
             current = None if kv is None else template_from(_record(_data(kv)))
             new = change(None if current is None else dataclasses.replace(current))
-            if new is None:
-                return current
-            if await self._cas(key, kv, dataclasses.asdict(new)):
-                return new
-        raise BuildStoreConflict(f"template {template_id}: {MAX_CAS_ATTEMPTS} writes lost")
+            return None if new is None else _marked(dataclasses.asdict(new))
+
+        written = await cas(
+            self.etcd, self._tkey(template_id), rewrite, f"template {template_id}",
+            conflict=BuildStoreConflict,
+        )  # fmt: skip
+        return current if written is None else new
 
     async def drop_template(self, template_id: str) -> TemplateRecord | None:
         key = self._tkey(template_id)
@@ -131,19 +140,6 @@ class EtcdBuildState:
             return None
         await self.etcd.delete(key)
         return template_from(_record(_data(kv)))
-
-    async def _cas(self, key: bytes, seen: KeyValue | None, record: dict[str, Any]) -> bool:
-        """Writes `record` if the key is still as `seen` left it; True when it is written."""
-        mark = secrets.token_hex(8)
-        guard = created_at(key, 0) if seen is None else modified_at(key, seen.mod_revision)
-        result = await self.etcd.txn(
-            [guard], [put_op(key, _dumps({**record, "_w": mark}))], [get_op(key)]
-        )
-        if result.succeeded:
-            return True
-        (found,) = result.ranges
-        # An earlier attempt of this very write won and its answer was lost.
-        return bool(found) and _data(found[0]).get("_w") == mark
 
     # -- builds ----------------------------------------------------------------------------
 
@@ -159,16 +155,18 @@ class EtcdBuildState:
         return [build_from(_record(_data(kv))) for kv in kvs]
 
     async def put_build(self, rec: BuildRecord, *, expect_status: str | None = None) -> bool:
-        key = self._bkey(rec.build_id)
-        for _ in range(MAX_CAS_ATTEMPTS):
-            kv = await self.etcd.get(key)
+        def rewrite(kv: KeyValue | None) -> bytes | None:
             if expect_status is not None and (
                 kv is None or _data(kv).get("status") != expect_status
             ):
-                return False
-            if await self._cas(key, kv, dataclasses.asdict(rec)):
-                return True
-        raise BuildStoreConflict(f"build {rec.build_id}: {MAX_CAS_ATTEMPTS} writes lost")
+                return None
+            return _marked(dataclasses.asdict(rec))
+
+        written = await cas(
+            self.etcd, self._bkey(rec.build_id), rewrite, f"build {rec.build_id}",
+            conflict=BuildStoreConflict,
+        )  # fmt: skip
+        return written is not None
 
     async def drop_build(self, build_id: str) -> None:
         task = self._flushers.pop(build_id, None)

@@ -466,3 +466,56 @@ class PrefixWatch:
     async def stop(self) -> None:
         self._stopped = True
         await self._close_stream()
+
+
+# Compare-and-set attempts before giving up: each lost race means another writer won a write
+# to the same key in between, so this many in a row is a bug or a runaway writer.
+MAX_CAS_ATTEMPTS = 64
+# A whole compare-and-set loop, every read and write of it (each call also has its own).
+CAS_DEADLINE_S = 30.0
+
+
+class CasConflict(Exception):
+    """A compare-and-set kept losing to other writers, or wrote nothing before its deadline."""
+
+
+async def cas(
+    etcd: Etcd,
+    key: bytes,
+    change: Callable[[KeyValue | None], bytes | None],
+    what: str,
+    *,
+    also: Callable[[bytes], Sequence[Op]] | None = None,
+    conflict: Callable[[str], Exception] = CasConflict,
+    attempts: int = MAX_CAS_ATTEMPTS,
+    deadline_s: float = CAS_DEADLINE_S,
+) -> bytes | None:
+    """The compare-and-set loop of every single-key rewrite: read `key`, ask `change` for its
+    new value (None: nothing to write), write it guarded by the revision read (with
+    `also(value)`'s operations in the same transaction). Returns the value written, or None
+    when `change` wrote nothing. A lost race reads again, at most `attempts` times within
+    `deadline_s`; then `conflict(message)` is raised (`CasConflict` unless the caller names
+    its own). A write whose answer was lost but which landed counts as done: the failure
+    branch reads back the very value written, so callers make a value unique where an equal
+    one could come from another writer (a random mark in it)."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + deadline_s
+
+    def budget() -> float:
+        # Each call gets the client's own deadline, never past the loop's.
+        left = end - loop.time()
+        if left <= 0:
+            raise conflict(f"{what}: no write landed within {deadline_s:g} s")
+        return min(left, etcd.deadline_s)
+
+    for _ in range(attempts):
+        kv = await etcd.get(key, deadline_s=budget())
+        value = change(kv)
+        if value is None:
+            return None
+        guard = created_at(key, 0) if kv is None else modified_at(key, kv.mod_revision)
+        ops = [put_op(key, value), *(also(value) if also is not None else [])]
+        result = await etcd.txn([guard], ops, [get_op(key)], deadline_s=budget())
+        if result.succeeded or (result.ranges[0] and result.ranges[0][0].value == value):
+            return value
+    raise conflict(f"{what}: {attempts} writes lost in a row")

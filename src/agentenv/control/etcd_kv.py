@@ -9,14 +9,13 @@ import json
 from collections.abc import Callable
 from typing import Any
 
+from agentenv.cluster.etcd import MAX_CAS_ATTEMPTS as MAX_CAS_ATTEMPTS
 from agentenv.cluster.etcd import (
+    CasConflict,
     Etcd,
     KeyValue,
     Op,
-    created_at,
-    get_op,
-    modified_at,
-    put_op,
+    cas,
 )
 from agentenv.control.store import (
     ACTIVE_STATES,
@@ -24,13 +23,10 @@ from agentenv.control.store import (
     DEFAULT_TEAM,
 )
 
-# Compare-and-set attempts before giving up: each lost race means another writer won a write
-# to the same key in between, so this many in a row is a bug or a runaway writer.
-MAX_CAS_ATTEMPTS = 64
 
-
-class StoreConflict(Exception):
-    """A compare-and-set kept losing to other writers (`MAX_CAS_ATTEMPTS` in a row)."""
+class StoreConflict(CasConflict):
+    """A compare-and-set kept losing to other writers (`MAX_CAS_ATTEMPTS` in a row, or
+    until its deadline: `cluster.etcd.cas`)."""
 
 
 class DuplicateKey(Exception):
@@ -86,22 +82,10 @@ class EtcdKv:
         *,
         also: Callable[[bytes], list[Op]] | None = None,
     ) -> bool:
-        """The compare-and-set loop of every single-key rewrite: read `key`, ask `change` for
-        its new value (None: nothing to write, False), write it guarded by the revision read
-        (with `also(value)`'s operations in the same transaction). A lost race reads again,
-        at most `MAX_CAS_ATTEMPTS` times (then `StoreConflict`). A write whose answer was lost
-        but which landed counts as done: the failure branch reads back the very value written
-        (callers make values unique where equal values could come from another writer).
-        `_rewrite` (a row that moves between keys) and `take_places` (a gate key) are the two
-        loops with their own guard."""
-        for _ in range(MAX_CAS_ATTEMPTS):
-            kv = await self.etcd.get(key)
-            value = change(kv)
-            if value is None:
-                return False
-            guard = created_at(key, 0) if kv is None else modified_at(key, kv.mod_revision)
-            ops = [put_op(key, value), *(also(value) if also is not None else [])]
-            result = await self.etcd.txn([guard], ops, [get_op(key)])
-            if result.succeeded or (result.ranges[0] and result.ranges[0][0].value == value):
-                return True
-        raise StoreConflict(f"{what}: {MAX_CAS_ATTEMPTS} writes lost in a row")
+        """`cluster.etcd.cas` on this store's client: True once `change`'s value is written
+        (with `also(value)`'s operations in the same transaction), False when `change` said
+        there was nothing to write (None); `StoreConflict` when it kept losing. `_rewrite` (a
+        row that moves between keys) and `take_places` (a gate key) are the two loops with
+        their own guard."""
+        written = await cas(self.etcd, key, change, what, also=also, conflict=StoreConflict)
+        return written is not None
