@@ -23,6 +23,7 @@ from typing import Any
 
 import httpx
 from e2b import Sandbox
+from load import pss_kb  # bench/load.py, beside this script
 
 from agentenv.api.devserver import ServerProcess, prepare_home
 from agentenv.rollouts import Rollouts
@@ -52,16 +53,6 @@ def _pids_of_qemu(home: Path) -> list[int]:
     return out
 
 
-def _pss_kb(pid: int) -> int:
-    try:
-        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
-            if line.startswith("Pss:"):
-                return int(line.split()[1])
-    except OSError:
-        pass
-    return 0
-
-
 def _field_kb(path: str, name: str) -> int:
     for line in Path(path).read_text().splitlines():
         if line.startswith(name + ":"):
@@ -74,7 +65,7 @@ def _host(home: Path, server_pid: int) -> dict[str, int]:
     return {
         "slots": len(list((home / "run" / "slots").glob("*"))),
         "qemu_processes": len(qemus),
-        "qemu_pss_mb": sum(_pss_kb(p) for p in qemus) // 1024,
+        "qemu_pss_mb": sum(pss_kb(p) for p in qemus) // 1024,
         "host_available_mb": _field_kb("/proc/meminfo", "MemAvailable") // 1024,
         "server_rss_mb": _field_kb(f"/proc/{server_pid}/status", "VmRSS") // 1024,
     }

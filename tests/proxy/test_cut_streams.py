@@ -49,6 +49,13 @@ OPEN_S = 60.0
 # A command the stand-in answers with its start event and half of the next frame.
 HALF_FRAME = "sleep 61"
 RESET_WHY = f"sandbox {SANDBOX_ID} was reset"
+# A Connect call to the sandbox's envd through the proxy.
+CONNECT_HEADERS = {
+    "e2b-sandbox-id": SANDBOX_ID,
+    "e2b-sandbox-port": str(ENVD_PORT),
+    "content-type": "application/connect+json",
+    "connect-protocol-version": "1",
+}
 
 
 def _envelope(flags: int, message: dict[str, Any]) -> bytes:
@@ -220,12 +227,7 @@ async def test_a_killed_sandbox_ends_the_open_stream_with_unavailable(setup: Set
     """As E2B's proxy: a Connect stream cut between frames gets an end-of-stream frame with
     an `unavailable` error naming the sandbox (what the SDKs' "killed" handling expects),
     and `/health` answers the 502 "was not found" they probe with."""
-    headers = {
-        "e2b-sandbox-id": SANDBOX_ID,
-        "e2b-sandbox-port": str(ENVD_PORT),
-        "content-type": "application/connect+json",
-        "connect-protocol-version": "1",
-    }
+    headers = CONNECT_HEADERS
     async with httpx.AsyncClient(base_url=setup.url, timeout=STEP_S) as client:
         async with client.stream(
             "POST", "/process.Process/Start", content=_start_body(), headers=headers
@@ -255,12 +257,7 @@ async def test_a_reset_ends_the_open_stream_and_websocket_cleanly_saying_so(setu
     """A reset (#24): the sandbox lives on, so its clients are told why their stream ended: a
     Connect stream gets an `unavailable` end frame with the reason, a WebSocket a clean close
     1012 ("service restart") with it, not the dropped connection of a stopped sandbox."""
-    headers = {
-        "e2b-sandbox-id": SANDBOX_ID,
-        "e2b-sandbox-port": str(ENVD_PORT),
-        "content-type": "application/connect+json",
-        "connect-protocol-version": "1",
-    }
+    headers = CONNECT_HEADERS
     url = setup.url.replace("http://", "ws://") + "/"
     async with asyncio.timeout(STEP_S):
         ws = await websockets.connect(url, open_timeout=STEP_S, close_timeout=1)
@@ -295,12 +292,7 @@ async def test_a_reset_ends_the_open_stream_and_websocket_cleanly_saying_so(setu
 async def test_a_stream_cut_mid_frame_is_dropped(setup: Setup) -> None:
     """A frame cannot be finished without inventing bytes: the connection is dropped with
     the chunked body unfinished (a clean end would read as a stream without its end)."""
-    headers = {
-        "e2b-sandbox-id": SANDBOX_ID,
-        "e2b-sandbox-port": str(ENVD_PORT),
-        "content-type": "application/connect+json",
-        "connect-protocol-version": "1",
-    }
+    headers = CONNECT_HEADERS
     body = _start_body(HALF_FRAME)
     async with (
         httpx.AsyncClient(base_url=setup.url, timeout=STEP_S) as client,
