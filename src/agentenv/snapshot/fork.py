@@ -71,7 +71,7 @@ async def fork(
     owns what it made for those, also when fork fails before awaiting them."""
     _check_counts(targets, concurrency)
     t0 = time.monotonic()
-    claim = f"fork:{source.name}:{t0}"
+    claim = _claim(source.name, t0)
     cap = await capture(
         source,
         repo,
@@ -105,13 +105,21 @@ async def fork_paused(
     `envd_token` is the token the paused guest's envd holds."""
     _check_counts(targets, concurrency)
     t0 = time.monotonic()
-    claim = f"fork:{workdir.name}:{t0}"
+    claim = _claim(workdir.name, t0)
     cap = await capture_paused(workdir, repo, layers, image, holders=[claim], envd_token=envd_token)
     crash_point("fork:captured")
     children = await _children(
         cap, claim, targets, repo, layers, image, env_vars, concurrency, envd_token
     )
     return ForkResult(cap, children, time.monotonic() - t0)
+
+
+def _claim(source: str, t0: float) -> str:
+    """The fork's own hold on its capture until every child holds it. No ":" in it: a node
+    that starts releases holders without one that name no sandbox directory
+    (`Node._release_orphan_holders`), so a crash mid-fork does not keep the capture (for a
+    paused source, a copy of its memory) for ever."""
+    return f"fork-{source}-{t0:.6f}"
 
 
 def _check_counts(targets: Sequence[object], concurrency: int) -> None:
