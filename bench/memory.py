@@ -106,11 +106,13 @@ def smaps_parts(pid: int) -> dict[str, float]:
             part = _part(fields[5].strip() if len(fields) > 5 else "", fields[1], hi - lo)
         elif head == "Pss:":
             kb["ram_shared" if part == "ram" else part] += int(rest.split()[0])
-        elif head == "Private_Dirty:" and part == "ram":
-            # Private pages have PSS = RSS: move them from the shared share to their own.
-            dirty = int(rest.split()[0])
-            kb["ram_private"] += dirty
-            kb["ram_shared"] -= dirty
+        elif head == "Anonymous:" and part == "ram":
+            # A clone's own copies of pages it wrote (anonymous pages of its private mapping;
+            # not Private_Dirty, which also counts a fresh template's page-cache pages not yet
+            # written back while one process maps them): PSS = RSS, moved to their own part.
+            own = int(rest.split()[0])
+            kb["ram_private"] += own
+            kb["ram_shared"] -= own
     return {k: kb[k] / 1024 for k in PARTS}
 
 

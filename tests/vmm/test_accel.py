@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from agentenv.config import Settings
-from agentenv.vmm.accel import AccelChoice, HostFacts, choose, detect
+from agentenv.vmm.accel import TCG_TB_SIZE_MB, AccelChoice, HostFacts, choose, detect
 from agentenv.vmm.errors import AccelUnavailable
 
 KVM = HostFacts(kvm_device=True, kvm_error="", pvm_module=False, hw_virt=True)
@@ -65,3 +65,13 @@ def test_forced_choices(settings: Settings) -> None:
         choose(replace(settings, accel="pvm", pvm_kernel=None), PVM)
     with pytest.raises(AccelUnavailable, match="unknown accelerator"):
         choose(replace(settings, accel="xen"), KVM)
+
+
+def test_tcg_translation_cache_is_capped_and_kvm_has_none(settings: Settings) -> None:
+    """The translation cache is most of a TCG clone's host memory (bench/memory.py): QEMU's
+    default is 1 GiB, ours `TCG_TB_SIZE_MB`; below 32 MiB a guest's commands cost it 2-3x the
+    CPU and 8 MiB did not bring envd up (docs/vmm.md). A TCG option: KVM gets no tb-size."""
+    tcg = choose(replace(settings, accel="tcg"), KVM).qemu_args
+    assert tcg[:2] == ["-accel", f"tcg,tb-size={TCG_TB_SIZE_MB}"]
+    assert 32 <= TCG_TB_SIZE_MB <= 256
+    assert not any("tb-size" in a for a in choose(replace(settings, accel=None), KVM).qemu_args)
