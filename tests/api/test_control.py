@@ -348,7 +348,8 @@ def test_fork_two_from_a_paused_sandbox_and_two_from_a_snapshot(
     """#24's acceptance at small scale (bench/rl.py --acceptance runs 8 + 8): each child of a
     paused sandbox, and of a persistent snapshot, has the parent's files, processes and memory
     (a file on the guest's tmpfs) and its own /dev/urandom. The paused parent stays paused
-    and resumes with its own state (a child's write never reaches it). A sandbox paused
+    and resumes with its own state (a child's write never reaches it); a second fork of it
+    reuses the first one's snapshot. A sandbox paused
     without its memory cannot be forked (409)."""
     from e2b import Sandbox
 
@@ -383,10 +384,13 @@ def test_fork_two_from_a_paused_sandbox_and_two_from_a_snapshot(
         snapshot_id = snap.json()["snapshotID"]
         assert api.post(f"/sandboxes/{sid}/pause").status_code == 204
         with Rollouts(server.url, server.api_key) as rollouts:
-            check_children(rollouts.fork(sid, 2, timeout=120))
+            # One child at a time: the second fork finds the first one's snapshot of the
+            # paused state and copies nothing.
+            check_children(rollouts.fork(sid, 1, timeout=120) + rollouts.fork(sid, 1, timeout=120))
+            assert f"paused {sid}: snapshot" in server.log_tail(400)
             assert api.get(f"/sandboxes/{sid}").json()["state"] == "paused"
             check_children(rollouts.fork_snapshot(snapshot_id, 2, timeout=120))
-        assert "forked 2 sandbox(es) while paused" in api.get(f"/sandboxes/{sid}/logs").text
+        assert "forked 1 sandbox(es) while paused" in api.get(f"/sandboxes/{sid}/logs").text
         back = Sandbox.connect(sid, **opts)  # type: ignore[arg-type]
         assert back.files.read("/home/user/f.txt") == "disk"
         got = back.commands.run("cat /tmp/ram.txt; pgrep -f 'sleep 3601' >/dev/null && echo p")

@@ -174,3 +174,30 @@ def test_sparse_digest_follows_data_and_offsets(tmp_path: Path) -> None:
     with empty.open("wb") as fh:
         fh.truncate(MIB)
     assert os.stat(empty).st_blocks == 0 and sparse_digest(empty)
+
+
+def test_adopt_finds_the_snapshot_files_elsewhere_would_make(
+    repo: SnapshotRepository, layer: str, tmp_path: Path
+) -> None:
+    """`adopt` (a fork of a paused sandbox forked before): the same memory and state, found
+    where they are, name the snapshot already committed and its holders take it; anything
+    else is None, and nothing is staged or copied either way."""
+    elsewhere = stage(repo, b"paused ram")
+    memory, state = tmp_path / "memory", tmp_path / "state"
+    os.rename(elsewhere / "memory", memory)
+    os.rename(elsewhere / "state", state)
+    repo.discard(elsewhere)
+    assert repo.adopt(draft(layer, holders=["kid-1"]), memory, state) is None
+    made = repo.commit(stage(repo, b"paused ram"), draft(layer, holders=["claim-1"]))
+    again = repo.adopt(draft(layer, holders=["claim-2"]), memory, state)
+    assert again is not None and again.id == made.id
+    assert sorted(repo.get(made.id).holders) == ["claim-1", "claim-2"]
+    other = tmp_path / "other"
+    other.write_bytes(b"other ram")
+    assert repo.adopt(draft(layer, holders=["claim-3"]), other, state) is None
+    assert not list(repo.root.glob(".staging-*"))
+    # Once gone from the repository it is not found again.
+    for holder in ("claim-1", "claim-2"):
+        repo.unref(made.id, holder)
+    assert made.id in repo.gc()
+    assert repo.adopt(draft(layer), memory, state) is None

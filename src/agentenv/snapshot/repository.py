@@ -55,6 +55,8 @@ class SnapshotStore(Protocol):
 
     def commit(self, staging: Path, draft: Snapshot) -> Snapshot: ...
 
+    def adopt(self, draft: Snapshot, memory: Path, state: Path) -> Snapshot | None: ...
+
     def get(self, ref: str) -> Snapshot: ...
 
     def list(self) -> list[Snapshot]: ...
@@ -83,6 +85,20 @@ def check_name(name: str) -> str:
         return validate_name(name)
     except CatalogError as exc:
         raise InvalidSnapshotName(str(exc)) from None
+
+
+def snapshot_id(draft: Snapshot, memory: Path, state: Path) -> str:
+    """A snapshot's id: the hash of its device state, its memory file's data and its shape
+    (layer digests, vCPUs, memory, tools disk); for a filesystem-only draft, its shape."""
+    if draft.memory:
+        h = hashlib.sha256(b"agentenv-snapshot-v1\0")
+        h.update(file_digest(state).encode())
+        h.update(sparse_digest(memory).encode())
+    else:
+        h = hashlib.sha256(b"agentenv-snapshot-disk-v1\0")
+    shape = [draft.layers, draft.vcpus, draft.memory_mb, draft.tools_image]
+    h.update(json.dumps(shape).encode())
+    return h.hexdigest()[:32]
 
 
 class SnapshotRepository:
@@ -178,15 +194,7 @@ class SnapshotRepository:
             check_name(name)
         for digest in draft.layers:
             self.layers.path(digest)
-        if draft.memory:
-            h = hashlib.sha256(b"agentenv-snapshot-v1\0")
-            h.update(file_digest(state).encode())
-            h.update(sparse_digest(memory).encode())
-        else:
-            h = hashlib.sha256(b"agentenv-snapshot-disk-v1\0")
-        shape = [draft.layers, draft.vcpus, draft.memory_mb, draft.tools_image]
-        h.update(json.dumps(shape).encode())
-        snap_id = h.hexdigest()[:32]
+        snap_id = snapshot_id(draft, memory, state)
         for f in files:
             f.chmod(0o444)
         final = self.root / snap_id
@@ -220,6 +228,21 @@ class SnapshotRepository:
             for name in draft.names:
                 self._move_name(snaps, snap_id, name)
             return snaps[snap_id]
+
+    def adopt(self, draft: Snapshot, memory: Path, state: Path) -> Snapshot | None:
+        """The snapshot that committing `memory` + `state` (files anywhere, not staged) with
+        `draft` would make, if it exists already: `draft`'s holders take it (as `commit`
+        would), and nothing is copied. None if there is none (then stage and `commit`)."""
+        snap_id = snapshot_id(draft, memory, state)
+        with self._locked() as snaps:
+            snap = snaps.get(snap_id)
+            if snap is None or not (self.root / snap_id).is_dir():
+                return None
+            snap.deleted = False
+            for holder in draft.holders:
+                if holder not in snap.holders:
+                    snap.holders.append(holder)
+            return snap
 
     # -- names and holders --------------------------------------------------------------------
 
