@@ -24,8 +24,11 @@ async def test_runs_in_reverse_and_empties() -> None:
     for name in ("workdir", "layer", "slot", "vm"):
         stack.push(name, step(name))
     assert stack.names == ["vm", "slot", "layer", "workdir"]
-    await stack.run()
+    # `after_step` sees each step once it ended, in the order they ran (a crash point).
+    ended: list[str] = []
+    await stack.run(lambda name: ended.append(f"{name}:{len(ran)}"))
     assert ran == ["vm", "slot", "layer", "workdir"]
+    assert ended == ["vm:1", "slot:2", "layer:3", "workdir:4"]
     assert len(stack) == 0
     await stack.run()
     assert ran == ["vm", "slot", "layer", "workdir"]

@@ -82,13 +82,16 @@ class Cleanup:
         if step is not None:
             await whole(self._run_steps([step]))
 
-    async def run(self) -> None:
+    async def run(self, after_step: Callable[[str], None] | None = None) -> None:
         """Run every step, last pushed first, each under its deadline; raise `CleanupFailed`
-        at the end if any failed. A cancel meanwhile is raised after the last step."""
+        at the end if any failed. A cancel meanwhile is raised after the last step.
+        `after_step(name)` is called once each step ended (a test's crash point)."""
         steps, self._steps = self._steps[::-1], []
-        await whole(self._run_steps(steps))
+        await whole(self._run_steps(steps, after_step))
 
-    async def _run_steps(self, steps: list[Step]) -> None:
+    async def _run_steps(
+        self, steps: list[Step], after_step: Callable[[str], None] | None = None
+    ) -> None:
         failed: list[str] = []
         for step in steps:
             try:
@@ -102,5 +105,7 @@ class Cleanup:
             except Exception:
                 log.exception("cleanup of %s: %s failed", self.owner, step.name)
                 failed.append(step.name)
+            if after_step is not None:
+                after_step(step.name)
         if failed:
             raise CleanupFailed(self.owner, failed)

@@ -33,6 +33,8 @@ POINTS = frozenset(
         "create:acquired",  # a create holds its workdir, layer reference, slot; no QEMU yet
         "create:loaded",  # a create's restored guest runs its state, not yet given its identity
         "create:restored",  # a create's guest runs, the control plane not told
+        "delete:vm-gone",  # a delete's QEMU step ran (process, jail, cgroup, VM record gone);
+        # its slot, references and workdir are still held
         "control:pausing",  # the control plane's row says pausing, the runtime not asked
         "reset:deleted",  # a reset deleted the old guest, the saved state not started yet
     }

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,6 +29,7 @@ from agentenv.faults import POINTS
 from agentenv.snapshot import SnapshotRepository
 from agentenv.storage import LayerStore
 from agentenv.vmm import cgroup
+from agentenv.vmm import registry as vm_registry
 from agentenv.vmm.registry import load_all
 
 from .conftest import qemu_processes, stop_and_check
@@ -314,57 +316,163 @@ def test_sigkill_mid_create_leaves_nothing(home: Path, restore_env: None, point:
 
 
 def _held(home: Path, sandbox_id: str) -> list[str]:
-    """What of a sandbox's cleanup stack is still there (its slot: `_finish` checks slots
-    and namespaces once the server is stopped)."""
+    """What of a sandbox's cleanup stack is still there: its workdir (upper, records), layer
+    and snapshot references, VM record, cgroup and QEMU (its jail lives in the QEMU's own
+    mount namespace and goes with it); its slot's egress rules: `_rule_holders`."""
     layers = LayerStore(home / "layers")
     repo = SnapshotRepository(home / "snapshots", layers)
     return [
         what
         for what, still in (
             ("workdir", (home / "sandboxes" / sandbox_id).exists()),
+            ("upper", (home / "sandboxes" / sandbox_id / "rootfs.qcow2").exists()),
             ("layer ref", sandbox_id in layers.all_holders()),
             ("snapshot ref", sandbox_id in repo.all_holders()),
             ("vm record", sandbox_id in {r.name for r in load_all(home / "run" / "vms")}),
             ("cgroup", any(p.name == sandbox_id for p in cgroup.stale())),
+            (
+                "qemu",
+                any(
+                    f"/{sandbox_id}/" in cmd and "/convert/" not in cmd
+                    for cmd in vm_registry.qemu_processes(str(home)).values()
+                ),
+            ),
         )
         if still
     ]
 
 
-def test_sigkill_at_each_create_point_frees_its_stack(home: Path, restore_env: None) -> None:
-    """A SIGKILL at each crash point of a create's restore path, one server start per point
-    (the server that recovers from one crash is the next one to crash): after the restart
-    everything the cut-short create had recorded (its workdir, layer and snapshot
-    references, QEMU, VM record, cgroup) is gone, nothing is listed, and at the end no slot
-    or namespace is left. `create:acquired`: workdir, references and slot, no QEMU (a lost
-    sandbox); `create:loaded`: its restored QEMU runs (adopted, then deleted as unknown)."""
-    points = ["create:acquired", "create:loaded"]
+def _rule_holders(home: Path, target: str) -> list[str]:
+    """This server's slot namespaces whose egress table names `target` (a sandbox's own
+    deny rule, so its slot's nft rules can be told apart from every other's)."""
+    found = []
+    for marker in sorted((home / "run" / "slots").glob("*")):
+        out = subprocess.run(
+            ["ip", "netns", "exec", marker.name, "nft", "list", "ruleset"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        if target in out.stdout:
+            found.append(marker.name)
+    return found
+
+
+# Each crash point of a sandbox's stack: the request that reaches it (on the victim, made by
+# `_victim`), and whether the victim is kept (paused, its workdir and references held) or
+# gone once the restarted server is up. A fork's children are always gone, its source kept.
+STACK_POINTS = {
+    "delete:vm-gone": ("delete", "gone"),  # QEMU gone; slot, references, workdir held
+    "pause:recorded": ("pause", "paused"),  # paused record written, QEMU still alive
+    "resume:loaded": ("resume", "paused"),  # a new QEMU and slot hold its state
+    "fork:child": ("fork", "running"),  # one child restored, the others partly made
+    # Last: a server with a create point dies on every create, the neighbour's too.
+    "create:acquired": ("create", "gone"),  # workdir, references, slot; no QEMU
+    "create:loaded": ("create", "gone"),  # + its restored QEMU (adopted, deleted as unknown)
+}
+
+
+def _victim(api: httpx.Client, op: str, deny: str) -> str | None:
+    """Start the victim as far as `op` needs, then send the request that crashes the
+    server; the victim's id (None for a create, whose id the crash kept from us)."""
+    body = {"templateID": "base", "network": {"denyOut": [deny]}}
+    if op == "create":
+        with pytest.raises(httpx.TransportError):
+            api.post("/v2/sandboxes", json=body)
+        return None
+    resp = api.post("/v2/sandboxes", json=body)
+    assert resp.status_code == 201, resp.text
+    sid = str(resp.json()["sandboxID"])
+    if op == "resume":
+        assert api.post(f"/sandboxes/{sid}/pause").status_code == 204
+    with pytest.raises(httpx.TransportError):
+        if op == "delete":
+            api.delete(f"/sandboxes/{sid}")
+        else:
+            api.post(f"/sandboxes/{sid}/{op}", json={"count": 2} if op == "fork" else {})
+    return sid
+
+
+def test_sigkill_at_each_crash_point_frees_its_stack(home: Path, restore_env: None) -> None:
+    """A SIGKILL at each crash point of a sandbox's stack (create, delete, pause, resume,
+    fork), one server start per point: the server that recovers from one crash is the next
+    one to crash, so a neighbour sandbox made at the start lives through every restart.
+    After each restart everything the cut-short operation's stack had recorded (workdir,
+    upper, layer and snapshot references, QEMU, VM record, cgroup, its slot's egress rules)
+    is gone, and nothing else is: a paused victim keeps its files and references, a fork's
+    source runs on, the neighbour keeps its QEMU, cgroup, record and rules."""
+    points = list(STACK_POINTS)
     assert set(points) <= POINTS
     # No warm pool: a create starts filling it, and an entry's QEMU spawning at the moment
     # of the SIGKILL is a race of the warm pool's, not a part of the create's stack.
     cold = {"AGENTENV_WARM_LOW": "0", "AGENTENV_WARM_HIGH": "0"}
     srv = _start(home, AGENTENV_CRASH_AT=points[0], **cold)
     try:
+        with _api(srv) as api:
+            resp = api.post(
+                "/v2/sandboxes",
+                json={"templateID": "base", "network": {"denyOut": ["198.51.100.7"]}},
+            )
+            assert resp.status_code == 201, resp.text
+        neighbour = resp.json()["sandboxID"]
+        npid = _record(home, neighbour).pid
+        nslots = _rule_holders(home, "198.51.100.7")
+        assert len(nslots) == 1, nslots
         for i, point in enumerate(points):
-            with _api(srv) as api, pytest.raises(httpx.TransportError):
-                api.post("/v2/sandboxes", json={"templateID": "base"})
+            op, outcome = STACK_POINTS[point]
+            deny = f"192.0.2.{i + 1}"
+            before = {p.name for p in (home / "sandboxes").iterdir()}
+            with _api(srv) as api:
+                victim = _victim(api, op, deny)
             _await_crash(srv)
-            ids = sorted(p.name for p in (home / "sandboxes").iterdir())
-            assert len(ids) == 1, (point, ids)
-            recorded = _held(home, ids[0])
-            assert {"workdir", "layer ref"} <= set(recorded), (point, recorded)
-            if point == "create:loaded":
-                assert {"vm record", "snapshot ref"} <= set(recorded), (point, recorded)
+            new = sorted({p.name for p in (home / "sandboxes").iterdir()} - before)
+            if victim is None:
+                assert len(new) == 1, (point, new)
+                victim = new[0]
+            # A fork's children go; a paused victim stays.
+            gone = [victim] if outcome == "gone" else [n for n in new if n != victim]
+            assert gone or outcome == "paused", point
+            # What the stacks had recorded when the server died.
+            recorded = {sid: _held(home, sid) for sid in gone or [victim]}
+            assert all("workdir" in r for r in recorded.values()), (point, recorded)
+            assert any("layer ref" in r for r in recorded.values()), (point, recorded)
+            if point in ("create:loaded", "fork:child", "pause:recorded", "resume:loaded"):
+                assert any("vm record" in r for r in recorded.values()), (point, recorded)
+            if outcome != "running":
+                assert _rule_holders(home, deny), (point, "no slot holds the victim's rules")
             nxt = {"AGENTENV_CRASH_AT": points[i + 1]} if i + 1 < len(points) else {}
             srv = _start(home, srv.port, **cold, **nxt)
+            for sid in gone:
+                assert not _held(home, sid), (point, sid, _held(home, sid))
             with _api(srv) as api:
-                assert api.get("/v2/sandboxes").json() == []
-            assert not qemu_processes(home, warm=True, converters=True), point
-            assert not _held(home, ids[0]), (point, _held(home, ids[0]))
+                listed = {s["sandboxID"]: s["state"] for s in api.get("/v2/sandboxes").json()}
+                if outcome == "gone":
+                    assert victim not in listed, (point, listed)
+                    assert not _rule_holders(home, deny), point
+                elif outcome == "paused":
+                    assert listed.get(victim) == "paused", (point, listed)
+                    held = set(_held(home, victim))
+                    assert {"workdir", "upper", "layer ref"} <= held, (point, held)
+                    assert not {"vm record", "cgroup", "qemu"} & held, (point, held)
+                    assert not _rule_holders(home, deny), point
+                else:
+                    assert listed.get(victim) == "running", (point, listed)
+                    assert not set(gone) & set(listed), (point, listed)
+                    # The children's slots went; the source's rules stay on its own.
+                    assert len(_rule_holders(home, deny)) == 1, point
+                # Nothing else was released: the neighbour's QEMU, cgroup, record and rules.
+                assert listed.get(neighbour) == "running", (point, listed)
+                assert _record(home, neighbour).pid == npid, point
+                assert {"vm record", "cgroup", "qemu"} <= set(_held(home, neighbour)), point
+                assert _rule_holders(home, "198.51.100.7") == nslots, point
+                if outcome != "gone":
+                    assert api.delete(f"/sandboxes/{victim}").is_success, point
+                    assert not _held(home, victim), (point, _held(home, victim))
         with _api(srv) as api:
             resp = api.post("/v2/sandboxes", json={"templateID": "base"})
             assert resp.status_code == 201, resp.text
             assert api.delete(f"/sandboxes/{resp.json()['sandboxID']}").is_success
+            assert api.delete(f"/sandboxes/{neighbour}").is_success
     finally:
         _finish(srv)
 

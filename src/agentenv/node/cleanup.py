@@ -14,21 +14,35 @@ the part it built. In acquisition order (so it runs the other way):
 - `vm`: its QEMU (jail, cgroup, VM record, sockets), whichever QEMU runs it now.
 
 A sandbox known only from its workdir (paused, or found by crash recovery) gets the first two
-from `on_disk`; an adopted one then gets its slot and QEMU pushed like a created one."""
+from `on_disk`; an adopted one then gets its slot and QEMU pushed like a created one. A VM
+record that crash recovery does not adopt (its QEMU gone, or one of a paused sandbox, a warm
+entry, a converter, a template build) gets its slot and QEMU from `push_record`: the stack its
+server had built, rebuilt from what it persisted, so recovery frees nothing by hand."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
+import os
 import shutil
-from collections.abc import Callable
+import signal
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from agentenv.cleanup import Cleanup
-from agentenv.network import Slot, SlotPool
+from agentenv.config import NetworkPlan
+from agentenv.network import Slot, SlotPool, slot_for
+from agentenv.network.slot import NETNS_PREFIX
+from agentenv.node.sandbox import wait_readable
 from agentenv.snapshot import SnapshotStore
 from agentenv.snapshot.restore import unlink_relocated
 from agentenv.storage import LayerInUse, LayerNotFound, LayerStore, StorageError
-from agentenv.vmm.qemu import QemuVM
+from agentenv.vmm import registry as vm_registry
+from agentenv.vmm.cgroup import Cgroup
+from agentenv.vmm.qemu import QemuVM, remove_socket
+
+log = logging.getLogger(__name__)
 
 WORKDIR = "workdir"
 REFS = "references"
@@ -61,6 +75,52 @@ def push_vm(stack: Cleanup, current: Callable[[], QemuVM]) -> None:
         await current().kill()
 
     stack.push(VM, kill)
+
+
+def record_slot(plan: NetworkPlan, rec: vm_registry.VMRecord) -> Slot | None:
+    """The network slot a VM record names (its QEMU's namespace), None for a slotless VM."""
+    netns = rec.spec.get("netns")
+    if not isinstance(netns, str) or not netns.startswith(NETNS_PREFIX):
+        return None
+    index = netns[len(NETNS_PREFIX) :]
+    if not index.isdigit() or int(index) >= plan.max_slots:
+        return None
+    return slot_for(plan, int(index))
+
+
+def push_record(
+    stack: Cleanup,
+    rec: vm_registry.VMRecord,
+    pid: int | None,
+    vms_dir: Path,
+    slot: Slot | None,
+    drop_slot: Callable[[Slot], Awaitable[None]],
+) -> None:
+    """What a VM record of an earlier server persists, pushed in acquisition order: its
+    slot (`drop_slot`: no pool runs yet, so recovery tears it down), then its QEMU (`pid`
+    if it still runs), cgroup, QMP socket and the record itself."""
+    if slot is not None:
+        stack.push(SLOT, lambda: drop_slot(slot))
+    stack.push(VM, lambda: reap(rec, pid, vms_dir))
+
+
+async def reap(rec: vm_registry.VMRecord, pid: int | None, vms_dir: Path) -> None:
+    """End a QEMU an earlier server started and remove what its record names (the jail
+    went with the process)."""
+    if pid is not None:
+        log.info("ending %s (pid %d) left by a previous server", rec.name, pid)
+        with contextlib.suppress(ProcessLookupError):
+            fd = os.pidfd_open(pid)
+            try:
+                os.kill(pid, signal.SIGKILL)
+                await wait_readable(fd, 10.0)
+            finally:
+                os.close(fd)
+    if rec.spec.get("cgroup"):
+        with contextlib.suppress(Exception):
+            await asyncio.to_thread(Cgroup(rec.name).remove)
+    await asyncio.to_thread(remove_socket, Path(rec.qmp_socket))
+    await asyncio.to_thread(vm_registry.remove, vms_dir, rec.name)
 
 
 def on_disk(sandbox_id: str, workdir: Path, layers: LayerStore, repo: SnapshotStore) -> Cleanup:

@@ -23,13 +23,13 @@ import json
 import logging
 import os
 import shutil
-import signal
 from pathlib import Path
 
 from agentenv import snapshot as snaps
-from agentenv.network import Egress, recover_slots, slot_for
+from agentenv.cleanup import Cleanup
+from agentenv.network import Egress, Slot, destroy_slot, recover_slots, slot_for
 from agentenv.network.slot import NETNS_PREFIX
-from agentenv.node.cleanup import push_slot, push_vm
+from agentenv.node.cleanup import push_record, push_slot, push_vm, push_workdir, record_slot
 from agentenv.node.errors import (
     SandboxError,
 )
@@ -42,7 +42,6 @@ from agentenv.node.sandbox import (
     SandboxHandle,
     TemplateDefaults,
     claim_data_dir,
-    wait_readable,
     warm_root,
 )
 from agentenv.snapshot import GuestImage, Machine, MemoryMode, SnapshotError
@@ -51,8 +50,7 @@ from agentenv.snapshot.pause import STATE, STREAM, tidy
 from agentenv.vmm import registry as vm_registry
 from agentenv.vmm.accel import detect
 from agentenv.vmm.base import VMStatus
-from agentenv.vmm.cgroup import Cgroup
-from agentenv.vmm.qemu import QemuVM, remove_socket
+from agentenv.vmm.qemu import QemuVM
 
 log = logging.getLogger(__name__)
 
@@ -114,15 +112,16 @@ class Node(NodePause):
         """Own everything an earlier server of this data dir left: adopt the running
         sandboxes' QEMUs (by their registry records), end every other QEMU it started (warm
         entries, converters, template builds, guests of an operation cut short), and free
-        their slots, cgroups, files and references. A sandbox dir that neither runs nor is
-        paused is lost: removed, and the reason kept in `lost`."""
+        their slots, cgroups, files and references, each through the cleanup stack rebuilt
+        from what was persisted (`node.cleanup`). A sandbox dir that neither runs nor is
+        paused is lost: its whole stack runs, and the reason is kept in `lost`."""
         s = self.settings
         keep: set[int] = set()
+        # Records nobody adopts, by VM name (a sandbox's is its id), with their live pid.
+        left: dict[str, tuple[vm_registry.VMRecord, int | None]] = {}
         for rec in await asyncio.to_thread(vm_registry.load_all, s.vms_dir):
             pid = await asyncio.to_thread(vm_registry.live_pid, rec)
-            workdir = Path(rec.workdir)
-            is_sandbox = workdir.parent == s.sandboxes_dir and workdir.name == rec.name
-            if pid is not None and is_sandbox and not self._paused_on_disk(rec.name):
+            if pid is not None and self._is_sandbox(rec) and not self._paused_on_disk(rec.name):
                 try:
                     handle = await self._adopt(rec, pid)
                 except Exception as exc:
@@ -133,7 +132,18 @@ class Node(NodePause):
                     keep.add(handle.slot.index)
                     log.info("sandbox %s: adopted its running VM (pid %d)", rec.name, pid)
                     continue
-            await self._reap(rec, pid, keep_workdir=is_sandbox)
+            left[rec.name] = (rec, pid)
+        for name, (rec, pid) in list(left.items()):
+            if (s.sandboxes_dir / name).is_dir() and not self._paused_on_disk(name):
+                continue  # a lost sandbox's: its whole stack runs below
+            # A paused sandbox's QEMU (a pause cut short), a warm entry, converter or build.
+            del left[name]
+            stack = Cleanup(name)
+            workdir = Path(rec.workdir)
+            if not self._is_sandbox(rec) and workdir.is_relative_to(s.home):
+                push_workdir(stack, workdir)
+            self._push_record(stack, rec, pid, keep)
+            await self._unwind(stack, f"recovery of {name}")
         for workdir in await asyncio.to_thread(lambda: sorted(s.sandboxes_dir.iterdir())):
             name = workdir.name
             if name in self._sandboxes:
@@ -149,34 +159,34 @@ class Node(NodePause):
                 name, "its VM was no longer running when the server restarted"
             )
             log.warning("sandbox %s lost: %s", name, why)
-            # What its files record (its QEMU's record went above, its slot goes below).
-            await self._unwind(self._stack_on_disk(name), f"the lost sandbox {name}")
+            # Its whole stack: what its files record, then the slot and QEMU its VM record
+            # names, if it got one (those run first).
+            stack = self._stack_on_disk(name)
+            if name in left:
+                self._push_record(stack, *left.pop(name), keep)
+            await self._unwind(stack, f"the lost sandbox {name}")
+        # Slots no stack names: the dead server's idle pool.
         removed = await recover_slots(s.network, s.slots_dir, keep)
         if removed:
             log.info("removed %d network slot(s) a previous server left", len(removed))
         await asyncio.to_thread(self._release_orphan_holders)
 
-    async def _reap(
-        self, rec: vm_registry.VMRecord, pid: int | None, *, keep_workdir: bool
-    ) -> None:
-        """End a QEMU of an earlier server that nobody adopts and remove what it had."""
-        if pid is not None:
-            log.info("ending %s (pid %d) left by a previous server", rec.name, pid)
-            with contextlib.suppress(ProcessLookupError):
-                fd = os.pidfd_open(pid)
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                    await wait_readable(fd, 10.0)
-                finally:
-                    os.close(fd)
-        if rec.spec.get("cgroup"):
-            with contextlib.suppress(Exception):
-                await asyncio.to_thread(Cgroup(rec.name).remove)
-        await asyncio.to_thread(remove_socket, Path(rec.qmp_socket))
+    def _is_sandbox(self, rec: vm_registry.VMRecord) -> bool:
         workdir = Path(rec.workdir)
-        if not keep_workdir and workdir.is_relative_to(self.settings.home):
-            await asyncio.to_thread(shutil.rmtree, workdir, True)
-        await asyncio.to_thread(vm_registry.remove, self.settings.vms_dir, rec.name)
+        return workdir.parent == self.settings.sandboxes_dir and workdir.name == rec.name
+
+    def _push_record(
+        self, stack: Cleanup, rec: vm_registry.VMRecord, pid: int | None, keep: set[int]
+    ) -> None:
+        """Its slot and QEMU; not a slot an adopted sandbox runs in (`keep`)."""
+
+        async def drop_slot(slot: Slot) -> None:
+            await destroy_slot(slot, owner=self.settings.slots_dir)
+
+        slot = record_slot(self.settings.network, rec)
+        if slot is not None and slot.index in keep:
+            slot = None
+        push_record(stack, rec, pid, self.settings.vms_dir, slot, drop_slot)
 
     async def _adopt(self, rec: vm_registry.VMRecord, pid: int) -> SandboxHandle:
         """Take over a sandbox's QEMU that a dead server started. An operation it was in the

@@ -8,7 +8,6 @@ import builtins
 import json
 import logging
 import os
-import shutil
 from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -18,9 +17,10 @@ from agentenv.cleanup import Cleanup, CleanupFailed
 from agentenv.config import Settings
 from agentenv.contract.ids import new_sandbox_id
 from agentenv.contract.runtime import HostMemory
+from agentenv.faults import crash_point
 from agentenv.files import PAUSED
 from agentenv.guest.envd.client import EnvdClient, EnvdError
-from agentenv.network import Egress, Slot, SlotPool
+from agentenv.network import Egress, SlotPool
 from agentenv.network.dns import DnsForwarder
 from agentenv.node import cleanup as node_cleanup
 from agentenv.node.admission import Admission, Limits
@@ -67,6 +67,8 @@ from agentenv.vmm.qemu import QemuVM
 
 log = logging.getLogger(__name__)
 
+WARM_ENTRY = "warm entry"
+
 
 class NodeBase:
     """State of a `host.Node` and the steps its create, pause and recovery paths share."""
@@ -111,7 +113,9 @@ class NodeBase:
             self._warm_drop,
             self._warm_current,
         )
-        # This node's warm entries (`<warm_dir>/<pid>-<random>/<sandbox id>`), made at start.
+        # This node's warm entries (`<warm_dir>/<pid>-<random>/<sandbox id>`), made at start,
+        # and each waiting entry's stack by its name (a create that takes one forgets it).
+        self._warm_stacks: dict[str, Cleanup] = {}
         self._warm_root: Path | None = None
         self._accel: AccelChoice | None = None
         self._layer_mb: dict[str, int] = {}
@@ -285,7 +289,7 @@ class NodeBase:
         else:
             raise UnknownSandbox(f"sandbox {sandbox_id!r} does not exist")
         try:
-            await stack.run()
+            await stack.run(_after_delete_step)
         except CleanupFailed as exc:
             raise SandboxError(str(exc)) from exc
 
@@ -452,36 +456,34 @@ class NodeBase:
 
     async def _warm_make(self, snapshot_id: str) -> Prepared:
         """A warm pool entry: a new sandbox id with its workdir (outside the sandboxes dir
-        until a create takes it), slot and waiting QEMU."""
+        until a create takes it), slot and waiting QEMU, each on the entry's stack (kept in
+        `_warm_stacks` until the entry is dropped or a create takes it)."""
         if self._warm_root is None:
             raise SandboxError("node is not started")
         sandbox_id = new_sandbox_id()
         workdir = self._warm_root / sandbox_id
+        stack = Cleanup(sandbox_id)
         await asyncio.to_thread(workdir.mkdir, 0o700, False, False)
-        slot: Slot | None = None
+        node_cleanup.push_workdir(stack, workdir)
         try:
             slot = await self.pool.acquire()
-            return await prepare(
-                self.repo,
-                self.layers,
-                self.image,
-                snapshot_id,
-                name=sandbox_id,
-                workdir=workdir,
-                slot=slot,
-            )
+            node_cleanup.push_slot(stack, self.pool, slot)
+            prep = await prepare(
+                self.repo, self.layers, self.image, snapshot_id,
+                name=sandbox_id, workdir=workdir, slot=slot,
+            )  # fmt: skip
         except BaseException:
-            if slot is not None:
-                await self.pool.release(slot)
-            await asyncio.to_thread(shutil.rmtree, workdir, True)
+            await self._unwind(stack, "a failed warm entry")
             raise
+        # Its QEMU, upper and references (`prepare`'s own stack).
+        stack.push(WARM_ENTRY, lambda: discard(prep, self.repo, self.layers))
+        self._warm_stacks[sandbox_id] = stack
+        return prep
 
     async def _warm_drop(self, prep: Prepared) -> None:
-        try:
-            await discard(prep, self.repo, self.layers)
-        finally:
-            await self.pool.release(prep.slot)
-            await asyncio.to_thread(shutil.rmtree, prep.workdir, True)
+        stack = self._warm_stacks.pop(prep.name, None)
+        if stack is not None:
+            await stack.run()
 
     def _handle(self, machine: Machine, template: str, top: str) -> SandboxHandle:
         return SandboxHandle(
@@ -505,3 +507,8 @@ class NodeBase:
         if sb.machine is None:
             raise NotPausable(f"sandbox {sandbox_id} was started without snapshot support")
         return sb, sb.machine
+
+
+def _after_delete_step(name: str) -> None:
+    if name == node_cleanup.VM:
+        crash_point("delete:vm-gone")

@@ -132,6 +132,9 @@ class NodeCreate(NodeBase):
         warm: Prepared | None = None
         if snap is not None:
             warm = self.warm.take(Shape(template, cpu, memory_mb), snap.id)
+        if warm is not None:
+            # The entry's steps move onto the sandbox's stack below.
+            self._warm_stacks.pop(warm.name, None)
         sandbox_id = given_id or (warm.name if warm is not None else new_sandbox_id())
         workdir = sandbox_files(self.settings, sandbox_id).workdir
         # The sandbox's stack from its first acquisition on; it stays on the handle.
