@@ -40,7 +40,8 @@ from typing import Any
 import httpx
 from e2b import Sandbox
 
-from agentenv.api.devserver import ServerProcess, prepare_home
+from agentenv.api.devserver import ServerProcess
+from agentenv.template.datadir import prepare_home
 from agentenv.vmm import cgroup, registry
 
 # Every loop here is bounded: by a count, by a deadline, or both.

@@ -23,9 +23,10 @@ from pathlib import Path
 import httpx
 from e2b import Sandbox
 
-from agentenv.api.devserver import ServerProcess, prepare_home
+from agentenv.api.devserver import ServerProcess
 from agentenv.control.sqlite_store import SqliteStore
 from agentenv.control.store import SandboxRecord
+from agentenv.template.datadir import prepare_home
 
 GUEST_PORT = 8080
 

@@ -43,7 +43,8 @@ import httpx
 from e2b import Sandbox
 from e2b.exceptions import RateLimitException, ServiceBusyException, TimeoutException
 
-from agentenv.api.devserver import ServerProcess, prepare_home
+from agentenv.api.devserver import ServerProcess
+from agentenv.template.datadir import prepare_home
 
 SANDBOX_TIMEOUT_S = 600
 # Clients send their creates this far apart, so arrival order is known to the bench.

@@ -31,7 +31,8 @@ from typing import Any
 
 from e2b import Sandbox, ServiceBusyException
 
-from agentenv.api.devserver import ServerProcess, prepare_home
+from agentenv.api.devserver import ServerProcess
+from agentenv.template.datadir import prepare_home
 from agentenv.vmm import registry
 
 PAUSE_EVERY = 10

@@ -51,10 +51,11 @@ from cluster.etcd_cluster import EtcdCluster  # noqa: E402
 from cluster_procs import NodeProcess, cluster_env, replica  # noqa: E402
 from resolver import TestResolver  # noqa: E402
 
-from agentenv.api.devserver import ServerProcess, prepare_home  # noqa: E402
+from agentenv.api.devserver import ServerProcess  # noqa: E402
 from agentenv.contract.ids import new_sandbox_id  # noqa: E402
 from agentenv.contract.runtime import SandboxSpec  # noqa: E402
 from agentenv.noderpc.client import RemoteRuntime  # noqa: E402
+from agentenv.template.datadir import prepare_home  # noqa: E402
 from agentenv.vmm import registry  # noqa: E402
 
 NODES = ("node-a", "node-b", "node-c")

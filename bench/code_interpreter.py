@@ -149,7 +149,8 @@ def main() -> None:
     else:
         if importlib.util.find_spec("agentenv.template.code_interpreter") is None:
             missing("agentenv.template.code_interpreter is not in this checkout yet")
-        from agentenv.api.devserver import ServerProcess, prepare_home
+        from agentenv.api.devserver import ServerProcess
+        from agentenv.template.datadir import prepare_home
 
         with tempfile.TemporaryDirectory(prefix="aenv-bench-ci-") as tmp:
             home = prepare_home(Path(tmp))

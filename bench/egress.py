@@ -25,7 +25,8 @@ from pathlib import Path
 
 from e2b import ALL_TRAFFIC, Sandbox
 
-from agentenv.api.devserver import ServerProcess, prepare_home
+from agentenv.api.devserver import ServerProcess
+from agentenv.template.datadir import prepare_home
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from resolver import TestResolver

@@ -25,8 +25,9 @@ from typing import Any
 import httpx
 from e2b import Sandbox
 
-from agentenv.api.devserver import ServerProcess, prepare_home
+from agentenv.api.devserver import ServerProcess
 from agentenv.rollouts import Rollouts
+from agentenv.template.datadir import prepare_home
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 FILE = "/home/user/task.txt"

@@ -50,8 +50,8 @@ from cluster.etcd_cluster import EtcdCluster  # noqa: E402
 from cluster_procs import NodeProcess, cluster_env, replica  # noqa: E402
 from resolver import TestResolver  # noqa: E402
 
-from agentenv.api.devserver import prepare_home  # noqa: E402
 from agentenv.ports import ENVD_PORT  # noqa: E402
+from agentenv.template.datadir import prepare_home  # noqa: E402
 
 HostState = bench_cluster.HostState
 Cluster = bench_cluster.Cluster

@@ -390,7 +390,8 @@ def floor_main(spec_path: str) -> None:
 
 
 def measure(warm: bool, args: argparse.Namespace, tmp: Path) -> dict[str, object]:
-    from agentenv.api.devserver import ServerProcess, prepare_home
+    from agentenv.api.devserver import ServerProcess
+    from agentenv.template.datadir import prepare_home
 
     env = {"AGENTENV_WARM_LOW": "1" if warm else "0", "AGENTENV_WARM_HIGH": "2" if warm else "0"}
     home = prepare_home(tmp / ("warm" if warm else "cold"))

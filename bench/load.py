@@ -42,7 +42,8 @@ import httpx
 from e2b import Sandbox, ServiceBusyException
 from e2b import retry as e2b_retry
 
-from agentenv.api.devserver import ServerProcess, prepare_home
+from agentenv.api.devserver import ServerProcess
+from agentenv.template.datadir import prepare_home
 from agentenv.vmm import registry
 
 LEVELS = (1, 4, 16, 64)

@@ -25,8 +25,9 @@ import httpx
 from e2b import Sandbox
 from load import pss_kb  # bench/load.py, beside this script
 
-from agentenv.api.devserver import ServerProcess, prepare_home
+from agentenv.api.devserver import ServerProcess
 from agentenv.rollouts import Rollouts
+from agentenv.template.datadir import prepare_home
 
 STATE_CMD = (
     "find /home/user /tmp -xdev -printf '%p %s\\n' | sort; echo ---; "

@@ -38,8 +38,9 @@ from typing import Any
 import httpx
 from e2b import Sandbox
 
-from agentenv.api.devserver import ServerProcess, prepare_home
+from agentenv.api.devserver import ServerProcess
 from agentenv.rollouts import Rollouts
+from agentenv.template.datadir import prepare_home
 
 TASK = "rl-task"
 TASK_FILE = "/home/user/task.txt"

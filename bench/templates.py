@@ -189,7 +189,8 @@ def _baseline(root: Path, ref: str, n: int) -> tuple[float, float]:
 def bench_build_and_create(workdir: Path, creates: int) -> dict[str, float]:
     from e2b import Sandbox, Template, wait_for_port
 
-    from agentenv.api.devserver import ServerProcess, prepare_home
+    from agentenv.api.devserver import ServerProcess
+    from agentenv.template.datadir import prepare_home
 
     home = prepare_home(workdir / "home")
     context = workdir / "ctx"

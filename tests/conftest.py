@@ -23,8 +23,8 @@ from typing import Any
 import pytest
 from resolver import TestResolver
 
-from agentenv.api.devserver import SEED_ENV
 from agentenv.config import Settings
+from agentenv.template.datadir import SEED_ENV
 from agentenv.vmm import cgroup
 
 # What this run's resources were when it started (`pytest_sessionstart`, controller only).

@@ -16,9 +16,9 @@ import sys
 import time
 from pathlib import Path
 
-from agentenv.api.devserver import ensure_seed
 from agentenv.config import Settings
 from agentenv.template.code_interpreter import ensure_code_interpreter_image
+from agentenv.template.datadir import ensure_seed
 from agentenv.template.docker import ensure_docker_image
 
 

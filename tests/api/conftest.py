@@ -17,9 +17,10 @@ from typing import TypeVar
 import httpx
 import pytest
 
-from agentenv.api.devserver import ServerProcess, prepare_home
+from agentenv.api.devserver import ServerProcess
 from agentenv.control.sqlite_store import SqliteStore
 from agentenv.control.store import SandboxRecord, Store
+from agentenv.template.datadir import prepare_home
 from agentenv.vmm import registry
 
 T = TypeVar("T")

@@ -25,7 +25,8 @@ from typing import Any
 import httpx
 import pytest
 
-from agentenv.api.devserver import ServerProcess, prepare_home
+from agentenv.api.devserver import ServerProcess
+from agentenv.template.datadir import prepare_home
 
 from .conftest import REQUEST_TIMEOUT_S, qemu_processes, stop_and_check
 

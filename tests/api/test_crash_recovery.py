@@ -24,10 +24,11 @@ import httpx
 import pytest
 from e2b import Sandbox
 
-from agentenv.api.devserver import ServerProcess, prepare_home
+from agentenv.api.devserver import ServerProcess
 from agentenv.faults import POINTS
 from agentenv.snapshot import SnapshotRepository
 from agentenv.storage import LayerStore
+from agentenv.template.datadir import prepare_home
 from agentenv.vmm import cgroup
 from agentenv.vmm import registry as vm_registry
 from agentenv.vmm.registry import load_all

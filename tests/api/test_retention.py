@@ -16,10 +16,11 @@ import httpx
 import pytest
 from e2b import Sandbox
 
-from agentenv.api.devserver import ServerProcess, prepare_home
+from agentenv.api.devserver import ServerProcess
 from agentenv.rollouts import RolloutError, Rollouts
 from agentenv.snapshot.repository import SnapshotRepository
 from agentenv.storage.layers import LayerStore
+from agentenv.template.datadir import prepare_home
 
 from .conftest import REQUEST_TIMEOUT_S, db_path, on_store, stop_and_check
 

@@ -18,7 +18,8 @@ import httpx
 import pytest
 from cluster.etcd_cluster import EtcdCluster
 
-from agentenv.api.devserver import ServerProcess, prepare_home
+from agentenv.api.devserver import ServerProcess
+from agentenv.template.datadir import prepare_home
 
 from .conftest import stop_and_check
 

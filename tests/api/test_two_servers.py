@@ -15,7 +15,8 @@ import time
 import httpx
 import pytest
 
-from agentenv.api.devserver import ServerProcess, prepare_home
+from agentenv.api.devserver import ServerProcess
+from agentenv.template.datadir import prepare_home
 
 from .conftest import REQUEST_TIMEOUT_S, stop_and_check
 

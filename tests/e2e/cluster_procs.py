@@ -11,7 +11,8 @@ import sys
 import time
 from pathlib import Path
 
-from agentenv.api.devserver import OwnProcess, ServerProcess, free_port, prepare_home
+from agentenv.api.devserver import OwnProcess, ServerProcess, free_port
+from agentenv.template.datadir import prepare_home
 
 NODE_READY_S = 120.0
 

@@ -21,8 +21,9 @@ import pytest
 from api.conftest import stop_and_check, use_sdk_env
 from e2b import Sandbox
 
-from agentenv.api.devserver import ServerProcess, prepare_home
+from agentenv.api.devserver import ServerProcess
 from agentenv.config import Settings
+from agentenv.template.datadir import prepare_home
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 import abuse

@@ -22,7 +22,8 @@ import httpx
 import pytest
 from api.conftest import qemu_processes, stop_and_check
 
-from agentenv.api.devserver import ServerProcess, prepare_home
+from agentenv.api.devserver import ServerProcess
+from agentenv.template.datadir import prepare_home
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 import churn

@@ -19,7 +19,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from agentenv.api.devserver import ServerProcess, prepare_home
+from agentenv.api.devserver import ServerProcess
+from agentenv.template.datadir import prepare_home
 
 pytestmark = pytest.mark.vm
 

@@ -20,7 +20,8 @@ from oci.images import Pusher
 from oci.registry import REGISTRY_BIN, Registry
 from template.imagebuild import push_busybox
 
-from agentenv.api.devserver import ServerProcess, prepare_home
+from agentenv.api.devserver import ServerProcess
+from agentenv.template.datadir import prepare_home
 
 pytestmark = pytest.mark.vm
 

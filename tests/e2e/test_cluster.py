@@ -34,7 +34,7 @@ from template.imagebuild import push_busybox
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect as ws_sync_connect
 
-from agentenv.api.devserver import prepare_home
+from agentenv.template.datadir import prepare_home
 
 pytestmark = pytest.mark.vm
 

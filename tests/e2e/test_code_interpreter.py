@@ -26,7 +26,8 @@ from e2b_code_interpreter import Sandbox
 from jsrun import JsEnv, js_workdir, node
 from smolagents import ChatMessage, CodeAgent, MessageRole, Model
 
-from agentenv.api.devserver import ServerProcess, prepare_home
+from agentenv.api.devserver import ServerProcess
+from agentenv.template.datadir import prepare_home
 
 pytestmark = pytest.mark.vm
 

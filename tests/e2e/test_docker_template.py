@@ -26,9 +26,10 @@ from api.conftest import REQUEST_TIMEOUT_S, stop_and_check, use_sdk_env
 from e2b import CommandExitException, Sandbox
 from oci.images import Layer, image_config, sha
 
-from agentenv.api.devserver import ServerProcess, prepare_home
+from agentenv.api.devserver import ServerProcess
 from agentenv.config import Settings
 from agentenv.template.cache import ArtifactCache
+from agentenv.template.datadir import prepare_home
 from agentenv.template.docker import docker_inputs, ensure_docker
 
 pytestmark = pytest.mark.vm

@@ -289,7 +289,8 @@ def test_sdk_allow_internet_access_false_is_enforced(tmp_path: Path) -> None:
     """Through the official SDK and the API, as a user asks for it."""
     from e2b import Sandbox
 
-    from agentenv.api.devserver import ServerProcess, prepare_home
+    from agentenv.api.devserver import ServerProcess
+    from agentenv.template.datadir import prepare_home
 
     home = prepare_home(tmp_path / "home")
     with internet(tmp_path), ServerProcess(home, ready_timeout_s=240) as srv:
@@ -334,7 +335,8 @@ async def test_allow_and_deny_by_cidr_block_exactly_and_change_live(
 def test_network_policy_through_the_api_and_put_network(tmp_path: Path) -> None:
     from e2b import Sandbox
 
-    from agentenv.api.devserver import ServerProcess, prepare_home
+    from agentenv.api.devserver import ServerProcess
+    from agentenv.template.datadir import prepare_home
 
     home = prepare_home(tmp_path / "home")
     with internet(tmp_path), ServerProcess(home, ready_timeout_s=240) as srv:
@@ -468,7 +470,8 @@ def test_sdk_domains_and_update_network_survive_a_server_crash(tmp_path: Path, n
     server was SIGKILLed and a new one adopted the sandbox."""
     from e2b import ALL_TRAFFIC, Sandbox
 
-    from agentenv.api.devserver import ServerProcess, prepare_home
+    from agentenv.api.devserver import ServerProcess
+    from agentenv.template.datadir import prepare_home
 
     home = prepare_home(tmp_path / "home")
     with internet(tmp_path):

@@ -24,7 +24,8 @@ from api.conftest import REQUEST_TIMEOUT_S, stop_and_check
 from e2b import ConnectionConfig, Sandbox
 from packaging.version import Version
 
-from agentenv.api.devserver import ServerProcess, prepare_home
+from agentenv.api.devserver import ServerProcess
+from agentenv.template.datadir import prepare_home
 
 pytestmark = [
     pytest.mark.vm,

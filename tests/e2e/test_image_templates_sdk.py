@@ -31,9 +31,10 @@ from oci.images import Layer, Pushed, Pusher
 from oci.registry import REGISTRY_BIN, Registry, TokenIssuer
 from template.imagebuild import BUSYBOX, busybox_layers
 
-from agentenv.api.devserver import ServerProcess, prepare_home
+from agentenv.api.devserver import ServerProcess
 from agentenv.oci.blocks import chain_ids
 from agentenv.storage.layers import LayerStore
+from agentenv.template.datadir import prepare_home
 
 pytestmark = pytest.mark.vm
 

@@ -23,10 +23,11 @@ from typing import Any
 import pytest
 from test_egress import INET_IP, NETNS, PORT, internet
 
-from agentenv.api.devserver import ServerProcess, prepare_home
+from agentenv.api.devserver import ServerProcess
 from agentenv.config import Settings
 from agentenv.network import nft, slot_for
 from agentenv.network.slot import Slot, conntrack_entries, guard_counters
+from agentenv.template.datadir import prepare_home
 
 pytestmark = pytest.mark.vm
 

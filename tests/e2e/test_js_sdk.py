@@ -18,7 +18,8 @@ import httpx
 import pytest
 from jsrun import JsEnv, js_workdir, node
 
-from agentenv.api.devserver import ServerProcess, prepare_home
+from agentenv.api.devserver import ServerProcess
+from agentenv.template.datadir import prepare_home
 
 pytestmark = pytest.mark.vm
 

@@ -19,7 +19,8 @@ from api.conftest import REQUEST_TIMEOUT_S, qemu_processes, stop_and_check, use_
 from e2b import AsyncTemplate, BuildException, Sandbox, SandboxException, Template, wait_for_port
 from e2b.template.types import TemplateBuildStatus
 
-from agentenv.api.devserver import ServerProcess, prepare_home
+from agentenv.api.devserver import ServerProcess
+from agentenv.template.datadir import prepare_home
 
 pytestmark = pytest.mark.vm
 

@@ -37,9 +37,10 @@ from oci.images import Layer, Pushed, Pusher
 from oci.registry import REGISTRY_BIN, Registry
 from template.imagebuild import busybox_layers, push_busybox
 
-from agentenv.api.devserver import ServerProcess, prepare_home
+from agentenv.api.devserver import ServerProcess
 from agentenv.snapshot.repository import _STAGING_PREFIX, SnapshotRepository
 from agentenv.storage.layers import LayerStore
+from agentenv.template.datadir import prepare_home
 
 pytestmark = pytest.mark.vm
 

@@ -21,7 +21,8 @@ import pytest
 from api.conftest import REQUEST_TIMEOUT_S, stop_and_check, use_sdk_env
 from e2b import Sandbox, SandboxException, Template
 
-from agentenv.api.devserver import ServerProcess, prepare_home
+from agentenv.api.devserver import ServerProcess
+from agentenv.template.datadir import prepare_home
 
 pytestmark = pytest.mark.vm
 

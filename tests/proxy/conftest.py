@@ -22,7 +22,8 @@ import websockets
 from api.conftest import stored_row
 from e2b import Sandbox
 
-from agentenv.api.devserver import ServerProcess, prepare_home
+from agentenv.api.devserver import ServerProcess
+from agentenv.template.datadir import prepare_home
 
 # A create restores a snapshot in about a second, but can boot a VM under emulation.
 REQUEST_TIMEOUT_S = 300.0

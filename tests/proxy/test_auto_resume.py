@@ -15,7 +15,8 @@ from e2b import Sandbox
 from websockets.asyncio.client import connect as ws_connect
 from websockets.exceptions import InvalidStatus
 
-from agentenv.api.devserver import ServerProcess, prepare_home
+from agentenv.api.devserver import ServerProcess
+from agentenv.template.datadir import prepare_home
 
 from .conftest import Guest, sdk_opts, start_app, wait_port
 
