@@ -356,6 +356,17 @@ def test_paused_on_a_cordoned_node_resumes_on_another_with_its_memory(
         pid = _mark(sbx)
         sbx.pause(request_timeout=RT)
         with _api(server) as api:
+            # Forked while paused, through its node agent (#24): the child runs there with
+            # the parent's files, RAM and processes; the parent stays paused.
+            resp = api.post(f"/sandboxes/{sbx.sandbox_id}/fork", json={"count": 1})
+            assert resp.status_code == 201, resp.text
+            kid = resp.json()[0]["sandbox"]["sandboxID"]
+            try:
+                assert _bound_node(server, kid, nodes) == NODES[1]
+                _check_marks(Sandbox.connect(kid, request_timeout=RT), pid)
+            finally:
+                assert api.delete(f"/sandboxes/{kid}").status_code == 204
+            assert api.get(f"/sandboxes/{sbx.sandbox_id}").json()["state"] == "paused"
             assert api.post(f"/nodes/{NODES[1]}/cordon", json={}).status_code == 200
         back = Sandbox.connect(sbx.sandbox_id, timeout=600, request_timeout=RT)
         # Files, RAM and processes came with it, through object storage.
