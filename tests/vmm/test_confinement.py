@@ -233,6 +233,9 @@ def _check_confined(vm: QemuVM, own_files: set[str]) -> None:
     assert status["Seccomp"] == "2"
     assert status["NoNewPrivs"] == "1"
     assert int(status["CapEff"], 16) == 0 and int(status["CapPrm"], 16) == 0
+    # Under TCG no transparent huge pages (the translation buffer fills 4 KiB at a time).
+    if vm.accel.name == "tcg":
+        assert status["THP_enabled"] == "0"
     # Started with one fork and one exec: the launcher's child, with nothing in between,
     # and no program of the old launch chain is a child of ours. (Other children are other
     # tests' on a suite worker: a registry, a server of a module still running.)

@@ -50,6 +50,7 @@ TUNSETIFF = 0x400454CA
 TUNSETPERSIST = 0x400454CB
 IFF_TAP = 0x0002
 IFF_NO_PI = 0x1000
+PR_SET_THP_DISABLE = 41
 # A child that has not exec'd (or failed) in this time is killed and the launch fails.
 SETUP_TIMEOUT_S = 20.0
 MAX_MESSAGE = 1 << 20
@@ -124,6 +125,11 @@ def _child(plan: dict[str, Any], out: int, err: int, report: int) -> None:
             signal.signal(sig, signal.SIG_DFL)
         signal.set_wakeup_fd(-1)
         os.setsid()
+        if plan.get("no_thp"):
+            # Kept across exec: QEMU's TCG translation buffer, madvised huge, is then backed
+            # 4 KiB at a time as it fills instead of 2 MiB (~3 MB less per idle clone).
+            one, zero = ctypes.c_ulong(1), ctypes.c_ulong(0)
+            _check(_libc.prctl(PR_SET_THP_DISABLE, one, zero, zero, zero), "prctl")
         for procs in plan["cgroup_procs"]:
             with open(procs, "w") as f:
                 f.write("0")

@@ -158,7 +158,8 @@ class QemuArgv(QemuBase):
         """What the launcher (`vmm.launcher`) does to start this VM's QEMU: join the cgroup
         (so QEMU never runs outside it), enter the slot's network namespace (or a new one:
         the device state of virtio-net needs a tap backend, and a namespace of its own gives
-        a detached VM one that disappears with the process), build the jail and exec."""
+        a detached VM one that disappears with the process), build the jail and exec; under
+        TCG with transparent huge pages off for QEMU."""
         env: dict[str, str] = {}
         if private_ram(self.machine):
             assert self.ram_shim is not None and self.machine.mem_file is not None
@@ -173,5 +174,8 @@ class QemuArgv(QemuBase):
             "netns": None if detached or self.netns is None else f"/run/netns/{self.netns}",
             "new_net": detached,
             "pid_ns": jail is not None and vm_confine.pid_namespaces(),
+            # No transparent huge pages under TCG (docs/vmm.md, host cost per clone); a KVM
+            # guest's RAM keeps them.
+            "no_thp": self.accel.name == "tcg",
             "jail": None if jail is None else jail.plan(),
         }
