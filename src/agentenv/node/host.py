@@ -33,7 +33,7 @@ from agentenv.node.cleanup import push_record, push_slot, push_vm, push_workdir,
 from agentenv.node.errors import (
     SandboxError,
 )
-from agentenv.node.files import SandboxFiles
+from agentenv.node.files import SandboxFiles, sandbox_files
 from agentenv.node.host_pause import NodePause
 from agentenv.node.sandbox import (
     ADOPT_HEALTH_TIMEOUT_S,
@@ -134,7 +134,7 @@ class Node(NodePause):
                     continue
             left[rec.name] = (rec, pid)
         for name, (rec, pid) in list(left.items()):
-            if (s.sandboxes_dir / name).is_dir() and not self._paused_on_disk(name):
+            if sandbox_files(s, name).workdir.is_dir() and not self._paused_on_disk(name):
                 continue  # a lost sandbox's: its whole stack runs below
             # A paused sandbox's QEMU (a pause cut short), a warm entry, converter or build.
             del left[name]
