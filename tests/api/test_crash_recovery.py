@@ -510,10 +510,10 @@ def datetime_ts(text: str) -> float:
 
 
 # Where each operation ends up after a crash at that point, as the restarted server finds it.
+# `pause:recorded` and `resume:loaded` (both end paused) are checked by
+# `test_sigkill_at_each_crash_point_frees_its_stack`, which also checks what each frees.
 CRASH_CASES = {
     "pause:saved": "running",
-    "pause:recorded": "paused",
-    "resume:loaded": "paused",
     "resume:running": "running",
     "capture:sealed": "running",
     "fork:captured": "running",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,6 +23,13 @@ def fake_vm(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
         [sys.executable, "-c", "import time; time.sleep(60)", "-qmp", f"unix:{sock},server=on"]
     )
     try:
+        # Until the child has exec'd, its command line is still its parent's (pytest's): on a
+        # loaded host the lookups below ran in that window (run 21).
+        deadline = time.monotonic() + 30
+        cmdline = Path(f"/proc/{proc.pid}/cmdline")
+        while sock.encode() not in cmdline.read_bytes():
+            assert time.monotonic() < deadline, "the fake VM never exec'd"
+            time.sleep(0.01)
         yield proc, sock
     finally:
         proc.kill()
