@@ -231,7 +231,8 @@ def _without_memory(workdir: Path, record: PausedState) -> PausedState:
     return disk
 
 
-def _check(record: PausedState, image: GuestImage) -> None:
+def check_paused(record: PausedState, image: GuestImage) -> None:
+    """The paused state was written by a QEMU and tools image this node can load."""
     check_compatible(
         f"paused sandbox {record.name}",
         image,
@@ -261,7 +262,7 @@ async def convert_stream(workdir: Path, image: GuestImage) -> bool:
     record = await asyncio.to_thread(paused_state, workdir)
     if record is None or record.kind != "stream":
         return False
-    _check(record, image)
+    check_paused(record, image)
     await asyncio.to_thread(_clear_conversion, workdir)
     memory, state = workdir / (MEMORY + CV_SUFFIX), workdir / (STATE + CV_SUFFIX)
     try:
@@ -311,7 +312,7 @@ async def resume(
         record = await asyncio.to_thread(_without_memory, workdir, record)
     if record.kind == DISK:
         return await _boot(workdir, image, slot, record, boot_timeout_s)
-    _check(record, image)
+    check_paused(record, image)
     ram = SandboxFiles(workdir).memory
     source = workdir / (STATE if record.kind == "state" else STREAM)
     await asyncio.to_thread(_clear_conversion, workdir)

@@ -37,10 +37,16 @@ from agentenv.snapshot.capture import Capture
 from agentenv.snapshot.errors import SnapshotError
 from agentenv.snapshot.machine import GuestImage
 from agentenv.snapshot.model import Snapshot
-from agentenv.snapshot.pause import DISK, STATE, STREAM, convert_stream, paused_state
+from agentenv.snapshot.pause import (
+    DISK,
+    STATE,
+    STREAM,
+    check_paused,
+    convert_stream,
+    paused_state,
+)
 from agentenv.snapshot.repository import MEMORY, SnapshotStore
 from agentenv.snapshot.repository import STATE as SNAP_STATE
-from agentenv.snapshot.restore import check_compatible
 from agentenv.storage import LayerStore
 from agentenv.vmm.confine import disown
 
@@ -117,14 +123,7 @@ async def capture_paused(
         record = await asyncio.to_thread(paused_state, workdir)
         if record is None or record.kind != STATE:
             raise SnapshotError(f"sandbox {workdir.name}: its RAM stream was not converted")
-    check_compatible(
-        f"paused sandbox {record.name}",
-        image,
-        accel=record.accel,
-        qemu_version=record.qemu_version,
-        tools_image=record.tools_image,
-        device_set=record.device_set,
-    )
+    check_paused(record, image)
     digest = await asyncio.to_thread(layers.add, workdir / record.upper)
     chain = await asyncio.to_thread(layers.chain, digest)
     draft = Snapshot(
