@@ -38,6 +38,24 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def _all_threads_stopped(pid: int) -> bool:
+    """Every task of `pid` in state T (stopped) per /proc; a gone process counts as stopped."""
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except FileNotFoundError:
+        return True
+    for tid in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                stat = f.read()
+        except FileNotFoundError:
+            continue
+        # The state follows the parenthesised command name, which may hold spaces.
+        if stat.rsplit(")", 1)[1].split()[0] not in ("T", "t"):
+            return False
+    return True
+
+
 @dataclass
 class Member:
     index: int
@@ -216,9 +234,20 @@ class EtcdCluster:
         return leader
 
     def pause_all(self) -> None:
-        """SIGSTOP every member: connections are accepted by the kernel, nothing answers."""
+        """SIGSTOP every member: connections are accepted by the kernel, nothing answers.
+        Returns once every thread of every member is stopped: the signal is sent at once,
+        but each thread stops only when it next runs, and on a loaded host a member once
+        answered a put sent right after (a whole-suite run)."""
         for member in self.members:
             self.kill(member, signal.SIGSTOP)
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        for member in self.members:
+            if member.process is None or member.process.poll() is not None:
+                continue
+            while not _all_threads_stopped(member.process.pid):
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"etcd {member.name} did not stop on SIGSTOP")
+                time.sleep(0.005)
 
     def resume_all(self) -> None:
         for member in self.members:

@@ -333,7 +333,9 @@ def test_images_sharing_base_layers_share_blocks_and_page_cache(env: Env) -> Non
         assert after_a - cold >= SHARED_MB * MIB * 9 // 10  # A's read filled the cache
         assert after_b - after_a <= 2 * MIB  # B's read added (almost) nothing
         assert io_a >= SHARED_MB * MIB * 9 // 10  # A read the layer from the disk
-        assert io_b <= 2 * MIB  # B did not: it was served from the cache A filled
+        # B did not: it was served from the cache A filled. B's own reads (md5sum, its top
+        # layer's metadata) came to 2 MiB + 4 KiB once in CI; the layer is SHARED_MB.
+        assert io_b <= SHARED_MB * MIB // 10
     finally:
         sa.kill()
         if sb is not None:

@@ -53,17 +53,21 @@ class QemuMigration(QemuBase):
             await asyncio.sleep(0.002)
         raise VMMError(f"{self.name}: {what} did not finish in {SNAPSHOT_TIMEOUT_S:.0f}s")
 
-    async def _wait_incoming(self, what: str) -> None:
-        """The destination's `query-migrate` says completed before the state is applied on
-        some versions; the run state leaving `inmigrate` is the reliable signal."""
-        await self._wait_migration(what)
+    async def _wait_run_state_leaves(self, state: str, what: str) -> None:
+        """`query-migrate` says completed before the migration thread has set the run state
+        that ends it (under the big lock, a moment later), on both ends."""
         deadline = time.monotonic() + SNAPSHOT_TIMEOUT_S
         while time.monotonic() < deadline:
             reply = await self._execute("query-status")
-            if isinstance(reply, dict) and reply.get("status") != "inmigrate":
+            if isinstance(reply, dict) and reply.get("status") != state:
                 return
             await asyncio.sleep(0.002)
         raise VMMError(f"{self.name}: {what} did not finish in {SNAPSHOT_TIMEOUT_S:.0f}s")
+
+    async def _wait_incoming(self, what: str) -> None:
+        # The destination applies the state after `completed`: it leaves `inmigrate` then.
+        await self._wait_migration(what)
+        await self._wait_run_state_leaves("inmigrate", what)
 
     async def _pass_fd(self, fd: int) -> str:
         """Hand QEMU an open descriptor (SCM_RIGHTS on the QMP socket, then `getfd`); the
@@ -98,6 +102,9 @@ class QemuMigration(QemuBase):
             raise
         try:
             await self._wait_migration(what)
+            # A source still in `finish-migrate` refuses `cont` ("Migration is not finalized
+            # yet"): a capture that resumes its source at once met that in CI.
+            await self._wait_run_state_leaves("finish-migrate", what)
         except VMMError as exc:
             # QEMU's write fails with little detail; a full filesystem is why, and callers
             # map it.
