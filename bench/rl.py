@@ -8,13 +8,15 @@ threads each run `--episodes` episodes:
 - ``create``: `Sandbox.create(template=<task snapshot>)` per episode, then `kill`;
 - ``reset``: one sandbox per worker, `POST /sandboxes/{id}/reset` to the task snapshot between
   episodes (`agentenv.rollouts.Rollouts.reset`);
-- ``fork``: per round, one `POST /snapshots/{task}/fork` of `--workers` children, one per
-  worker, killed after the episode.
+- ``fork``: batches of `--workers` children of the task snapshot (`POST /snapshots/{task}/fork`,
+  one call per batch), dealt to the workers as they free up, each killed after its episode;
+  the next batch is forked when the current one is dealt out (no barrier; see the fork section).
 
-For each: episodes/min, per-step latency p50/p99, per-episode setup latency (create, reset or
-the worker's share of a fork) p50/p99, and CPU per episode: the server process's own, and the
-whole machine's (server, helpers and guests: under TCG the guests dominate it; on a KVM host the
-server's share is what carries over). The ratios against ``create`` are the numbers to read.
+For each: episodes/min, per-step latency p50/p99, per-episode setup latency (create, reset, or
+the wait for a fork's child: ~0 when its batch was ready, up to a whole fork otherwise)
+p50/p99, and CPU per episode: the server process's own, and the whole machine's (server,
+helpers and guests: under TCG the guests dominate it; on a KVM host the server's share is what
+carries over). The ratios against ``create`` are the numbers to read.
 
     .venv/bin/python bench/rl.py [--workers 4] [--episodes 5] [--steps 3] [--json out.json]
     # full scale on a big host: --workers 64 --episodes 50 --steps 10
@@ -202,25 +204,57 @@ def run(args: argparse.Namespace, server: ServerProcess) -> list[Mode]:
             sbx.kill()
 
     fork = Mode("fork")
-    children: list[str] = []
-    ready = threading.Barrier(args.workers)
+    # Batches of `--workers` children from the task state (one fork call each), dealt to the
+    # workers as they free up. The next batch is forked when the last child of the current
+    # one is dealt, so it restores while the current episodes run, as a harness that runs
+    # groups of rollouts from one state does; a worker waits only if it is there first. No
+    # barrier: nobody waits for the slowest episode of a batch. (So up to 2 x --workers
+    # sandboxes live at once here, against --workers in the create mode.)
+    dealt: list[str] = []
+    dealer = threading.Condition()
+    batches = {"ordered": 0, "inflight": False}
 
-    def fork_worker(w: int) -> None:
+    def order_batch() -> None:
+        # Under `dealer`.
+        batches["ordered"] += args.workers
+        batches["inflight"] = True
+
+        def run() -> None:
+            got: list[str] = []
+            try:
+                got = api.fork_snapshot(TASK, args.workers, timeout=SANDBOX_TIMEOUT_S)
+            except Exception as exc:
+                fail(fork, "fork", exc)
+            with dealer:
+                dealt.extend(got)
+                batches["inflight"] = False
+                dealer.notify_all()
+
+        threading.Thread(target=run, daemon=True).start()
+
+    def next_child() -> str | None:
+        total = args.workers * args.episodes
+        with dealer:
+            while True:
+                if dealt:
+                    child = dealt.pop(0)
+                    if not dealt and not batches["inflight"] and batches["ordered"] < total:
+                        order_batch()
+                    return child
+                if not batches["inflight"]:
+                    if batches["ordered"] >= total:
+                        return None
+                    order_batch()
+                dealer.wait(timeout=600)
+
+    def fork_worker(_: int) -> None:
         for _ in range(args.episodes):
-            if w == 0:
-                t0 = time.perf_counter()
-                try:
-                    children[:] = api.fork_snapshot(TASK, args.workers, timeout=SANDBOX_TIMEOUT_S)
-                except Exception as exc:
-                    children[:] = []
-                    fail(fork, "fork", exc)
-                with lock:
-                    fork.setup_s.extend([(time.perf_counter() - t0) / args.workers] * args.workers)
-            ready.wait(timeout=600)
-            mine = children[w] if w < len(children) else None
-            ready.wait(timeout=600)
+            t0 = time.perf_counter()
+            mine = next_child()
             if mine is None:
                 continue
+            with lock:
+                fork.setup_s.append(time.perf_counter() - t0)
             try:
                 steps(Sandbox.connect(mine, **opts), args.steps, fork.step_s, lock)
                 with lock:
@@ -235,6 +269,8 @@ def run(args: argparse.Namespace, server: ServerProcess) -> list[Mode]:
         measure(server, mode, args.workers, body)
         print(json.dumps(mode.summary(create if mode is not create else None)), flush=True)
         modes.append(mode)
+    for sandbox_id in dealt:  # none unless a worker gave up early
+        api.kill(sandbox_id)
     api.close()
     return modes
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from agentenv.cluster.membership import NodeInfo
@@ -96,6 +97,10 @@ class ClusterPlacement(ClusterRouting):
         recent = [(t, mb) for t, mb in self._placed.get(info.node_id, []) if t > seen]
         self._placed[info.node_id] = recent
         return self._inflight_mb.get(info.node_id, 0) + sum(mb for _, mb in recent)
+
+    async def create_many(self, specs: Sequence[SandboxSpec]) -> list[Placement | BaseException]:
+        # One create each (the node's batch start is for its own in-process runtime).
+        return list(await asyncio.gather(*map(self.create, specs), return_exceptions=True))
 
     async def create(self, spec: SandboxSpec) -> Placement:
         candidates = await self._candidates(spec, spec.template)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
@@ -158,6 +158,13 @@ class Runtime(Protocol):
         (hostname, clock, entropy, the template's defaults, `spec.env_vars`, `spec.envd_token`)
         and whose guest may open connections only as `spec.egress` says, from the start (kept
         across pause/resume and given to fork children)."""
+        ...
+
+    async def create_many(self, specs: Sequence[SandboxSpec]) -> list[Placement | BaseException]:
+        """`create` of each spec (a snapshot's fork of N), concurrently; each result is its
+        placement or what its `create` would have raised (a failed one left nothing behind;
+        the caller decides about the others). A node starts a batch of one named snapshot
+        as one start: admitted for all at once and restored together."""
         ...
 
     async def update_egress(self, sandbox_id: str, egress: Egress) -> None:

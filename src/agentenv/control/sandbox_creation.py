@@ -4,6 +4,7 @@ snapshots, and forks (their rows and children's start). Split from `sandboxes.py
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import secrets
 import time
@@ -21,6 +22,7 @@ from agentenv.contract.errors import (
 from agentenv.contract.ids import new_sandbox_id
 from agentenv.contract.runtime import (
     Placement,
+    SandboxSpec,
     SnapshotInfo,
     TagUnavailable,
     TemplateUnavailable,
@@ -68,10 +70,25 @@ class SandboxCreation(SandboxBase):
         async with self.limits.reserve(team_id, count):
             for rec, _ in recs:
                 await self.store.insert(rec)
-        results = await asyncio.gather(
-            *(self._place_locked(rec, ref, spec) for rec, ref in recs),
-            return_exceptions=True,
-        )
+        async with contextlib.AsyncExitStack() as locks:
+            for rec, _ in recs:
+                await locks.enter_async_context(self._locked(rec.id))
+            # One call: a node starts a snapshot's children as one batch (restored together).
+            started: list[Placement | BaseException]
+            try:
+                started = await self.runtime.create_many(
+                    [self._runtime_spec(rec, ref, spec) for rec, ref in recs]
+                )
+            except Exception as exc:
+                # Refused as a whole (nothing made): each stored row goes as a failed create.
+                started = [exc] * len(recs)
+            results = await asyncio.gather(
+                *(
+                    self._place(rec, ref, spec, got)
+                    for (rec, ref), got in zip(recs, started, strict=True)
+                ),
+                return_exceptions=True,
+            )
         failures = [r for r in results if isinstance(r, BaseException)]
         if failures:
             made = [rec.id for (rec, _), r in zip(recs, results, strict=True) if r is None]
@@ -145,13 +162,19 @@ class SandboxCreation(SandboxBase):
             self._unattended_rows = True
         return rec, tpl.ref or rec.template
 
-    async def _place_locked(self, rec: SandboxRecord, ref: str, spec: CreateSpec) -> None:
-        async with self._locked(rec.id):
-            await self._place(rec, ref, spec)
+    def _runtime_spec(self, rec: SandboxRecord, ref: str, spec: CreateSpec) -> SandboxSpec:
+        return replace(self._spec(rec), template=ref, capacity_wait_s=spec.capacity_wait_s)
 
-    async def _place(self, rec: SandboxRecord, ref: str, spec: CreateSpec) -> None:
-        """Start the stored `creating` row's sandbox on the runtime and mark it running; a
-        failure tears down what was made and raises what the API answers."""
+    async def _place(
+        self,
+        rec: SandboxRecord,
+        ref: str,
+        spec: CreateSpec,
+        given: Placement | BaseException | None = None,
+    ) -> None:
+        """Start the stored `creating` row's sandbox on the runtime (or take `given`, what a
+        batch's start of it gave) and mark it running; a failure tears down what was made
+        and raises what the API answers."""
         await self.store.log(rec.id, f"creating from template {rec.template!r}")
         log.info(
             "sandbox %s creating template=%s",
@@ -162,9 +185,9 @@ class SandboxCreation(SandboxBase):
         started = time.monotonic()
         placement: Placement | None = None
         try:
-            placement = await self.runtime.create(
-                replace(self._spec(rec), template=ref, capacity_wait_s=spec.capacity_wait_s)
-            )
+            if isinstance(given, BaseException):
+                raise given
+            placement = given or await self.runtime.create(self._runtime_spec(rec, ref, spec))
             # The sandbox's life (and its timeout) starts when it is usable, not when the
             # request arrived: a slow boot must not eat into the caller's timeout.
             ready_at = time.time()

@@ -7,7 +7,8 @@ import asyncio
 import logging
 import shutil
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from agentenv import snapshot as snaps
@@ -51,6 +52,16 @@ from agentenv.vmm.errors import VMMError
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class BatchChild:
+    """One sandbox of a `NodeCreate.create_batch`: its id and what a create would be given."""
+
+    sandbox_id: str
+    egress: Egress = OPEN
+    init: GuestInit = NO_INIT
+    metadata: Mapping[str, str] | None = None
+
+
 class NodeCreate(NodeBase):
     """The create paths of a `host.Node`."""
 
@@ -91,6 +102,42 @@ class NodeCreate(NodeBase):
                 template, cpu, memory_mb, disk_size_mb, top, top_path, disk_mb, base_mb, egress,
                 defaults, sandbox_id, init, metadata,
             )  # fmt: skip
+
+    async def create_batch(
+        self,
+        template: str,
+        children: Sequence[BatchChild],
+        *,
+        capacity_wait_s: float | None = None,
+    ) -> list[SandboxHandle | BaseException] | None:
+        """Sandboxes of one named snapshot (a snapshot's fork of N): the snapshot looked up
+        once, the children admitted as one start of N (capacity for all at once, one start
+        slot, as a running sandbox's fork is) and restored together, where N creates would
+        each take a start slot and restore at most `max_starts` at a time. Each child's
+        result is its handle or its exception (it released what it made; the caller decides
+        about the others). None if `template` is not a named snapshot here (the caller
+        creates them one by one)."""
+        if self._boot is None or self._accel is None:
+            raise SandboxError("node is not started")
+        if len({c.sandbox_id for c in children}) != len(children):
+            raise InvalidResources("a batch names one sandbox id twice")
+        for child in children:
+            await asyncio.to_thread(self._check_new_id, child.sandbox_id)
+        snap = await asyncio.to_thread(self._named_snapshot, template)
+        if snap is None:
+            return None
+        what = f"{len(children)} creates from snapshot {template!r}"
+        async with self.admission.start(
+            what, snap.memory_mb, len(children), wait_s=capacity_wait_s
+        ):
+            results = await asyncio.gather(
+                *(
+                    self._from_snapshot(snap, template, c.egress, c.sandbox_id, c.init, c.metadata)
+                    for c in children
+                ),
+                return_exceptions=True,
+            )
+        return list(results)
 
     def _check_new_id(self, sandbox_id: str) -> None:
         """An id the caller chose: a DNS label of ours, not held by anything here."""

@@ -6,7 +6,8 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from agentenv import snapshot as snaps
@@ -37,6 +38,7 @@ from agentenv.node.errors import (
 )
 from agentenv.node.files import sandbox_files
 from agentenv.node.host import GuestInit, Node, SandboxHandle
+from agentenv.node.host_create import BatchChild
 from agentenv.node.ondemand import OnDemandTemplates
 from agentenv.node.runtime_guest import GuestCalls
 from agentenv.node.runtime_support import LOCAL_NODE, LocalNodes, capacity, host_capacity
@@ -80,6 +82,17 @@ def _init(spec: SandboxSpec) -> GuestInit:
 
 def _placement(h: SandboxHandle) -> Placement:
     return Placement(h.id, h.address, h.envd_url, booted=h.booted)
+
+
+def _mapped(home: Path, exc: BaseException) -> BaseException:
+    """A batch child's failure as `create` would raise it (one error map: `capacity`)."""
+    try:
+        with capacity(home):
+            if isinstance(exc, InvalidResources):
+                raise BadRequest(str(exc)) from exc
+            raise exc
+    except BaseException as mapped:
+        return mapped
 
 
 log = logging.getLogger(__name__)
@@ -227,6 +240,30 @@ class NodeRuntime(GuestCalls):
         except InvalidResources as exc:
             raise BadRequest(str(exc)) from exc
         return Placement(handle.id, handle.address, handle.envd_url)
+
+    async def create_many(self, specs: Sequence[SandboxSpec]) -> list[Placement | BaseException]:
+        """Sandboxes of one named snapshot (a snapshot's fork) start as one batch on the node
+        (`Node.create_batch`); anything else is one create each, concurrently."""
+        if not specs or len({s.template for s in specs}) != 1:
+            return list(await asyncio.gather(*map(self.create, specs), return_exceptions=True))
+        first = specs[0]
+        self._refuse_if_cordoned(f"{len(specs)} creates of {first.template}")
+        template = await self.on_demand.resolve(first.template)
+        await self._fetch_snapshot(template)
+        children = [BatchChild(s.sandbox_id, s.egress, _init(s), s.metadata) for s in specs]
+        try:
+            with capacity(self.node.settings.home):
+                handles = await self.node.create_batch(
+                    template, children, capacity_wait_s=first.capacity_wait_s
+                )
+        except InvalidResources as exc:
+            raise BadRequest(str(exc)) from exc
+        if handles is None:
+            return list(await asyncio.gather(*map(self.create, specs), return_exceptions=True))
+        home = self.node.settings.home
+        return [
+            _mapped(home, h) if isinstance(h, BaseException) else _placement(h) for h in handles
+        ]
 
     async def _fetch_snapshot(self, ref: str) -> None:
         """A create from a snapshot (a built template's, or one taken through the API) that

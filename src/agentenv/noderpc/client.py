@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from pyqwest import Client as HTTPClient
@@ -111,6 +111,10 @@ class RemoteRuntime(NodeStreams):
             await rpc.close()
         if transport is not None:
             await transport.aclose()
+
+    async def create_many(self, specs: Sequence[SandboxSpec]) -> list[Placement | BaseException]:
+        # One create each (the node's batch start is for its own in-process runtime).
+        return list(await asyncio.gather(*map(self.create, specs), return_exceptions=True))
 
     async def create(self, spec: SandboxSpec) -> Placement:
         req = pb.CreateRequest(spec=convert.spec_to_pb(spec))
