@@ -3,7 +3,8 @@
 - A server with ``AGENTENV_MAX_SANDBOXES=2`` queues a third create until a sandbox ends (a
   burst waits for capacity instead of failing), and past ``AGENTENV_CAPACITY_WAIT_S`` refuses
   it with 503, a ``Retry-After`` header and the usual JSON body, having made nothing for it;
-  the official SDK raises `ServiceBusyException` carrying the message. The full-scale burst
+  the official SDK raises `ServiceBusyException` carrying the message. A fork of 2 from a
+  snapshot with one place free waits as one start, no child before both fit. The full-scale burst
   (200 creates against a node that holds 16) is `bench/burst.py`.
 - 32 concurrent `Sandbox.create` through the SDK (threads) all succeed or get that 503, each
   within a bound; killing them all leaves nothing behind. Creates beyond
@@ -162,8 +163,30 @@ def test_a_node_at_capacity_queues_a_create_then_answers_503(home: Path) -> None
             metrics = api.get("/metrics").text
             assert 'agentenv_sandbox_create_refusals_total{status="503"} 3.0' in metrics
             assert "agentenv_sandbox_create_failures_total 0.0" in metrics
+
+            # A fork of 2 from a snapshot with 1 of 2 places free waits as one start (#24):
+            # no child starts before both fit (a child each would hold the one place while
+            # its sibling waited), then both are made once a sandbox ends.
+            assert api.delete(f"/sandboxes/{ids.pop()}").status_code == 204
+            resp = api.post(f"/sandboxes/{ids[0]}/snapshots", json={"name": "conc-task"})
+            assert resp.status_code == 201, resp.text
+            queued_before = srv.log_path.read_text(errors="replace").count("waits for capacity")
+            with ThreadPoolExecutor(1) as pool:
+                forked = pool.submit(
+                    api.post, "/snapshots/conc-task/fork", json={"count": 2, "timeout": 300}
+                )
+                _wait_for_log(srv, "waits for capacity", queued_before + 1, 30)
+                log_now = srv.log_path.read_text(errors="replace")
+                assert "2 creates from snapshot '" in log_now
+                assert len(qemu_processes(home)) == 1 and not forked.done()
+                assert api.delete(f"/sandboxes/{ids.pop()}").status_code == 204
+                resp = forked.result(timeout=REQUEST_TIMEOUT_S)
+            assert resp.status_code == 201, resp.text
+            ids.extend(kid["sandbox"]["sandboxID"] for kid in resp.json())
+            assert len(ids) == 2 and len(qemu_processes(home)) == 2
             for sid in ids:
                 assert api.delete(f"/sandboxes/{sid}").status_code == 204
+            assert api.delete("/templates/conc-task").status_code == 204
     finally:
         stop_and_check(srv)
 
