@@ -48,6 +48,8 @@ class H(BaseHTTPRequestHandler):
         self.send_response(status)
         self.send_header("content-type", "application/json")
         self.send_header("content-length", str(len(data)))
+        if "cookie=1" in self.path:
+            self.send_header("set-cookie", "sid=guest; Path=/")
         self.end_headers()
         self.wfile.write(data)
 

@@ -49,6 +49,14 @@ def test_header_routing_strips_routing_headers(client: httpx.Client, guest: Gues
     assert body["headers"]["x-mine"] == "1"
     for h in ("e2b-sandbox-id", "e2b-sandbox-port", "e2b-traffic-access-token"):
         assert h not in body["headers"]
+    # A guest's Set-Cookie reaches the client as is, and the proxy's own client to the
+    # sandbox keeps none of it (no jar: `proxy.upstream.UpstreamClient`): a request without
+    # cookies arrives without any.
+    with httpx.Client(base_url=guest.server.url, timeout=30) as fresh:
+        set_one = fresh.get("/echo?cookie=1", headers=guest.headers())
+        assert set_one.headers.get("set-cookie") == "sid=guest; Path=/"
+        bare = httpx.get(f"{guest.server.url}/echo", headers=guest.headers(), timeout=30)
+        assert "cookie" not in bare.json()["headers"]
 
 
 def test_host_and_path_routing(client: httpx.Client, guest: Guest) -> None:

@@ -252,11 +252,17 @@ class MemoryManager:
             for last, g, st in candidates:
                 if now - last >= p.idle_s:
                     await self._inflate(g, st, "idle")
-        if p.pressure_pct > 0 and self._pressured():
-            for last, g, st in candidates:
-                if st.target is None and now - last >= p.pressure_min_idle_s:
-                    await self._inflate(g, st, "host pressure")
-                    break
+        if p.pressure_pct > 0:
+            ready = [
+                (g, st)
+                for last, g, st in candidates
+                if st.target is None and now - last >= p.pressure_min_idle_s
+            ]
+            # The host's pressure is read only when a guest could give memory back: reading
+            # /proc/meminfo every tick was most of an idle server's CPU (#23).
+            if ready and self._pressured():
+                g, st = ready[0]
+                await self._inflate(g, st, "host pressure")
 
     def _pressured(self) -> bool:
         p = self.policy

@@ -24,6 +24,7 @@ from agentenv.proxy.upstream import (
     UPSTREAM_LIMITS,
     UPSTREAM_TIMEOUT,
     UPSTREAM_TLS,
+    UpstreamClient,
     forwardable,
     refusal,
 )
@@ -117,7 +118,7 @@ class ProxyConnections:
             transport = self._dialer.transport(
                 via, rec.id, limits=UPSTREAM_LIMITS, verify=UPSTREAM_TLS
             )
-        client = httpx.AsyncClient(
+        client = UpstreamClient(
             timeout=UPSTREAM_TIMEOUT,
             limits=UPSTREAM_LIMITS,
             trust_env=False,

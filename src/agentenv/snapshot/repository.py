@@ -127,8 +127,14 @@ class SnapshotRepository:
         with (self.root / ".lock").open("a+") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             snaps = self._read()
+            before = json.dumps([s.to_dict() for s in snaps.values()])
             yield snaps
-            doc = {"version": 1, "snapshots": [s.to_dict() for s in snaps.values()]}
+            listed = [s.to_dict() for s in snaps.values()]
+            if json.dumps(listed) == before:
+                # Nothing changed: no rewrite (a kill's unref and gc found nothing to drop in
+                # the usual case, and each rewrite was a temp file, a write and an fsync).
+                return
+            doc = {"version": 1, "snapshots": listed}
             fd, tmp = tempfile.mkstemp(prefix=".catalog-", dir=self.root)
             try:
                 with os.fdopen(fd, "w") as fh:
