@@ -110,7 +110,8 @@ def test_unref_holder_and_unknown_digest(store: LayerStore, tmp_path: Path) -> N
     store.ref(d, "sbx-2")
     store.ref(e, "sbx-1")
     assert store.held_by("sbx-1") == sorted([d, e])
-    store.unref_holder("sbx-1")
+    assert store.unref_holder("sbx-1") == sorted([d, e])
+    assert store.unheld([d, e]) == [e]
     assert store.holders(d) == ["sbx-2"]
     assert store.held_by("sbx-1") == [] and store.held_by("sbx-2") == [d]
     with pytest.raises(LayerNotFound):

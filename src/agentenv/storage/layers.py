@@ -165,12 +165,21 @@ class LayerStore:
             if holder in held:
                 held.remove(holder)
 
-    def unref_holder(self, holder: str) -> None:
-        """Drop every reference `holder` has (used when a sandbox is torn down)."""
+    def unref_holder(self, holder: str) -> list[str]:
+        """Drop every reference `holder` has (used when a sandbox is torn down); return the
+        digests it held."""
         with self._locked() as refs:
-            for held in refs.values():
+            dropped = []
+            for digest, held in refs.items():
                 if holder in held:
                     held.remove(holder)
+                    dropped.append(digest)
+            return sorted(dropped)
+
+    def unheld(self, digests: list[str]) -> list[str]:
+        """Those of `digests` nothing references now (one read of the refs)."""
+        with self._locked() as refs:
+            return [d for d in digests if not refs.get(d)]
 
     # -- removal --------------------------------------------------------------------------------
 
