@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import fcntl
 import os
 import socket
 import struct
 
 from .errors import FailedPrecondition
+from .libc import libc
 
 CLOCK_REALTIME = 0
 # _IOW('R', 0x03, int[2]) and _IO('R', 0x07) from <linux/random.h>
@@ -23,10 +23,9 @@ class _Timespec(ctypes.Structure):
 
 def set_clock(unix_ns: int) -> None:
     """Sets the wall clock: after a snapshot resume the guest's clock is where it was paused."""
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
     seconds, nanos = divmod(unix_ns, 1_000_000_000)
     ts = _Timespec(seconds, nanos)
-    if libc.clock_settime(CLOCK_REALTIME, ctypes.byref(ts)) != 0:
+    if libc().clock_settime(CLOCK_REALTIME, ctypes.byref(ts)) != 0:
         err = ctypes.get_errno()
         raise FailedPrecondition(f"clock_settime failed: {os.strerror(err)}")
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
-import ctypes.util
 import errno
 import os
 import struct
@@ -17,6 +16,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from .errors import FailedPrecondition, InvalidArgument, NotFound
+from .libc import libc
 
 EventKind = Literal["create", "write", "remove", "rename", "chmod"]
 
@@ -50,15 +50,6 @@ _EVENT = struct.Struct("iIII")
 NETWORK_FILESYSTEMS = frozenset(
     {"nfs", "nfs4", "cifs", "smb3", "smbfs", "9p", "fuse.sshfs", "ceph", "glusterfs", "afs"}
 )
-
-_libc: ctypes.CDLL | None = None
-
-
-def _lib() -> ctypes.CDLL:
-    global _libc
-    if _libc is None:
-        _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    return _libc
 
 
 @dataclass(frozen=True)
@@ -106,7 +97,7 @@ class DirWatcher:
         self.recursive = recursive
         self._sink = sink
         self._wd_dirs: dict[int, str] = {}
-        fd = _lib().inotify_init1(IN_NONBLOCK | IN_CLOEXEC)
+        fd = libc().inotify_init1(IN_NONBLOCK | IN_CLOEXEC)
         if fd < 0:
             err = ctypes.get_errno()
             raise FailedPrecondition(f"inotify_init1 failed: {os.strerror(err)}")
@@ -132,7 +123,7 @@ class DirWatcher:
 
     def _add(self, relative: str) -> None:
         full = os.path.join(self.root, relative) if relative else self.root
-        wd = _lib().inotify_add_watch(self._fd, os.fsencode(full), WATCH_MASK | IN_ONLYDIR)
+        wd = libc().inotify_add_watch(self._fd, os.fsencode(full), WATCH_MASK | IN_ONLYDIR)
         if wd < 0:
             err = ctypes.get_errno()
             if err in (errno.ENOENT, errno.ENOTDIR) and relative:
