@@ -17,6 +17,7 @@ import pytest
 from agentenv.api.devserver import ServerProcess
 from agentenv.api.keys import KeyRing
 from agentenv.snapshot.pause import PAUSED
+from agentenv.vmm.registry import VMRecord, load_all
 
 from .conftest import REQUEST_TIMEOUT_S, db_path, on_store, qemu_processes
 
@@ -296,6 +297,11 @@ def test_templates_and_prometheus_metrics(api: httpx.Client) -> None:
     assert "agentenv_proxy_bytes_total" in text
 
 
+def _vm_record(server: ServerProcess, sid: str) -> VMRecord:
+    (found,) = [r for r in load_all(server.home / "run" / "vms") if r.name == sid]
+    return found
+
+
 def test_reset_in_place_keeps_the_sandbox_and_drops_what_the_episode_did(
     api: httpx.Client, server: ServerProcess
 ) -> None:
@@ -311,6 +317,7 @@ def test_reset_in_place_keeps_the_sandbox_and_drops_what_the_episode_did(
         sbx = Sandbox.connect(sid, **opts)  # type: ignore[arg-type]
         sbx.files.write("/home/user/episode.txt", "step-1")
         before = next(s for s in api.get("/v2/sandboxes").json() if s["sandboxID"] == sid)
+        vm_before = _vm_record(server, sid)
         with ThreadPoolExecutor(1) as pool:
             inflight = pool.submit(sbx.commands.run, "sleep 120")
             deadline = time.monotonic() + 60
@@ -331,6 +338,11 @@ def test_reset_in_place_keeps_the_sandbox_and_drops_what_the_episode_did(
         assert not sbx.files.exists("/home/user/episode.txt")
         assert sbx.commands.run("echo ok").stdout.strip() == "ok"
         assert "reset to 'base'" in api.get(f"/sandboxes/{sid}/logs").text
+        # In place: a new QEMU in the same network slot (no slot given back and taken).
+        vm_after = _vm_record(server, sid)
+        assert vm_after.pid != vm_before.pid
+        assert vm_after.spec["netns"] == vm_before.spec["netns"]
+        assert f"sandbox {sid} reset to " in server.log_tail(400)
 
         assert "nope" in str(
             _assert_error(api.post(f"/sandboxes/{sid}/reset", json={"snapshot": "nope"}), 404)

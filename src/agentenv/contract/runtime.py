@@ -167,6 +167,14 @@ class Runtime(Protocol):
         as one start: admitted for all at once and restored together."""
         ...
 
+    async def reset(self, spec: SandboxSpec) -> Placement:
+        """Put the running sandbox `spec.sandbox_id` back to `spec.template`'s saved state in
+        place: same id and network slot, a new QEMU and upper, and the full `/init` of a
+        create from `spec`. ``Unsupported`` when this runtime cannot (nothing changed: the
+        caller replaces the sandbox by a delete and a create); any other failure leaves the
+        sandbox gone."""
+        ...
+
     async def update_egress(self, sandbox_id: str, egress: Egress) -> None:
         """Replace a running or paused sandbox's egress policy (at once while it runs)."""
         ...

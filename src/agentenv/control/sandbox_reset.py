@@ -1,9 +1,11 @@
 """Reset in place: a running sandbox goes back to the state it was created from (or to a named
 snapshot) and keeps its id, URL, tokens, metadata, env vars and timeout.
 
-The guest is swapped, not rebooted: the node deletes the sandbox's VM and starts the saved state
-again under the same id (create = resume of a snapshot, its memory mapped copy-on-write), so
-the proxy keeps routing by id. What was in flight ends first: the proxy's open requests and
+The guest is swapped, not rebooted: the node kills the sandbox's QEMU and restores the saved
+state into a new one under the same id, in the same network slot and workdir (`runtime.reset`,
+`node.host_reset`; its memory mapped copy-on-write), so the proxy keeps routing by id. A
+runtime that cannot (a cluster's node agents: `Unsupported`) gets a delete and a create under
+the same id instead. What was in flight ends first: the proxy's open requests and
 WebSockets to the sandbox are cut (a client's command stream ends with an error), then the
 old VM goes. The row is `resuming` meanwhile, with the reference it starts from (`reset_to`):
 a server that dies mid-reset finishes it (`_finish_reset`): the sandbox the node still runs is
@@ -19,7 +21,13 @@ import time
 from dataclasses import replace
 
 from agentenv.contract.errors import Conflict, CreateFailed, TemplateNotFound
-from agentenv.contract.runtime import Found, TagUnavailable, TemplateUnavailable
+from agentenv.contract.runtime import (
+    Found,
+    Placement,
+    TagUnavailable,
+    TemplateUnavailable,
+    Unsupported,
+)
 from agentenv.control.sandbox_base import LOST, SandboxBase
 from agentenv.control.store import SandboxRecord, SandboxState
 from agentenv.faults import crash_point
@@ -60,6 +68,18 @@ class SandboxReset(SandboxBase):
             # In-flight commands and WebSockets end now, before their VM goes.
             await self._released(sandbox_id, f"sandbox {sandbox_id} was reset")
             try:
+                placement = await self.runtime.reset(replace(self._spec(rec), template=target))
+            except Unsupported:
+                placement = None
+            except BaseException as exc:
+                await self._reset_failed(rec, ref, exc)
+                raise
+            if placement is not None:
+                await self._reset_done(rec, placement, ref, started)
+                return await self.get(sandbox_id)
+            # A runtime that cannot reset in place (a cluster's node agents): the sandbox's
+            # guest is replaced by a delete and a create under the same id.
+            try:
                 await self.runtime.delete(sandbox_id)
                 crash_point("reset:deleted")
             except BaseException as exc:
@@ -76,6 +96,11 @@ class SandboxReset(SandboxBase):
         except BaseException as exc:
             await self._reset_failed(rec, ref, exc)
             raise
+        await self._reset_done(rec, placement, ref, started)
+
+    async def _reset_done(
+        self, rec: SandboxRecord, placement: Placement, ref: str, started: float
+    ) -> None:
         # Its timeout stays: the episode's deadline did not move.
         await self.store.transition(
             rec.id,

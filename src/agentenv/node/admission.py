@@ -37,7 +37,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -223,6 +223,18 @@ class Admission:
             self._reserved.remove(res)
             # A start that failed frees what it held; one that succeeded turned it into a
             # running sandbox's, which changes the memory sums too.
+            self.notify()
+
+    @contextlib.contextmanager
+    def kept(self, memory_mb: int) -> Iterator[None]:
+        """A running sandbox's place, kept while it is out of the running list (a reset
+        swaps its QEMU): counted as reserved, not checked or queued (it had the place), so
+        no start takes it meanwhile."""
+        res = self._take(1, memory_mb)
+        try:
+            yield
+        finally:
+            self._reserved.remove(res)
             self.notify()
 
     def notify(self) -> None:

@@ -57,3 +57,8 @@ class NoCapacity(SandboxError):
         super().__init__(message)
         self.resource = resource
         self.retry_after_s = retry_after_s
+
+
+class NotResettable(SandboxError):
+    """The sandbox cannot be reset in place here (no memory snapshot of the target, a paused
+    sandbox): the caller replaces it by a delete and a create."""

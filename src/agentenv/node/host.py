@@ -34,7 +34,7 @@ from agentenv.node.errors import (
     SandboxError,
 )
 from agentenv.node.files import SandboxFiles, sandbox_files
-from agentenv.node.host_pause import NodePause
+from agentenv.node.host_reset import NodeReset
 from agentenv.node.sandbox import (
     ADOPT_HEALTH_TIMEOUT_S,
     Boot,
@@ -57,7 +57,7 @@ log = logging.getLogger(__name__)
 __all__ = ["GuestInit", "Node", "SandboxHandle", "TemplateDefaults"]
 
 
-class Node(NodePause):
+class Node(NodeReset):
     """A single host's sandboxes (see the module docstring); start, crash recovery, close."""
 
     async def start(self) -> None:

@@ -33,6 +33,7 @@ from agentenv.node.errors import (
     BootFailed,
     InvalidResources,
     NotPausable,
+    NotResettable,
     UnknownSandbox,
     UnknownTemplate,
 )
@@ -235,6 +236,21 @@ class NodeRuntime(GuestCalls):
                     metadata=spec.metadata,
                     capacity_wait_s=spec.capacity_wait_s,
                 )
+        except UnknownTemplate as exc:
+            raise TemplateUnavailable(str(exc)) from exc
+        except InvalidResources as exc:
+            raise BadRequest(str(exc)) from exc
+        return Placement(handle.id, handle.address, handle.envd_url)
+
+    async def reset(self, spec: SandboxSpec) -> Placement:
+        self._refuse_if_cordoned(f"reset of {spec.sandbox_id}")
+        template = await self.on_demand.resolve(spec.template)
+        await self._fetch_snapshot(template)
+        try:
+            with capacity(self.node.settings.home):
+                handle = await self.node.reset(spec.sandbox_id, template, init=_init(spec))
+        except NotResettable as exc:
+            raise Unsupported(str(exc)) from exc
         except UnknownTemplate as exc:
             raise TemplateUnavailable(str(exc)) from exc
         except InvalidResources as exc:

@@ -33,6 +33,7 @@ from agentenv.contract.runtime import (
     SandboxSpec,
     SnapshotInfo,
     TemplateInfo,
+    Unsupported,
 )
 from agentenv.noderpc.node_streams import NodeStreams
 
@@ -111,6 +112,10 @@ class RemoteRuntime(NodeStreams):
             await rpc.close()
         if transport is not None:
             await transport.aclose()
+
+    async def reset(self, spec: SandboxSpec) -> Placement:
+        # The node agent's RPC has no reset yet: the control plane deletes and creates.
+        raise Unsupported(f"reset of {spec.sandbox_id} in place: not over the node RPC")
 
     async def create_many(self, specs: Sequence[SandboxSpec]) -> list[Placement | BaseException]:
         # One create each (the node's batch start is for its own in-process runtime).

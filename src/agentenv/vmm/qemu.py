@@ -327,6 +327,11 @@ class QemuVM(QemuArgv, QemuDisks, QemuMigration):
         await self.kill()
 
     async def kill(self) -> None:
+        # Whole: a cancel that reached a kill between its SIGKILL and its cleanup left the
+        # QEMU's cgroup behind (a converter cancelled by a delete, in a whole-suite run).
+        await aio.whole(self._kill())
+
+    async def _kill(self) -> None:
         self._expected_exit = True
         pid = self.pid
         if pid is not None and self.exit_code is None:

@@ -17,7 +17,13 @@ REQUIREMENTS = Path(envd_pkg.__file__).with_name("requirements.txt")
 
 def _modules(code: str) -> set[str]:
     out = subprocess.run(
-        [sys.executable, "-c", f"{code}\nimport sys; print('\\n'.join(sys.modules))"],
+        # A None entry is a failed import remembered (agentenv's for sniffio), not a module.
+        [
+            sys.executable,
+            "-c",
+            f"{code}\nimport sys\n"
+            "print('\\n'.join(k for k, v in sys.modules.items() if v is not None))",
+        ],
         capture_output=True,
         text=True,
         check=True,
