@@ -97,8 +97,16 @@ class Latency:
         return percentile(self.samples, 50)
 
     @property
+    def p95(self) -> float:
+        return percentile(self.samples, 95)
+
+    @property
     def p99(self) -> float:
         return percentile(self.samples, 99)
+
+    @property
+    def max(self) -> float:
+        return max(self.samples, default=float("nan"))
 
 
 def exec_loop(
@@ -410,7 +418,9 @@ class Result:
     idle_p50_s: float
     idle_p99_s: float
     p50_s: float
+    p95_s: float
     p99_s: float
+    max_s: float
     execs: int
     exec_errors: list[str]
     measured_s: float
@@ -431,7 +441,8 @@ class Result:
 
     def line(self) -> str:
         return (
-            f"{self.name:16s} p50 {self.p50_s * 1000:6.0f} ms  p99 {self.p99_s * 1000:6.0f} ms  "
+            f"{self.name:16s} p50 {self.p50_s * 1000:6.0f} ms  p95 {self.p95_s * 1000:6.0f} ms  "
+            f"p99 {self.p99_s * 1000:6.0f} ms  max {self.max_s * 1000:6.0f} ms  "
             f"p99/idle {self.ratio:5.2f}x  execs {self.execs:4d}  health {self.health_checks} "
             f"bad {len(self.health_bad)} max {self.health_max_s:.2f}s  "
             f"mem>={self.min_mem_available_mb:.0f}MB "
@@ -489,7 +500,9 @@ def run_scenario(
         idle_p50_s=idle.p50,
         idle_p99_s=idle.p99,
         p50_s=lat.p50,
+        p95_s=lat.p95,
         p99_s=lat.p99,
+        max_s=lat.max,
         execs=len(lat.samples),
         exec_errors=lat.errors[:5],
         measured_s=round(measured, 1),

@@ -344,6 +344,13 @@ def test_reset_in_place_keeps_the_sandbox_and_drops_what_the_episode_did(
         assert vm_after.spec["netns"] == vm_before.spec["netns"]
         assert f"sandbox {sid} reset to " in server.log_tail(400)
 
+        # A cordoned node still resets in place: it takes nothing new for it.
+        assert api.post("/nodes/local/cordon", json={"reason": "drain"}).status_code == 200
+        try:
+            assert api.post(f"/sandboxes/{sid}/reset").status_code == 200
+        finally:
+            assert api.post("/nodes/local/uncordon").status_code == 200
+        assert _vm_record(server, sid).spec["netns"] == vm_before.spec["netns"]
         assert "nope" in str(
             _assert_error(api.post(f"/sandboxes/{sid}/reset", json={"snapshot": "nope"}), 404)
         )

@@ -26,7 +26,7 @@ from agentenv.contract.errors import (
     SandboxNotFound,
     TemplateNotFound,
 )
-from agentenv.contract.runtime import Placement, SandboxSpec
+from agentenv.contract.runtime import Placement, SandboxSpec, TemplateUnavailable
 from agentenv.control.sandbox_base import CreateSpec
 from agentenv.control.sandboxes import SandboxManager
 from agentenv.control.sqlite_store import SqliteStore
@@ -49,6 +49,15 @@ class RowFlippingRuntime(NodeRuntime):
         assert self.store is not None
         await self.store.transition(spec.sandbox_id, SandboxState.CREATING, SandboxState.KILLING)
         return placed
+
+
+class VanishingTemplateRuntime(NodeRuntime):
+    """Resets to a template the node does not hold: the race of a reset with a delete of its
+    target, between the control plane's check and the node's (which a test cannot time).
+    The node refuses it before touching the guest."""
+
+    async def reset(self, spec: SandboxSpec) -> Placement:
+        return await super().reset(replace(spec, template="deleted-meanwhile"))
 
 
 def _manager(settings: Settings, db: Path, runtime: NodeRuntime | None = None) -> SandboxManager:
@@ -245,6 +254,31 @@ async def test_pause_and_resume_keep_the_guest_running_where_it_was(
     node = _node_runtime(mgr).node
     assert node.list() == []
     assert not (node.settings.sandboxes_dir / rec.id).exists()
+
+
+@pytest.mark.vm
+async def test_a_reset_the_node_refuses_leaves_the_sandbox_running(
+    settings: Settings, base_template: object, tmp_path: Path
+) -> None:
+    m = _manager(settings, tmp_path / "db.sqlite", VanishingTemplateRuntime(settings))
+    await m.start()
+    try:
+        rec = await m.create(CreateSpec("base", timeout=60))
+        pid = _qemu_pid(m, rec)
+        assert rec.envd_url
+        async with EnvdClient(rec.envd_url, access_token=rec.envd_token) as guest:
+            assert (await guest.run("echo kept > /tmp/mark")).exit_code == 0
+        with pytest.raises(TemplateUnavailable, match="deleted-meanwhile"):
+            await m.reset(rec.id)
+        after = await m.get(rec.id)
+        assert after.state is SandboxState.RUNNING and after.reset_to is None
+        assert (after.envd_url, after.end_at) == (rec.envd_url, rec.end_at)
+        assert _qemu_pid(m, after) == pid
+        async with EnvdClient(rec.envd_url, access_token=rec.envd_token) as guest:
+            assert (await guest.run("cat /tmp/mark")).stdout == "kept\n"
+        await m.kill(rec.id)
+    finally:
+        await m.close()
 
 
 @pytest.mark.vm

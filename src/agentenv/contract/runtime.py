@@ -170,9 +170,10 @@ class Runtime(Protocol):
     async def reset(self, spec: SandboxSpec) -> Placement:
         """Put the running sandbox `spec.sandbox_id` back to `spec.template`'s saved state in
         place: same id and network slot, a new QEMU and upper, and the full `/init` of a
-        create from `spec`. ``Unsupported`` when this runtime cannot (nothing changed: the
-        caller replaces the sandbox by a delete and a create); any other failure leaves the
-        sandbox gone."""
+        create from `spec`. ``Lost`` when it failed once the old guest was stopped (the
+        sandbox is gone); any other error is raised before anything changed (the sandbox
+        runs as it was), ``Unsupported`` when this runtime cannot reset in place (the caller
+        replaces the sandbox by a delete and a create). A cancel may leave either."""
         ...
 
     async def update_egress(self, sandbox_id: str, egress: Egress) -> None:

@@ -23,6 +23,7 @@ from dataclasses import replace
 from agentenv.contract.errors import Conflict, CreateFailed, TemplateNotFound
 from agentenv.contract.runtime import (
     Found,
+    Lost,
     Placement,
     TagUnavailable,
     TemplateUnavailable,
@@ -71,7 +72,16 @@ class SandboxReset(SandboxBase):
                 placement = await self.runtime.reset(replace(self._spec(rec), template=target))
             except Unsupported:
                 placement = None
+            except Lost as exc:
+                await self._reset_failed(rec, ref, exc)
+                raise
+            except Exception as exc:
+                # Refused before the old guest was touched (a bad target, no capacity, a
+                # full disk): the sandbox runs on as it was, and the caller gets the reason.
+                await self._reset_refused(rec, ref, exc)
+                raise
             except BaseException as exc:
+                # A cancel: where the node was in the swap is unknown, so nothing is kept.
                 await self._reset_failed(rec, ref, exc)
                 raise
             if placement is not None:
@@ -112,6 +122,14 @@ class SandboxReset(SandboxBase):
             reset_to=None,
         )
         await self.store.log(rec.id, f"reset to {ref!r} in {time.monotonic() - started:.2f}s")
+
+    async def _reset_refused(self, rec: SandboxRecord, ref: str, exc: Exception) -> None:
+        """The runtime refused the reset with the sandbox untouched: back to running, its
+        placement and deadline as they were."""
+        await self.store.transition(
+            rec.id, SandboxState.RESUMING, SandboxState.RUNNING, reset_to=None
+        )
+        await self.store.log(rec.id, f"reset to {ref!r} refused: {exc}", "error")
 
     async def _reset_failed(self, rec: SandboxRecord, ref: str, exc: BaseException) -> None:
         """The old guest is gone (or going) and no new one runs: the sandbox is lost, and says

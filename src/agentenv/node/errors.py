@@ -59,6 +59,11 @@ class NoCapacity(SandboxError):
         self.retry_after_s = retry_after_s
 
 
+class ResetLost(SandboxError):
+    """A reset failed after the sandbox's old guest was stopped: the sandbox is gone (its
+    stack ran). Any other error of a reset was raised before anything changed."""
+
+
 class NotResettable(SandboxError):
     """The sandbox cannot be reset in place here (no memory snapshot of the target, a paused
     sandbox): the caller replaces it by a delete and a create."""

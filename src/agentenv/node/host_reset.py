@@ -26,7 +26,13 @@ import time
 from agentenv.aio import thread_whole
 from agentenv.faults import crash_point
 from agentenv.node.cleanup import VM, WARM_LINK, remove_unheld_layers
-from agentenv.node.errors import InvalidResources, NotResettable, SandboxError, UnknownSandbox
+from agentenv.node.errors import (
+    InvalidResources,
+    NotResettable,
+    ResetLost,
+    SandboxError,
+    UnknownSandbox,
+)
 from agentenv.node.files import SandboxFiles
 from agentenv.node.host_pause import NodePause
 from agentenv.node.sandbox import NO_INIT, GuestInit, SandboxHandle, TemplateDefaults
@@ -43,8 +49,9 @@ class NodeReset(NodePause):
     ) -> SandboxHandle:
         """Put the running sandbox back to `template`'s saved state (a template's snapshot
         or a named memory snapshot of the same machine) in place; its envd gets the full
-        `/init` of a create (`init`). `NotResettable` when it cannot be done in place
-        (nothing changed then); any other failure leaves no sandbox (its stack ran)."""
+        `/init` of a create (`init`). `ResetLost` when it failed once the old guest was
+        stopped (the sandbox is gone: its stack ran); any other error is raised before
+        anything changed (`NotResettable`: it cannot be done in place here)."""
         if self._boot is None or self._accel is None:
             raise SandboxError("node is not started")
         old = self._sandboxes.get(sandbox_id)
@@ -62,7 +69,11 @@ class NodeReset(NodePause):
             handle = await self._swap(old, template, snap, top, defaults, init)
         stale = old_refs - await asyncio.to_thread(self._target_refs, handle)
         if stale:
-            await asyncio.to_thread(self._drop_stale_refs, sandbox_id, stale)
+            # The reset is done: a reference left behind is a leak to log, not a failure.
+            try:
+                await asyncio.to_thread(self._drop_stale_refs, sandbox_id, stale)
+            except Exception:
+                log.exception("sandbox %s: dropping its old references failed", sandbox_id)
         log.info("sandbox %s reset to %s in %.2fs", sandbox_id, template, handle.boot_s)
         return handle
 
@@ -97,6 +108,9 @@ class NodeReset(NodePause):
             handle.egress = old.egress
             if handle.disk_size_mb < old.disk_size_mb:
                 await self._grow_disk(handle, old.disk_size_mb)
+        except Exception as exc:
+            await self._unwind(stack, "the failed reset")
+            raise ResetLost(f"sandbox {sandbox_id}: its reset failed: {exc}") from exc
         except BaseException:
             await self._unwind(stack, "the failed reset")
             raise

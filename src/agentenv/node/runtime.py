@@ -34,6 +34,7 @@ from agentenv.node.errors import (
     InvalidResources,
     NotPausable,
     NotResettable,
+    ResetLost,
     UnknownSandbox,
     UnknownTemplate,
 )
@@ -243,12 +244,15 @@ class NodeRuntime(GuestCalls):
         return Placement(handle.id, handle.address, handle.envd_url)
 
     async def reset(self, spec: SandboxSpec) -> Placement:
-        self._refuse_if_cordoned(f"reset of {spec.sandbox_id}")
+        # Not refused on a cordoned node: a reset in place takes nothing new here (same
+        # slot, same place kept), and an RL rollout's resets go on while the node drains.
         template = await self.on_demand.resolve(spec.template)
         await self._fetch_snapshot(template)
         try:
             with capacity(self.node.settings.home):
                 handle = await self.node.reset(spec.sandbox_id, template, init=_init(spec))
+        except ResetLost as exc:
+            raise Lost(str(exc)) from exc
         except NotResettable as exc:
             raise Unsupported(str(exc)) from exc
         except UnknownTemplate as exc:

@@ -15,7 +15,7 @@ from typing import Protocol
 from agentenv import snapshot as snaps
 from agentenv.contract.errors import InsufficientStorage, Unavailable
 from agentenv.contract.nodes import NodeDirectory, NodeStatus, UnknownNode
-from agentenv.node.errors import NoCapacity
+from agentenv.node.errors import NoCapacity, ResetLost
 from agentenv.node.host import Node
 
 # The id the in-process node has in `GET /nodes` when no `AGENTENV_NODE_ID` names it.
@@ -45,8 +45,8 @@ def capacity(data_dir: Path) -> Iterator[None]:
     except NoCapacity as exc:
         raise Unavailable(str(exc), exc.retry_after_s) from exc
     except Exception as exc:
-        # A resumed guest that was lost stays lost, whatever filled the disk.
-        if isinstance(exc, snaps.ResumedButLost) or not out_of_space(exc):
+        # A resumed or reset guest that was lost stays lost, whatever filled the disk.
+        if isinstance(exc, (snaps.ResumedButLost, ResetLost)) or not out_of_space(exc):
             raise
         raise InsufficientStorage(f"no space left in the data dir {data_dir}: {exc}") from exc
 
