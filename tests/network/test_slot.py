@@ -12,7 +12,7 @@ import sys
 import pytest
 from pyroute2 import netns
 
-from agentenv.config import NetworkPlan
+from agentenv.config import GATEWAY_MAC, NetworkPlan
 from agentenv.network import (
     NetworkError,
     NoFreeSlot,
@@ -133,8 +133,11 @@ async def test_two_slots_get_distinct_addresses_and_same_inside() -> None:
         try:
             assert a.index != b.index and a.slot_ip != b.slot_ip
             for s in (a, b):
-                tap = ns_links(s.netns)["tap0"]["addr_info"]
-                assert [x["local"] for x in tap] == ["169.254.0.1"]  # type: ignore[index]
+                tap = ns_links(s.netns)["tap0"]
+                assert [x["local"] for x in tap["addr_info"]] == ["169.254.0.1"]  # type: ignore[index]
+                # The gateway's MAC too: a restored guest's ARP cache holds the one its
+                # snapshot was taken behind.
+                assert tap["address"] == GATEWAY_MAC
             with pytest.raises(NetworkError, match="already in use"):
                 await create_slot(plan, a.index)
         finally:

@@ -25,7 +25,7 @@ from pyroute2 import AsyncConntrack, AsyncIPRoute, netns
 from pyroute2.netlink import NETLINK_NETFILTER, NETLINK_ROUTE
 from pyroute2.netlink.exceptions import NetlinkError
 
-from agentenv.config import DEFAULT_SLOT_CIDR, NetworkPlan
+from agentenv.config import DEFAULT_SLOT_CIDR, GATEWAY_MAC, NetworkPlan
 from agentenv.filelock import file_lock
 from agentenv.network import nft
 from agentenv.network.egress import OPEN, Egress
@@ -213,7 +213,7 @@ async def _build(plan: NetworkPlan, slot: Slot) -> None:
             await ipr.addr(
                 "add", index=tap, address=str(slot.gateway_ip), prefixlen=slot.guest_prefixlen
             )
-            await ipr.link("set", index=tap, state="up")
+            await ipr.link("set", index=tap, address=GATEWAY_MAC, state="up")
             await ipr.route("add", dst="0.0.0.0/0", gateway=str(slot.host_ip))
             await _shape(ipr, slot, tap)
     except NetlinkError as exc:

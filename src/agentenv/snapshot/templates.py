@@ -34,7 +34,8 @@ log = logging.getLogger(__name__)
 # Bump when the way a template snapshot is made changes.
 # 2: the balloon device no longer offers free page reporting to file-backed guests.
 # 3: free page reporting for every guest again (clones discard through vmm.ramshim).
-RECIPE = "3"
+# 4: every slot's tap has one MAC (config.GATEWAY_MAC), the one a template's guest keeps.
+RECIPE = "4"
 # A waiter for another process's build gives up after this many boot timeouts (a cold boot
 # under TCG plus the capture).
 BUILD_LOCK_BOOTS = 3
