@@ -35,6 +35,7 @@ from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect as ws_sync_connect
 
 from agentenv.template.datadir import prepare_home
+from agentenv.vmm.registry import VMRecord, load_all
 
 pytestmark = pytest.mark.vm
 
@@ -142,9 +143,31 @@ def test_creates_spread_and_answer_through_the_control_plane(
                 assert node["cpus"] >= 1 and node["memory_bytes"] >= node["free_memory_bytes"] > 0
                 assert node["slots"] >= node["free_slots"] > 0
                 assert node['sandboxes{state="running"}'] == counts.get(node_id, 0), node
+        # A reset, through the other replica, runs in place on the sandbox's node (the node
+        # RPC's Reset): same node and network slot, a new QEMU, the guest back at `base`.
+        b = boxes[0]
+        home = next(n.home for n in nodes if n.node_id == where[b.sandbox_id])
+        before = _vm_of(home, b.sandbox_id)
+        workdir = (home / "sandboxes" / b.sandbox_id).stat().st_ino
+        b.files.write("/home/user/episode.txt", "step", request_timeout=RT)
+        with _api(cluster["servers"][-1]) as api:
+            resp = api.post(f"/sandboxes/{b.sandbox_id}/reset")
+        assert resp.status_code == 200, resp.text
+        assert _bound_node(server, b.sandbox_id, nodes) == where[b.sandbox_id]
+        after = _vm_of(home, b.sandbox_id)
+        assert after.pid != before.pid and after.spec["netns"] == before.spec["netns"]
+        # Not a delete and a create (which would make the sandbox's workdir anew).
+        assert (home / "sandboxes" / b.sandbox_id).stat().st_ino == workdir
+        assert not b.files.exists("/home/user/episode.txt", request_timeout=RT)
+        assert b.commands.run("hostname", request_timeout=RT).stdout.strip() == b.sandbox_id
     finally:
         for b in boxes:
             b.kill(request_timeout=RT)
+
+
+def _vm_of(home: Path, sandbox_id: str) -> VMRecord:
+    (found,) = [r for r in load_all(home / "run" / "vms") if r.name == sandbox_id]
+    return found
 
 
 def _wait_ready(server: Any, node_ids: tuple[str, ...], within_s: float = 60.0) -> None:

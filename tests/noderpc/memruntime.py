@@ -17,6 +17,7 @@ from agentenv.contract.runtime import (
     SandboxSpec,
     SnapshotInfo,
     TemplateInfo,
+    Unsupported,
 )
 from agentenv.network.egress import Egress
 
@@ -125,6 +126,14 @@ class MemoryRuntime:
         booted = not (memory and held.memory)
         held.state, held.spec, held.memory = "running", spec, True
         return self.placement(spec.sandbox_id, booted=booted)
+
+    async def reset(self, spec: SandboxSpec) -> Placement:
+        self._enter("reset", spec)
+        held = self.held[spec.sandbox_id]
+        if held.state != "running":
+            raise Unsupported(f"sandbox {spec.sandbox_id} is {held.state}")
+        held.spec = spec
+        return self.placement(spec.sandbox_id)
 
     async def init_guest(self, spec: SandboxSpec) -> None:
         self._enter("init_guest", spec)

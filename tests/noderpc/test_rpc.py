@@ -14,6 +14,7 @@ import statistics
 import sys
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
@@ -210,6 +211,14 @@ async def test_every_method_round_trips_its_values(
     assert last(runtime) == ("resume", (spec, True))
     assert resumed.booted is True  # its pause kept no memory: a cold boot
     assert (await client.resume(bare)).booted is False
+    reset = replace(spec, template="snap-1")
+    assert (await client.reset(reset)).sandbox_id == spec.sandbox_id
+    assert last(runtime) == ("reset", (reset,))
+    await client.pause("sb-2")
+    # A refusal arrives as its contract class: the control plane then deletes and creates.
+    with pytest.raises(rt.Unsupported, match="paused"):
+        await client.reset(replace(spec, sandbox_id="sb-2"))
+    await client.resume(replace(spec, sandbox_id="sb-2"))
 
     assert await client.host_memory("sb-1") == HostMemory(
         300 << 20, 200 << 20, 150 << 20, 49 << 20, 1 << 20

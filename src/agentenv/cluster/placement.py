@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 from agentenv.cluster.membership import NodeInfo
 from agentenv.cluster.routing import NO_NODE_RETRY_S, VMM_OVERHEAD_MB, ClusterRouting
 from agentenv.contract.errors import BadRequest, Unavailable
-from agentenv.contract.runtime import Placement, SandboxSpec, Unsupported
+from agentenv.contract.runtime import Placement, SandboxSpec
 from agentenv.noderpc.client import RemoteRuntime
 from agentenv.noderpc.errors import NodeUnreachable
 
@@ -99,8 +99,10 @@ class ClusterPlacement(ClusterRouting):
         return self._inflight_mb.get(info.node_id, 0) + sum(mb for _, mb in recent)
 
     async def reset(self, spec: SandboxSpec) -> Placement:
-        # Node agents have no reset RPC yet: the control plane deletes and creates.
-        raise Unsupported(f"reset of {spec.sandbox_id} in place: not in a cluster yet")
+        """In place on the node the sandbox runs on: a reset keeps it where it is."""
+        node_id, client = await self._route(spec.sandbox_id)
+        placement = await client.reset(spec)
+        return replace(placement, node_id=node_id)
 
     async def create_many(self, specs: Sequence[SandboxSpec]) -> list[Placement | BaseException]:
         # One create each (the node's batch start is for its own in-process runtime).

@@ -229,6 +229,21 @@ class DataGateway:
             await asyncio.sleep(self._check_s)
             self.check_now()
 
+    def cut_sandbox(self, sandbox_id: str) -> None:
+        """Cuts every tunnel to `sandbox_id` now: its guest is being replaced at the same
+        address (a reset in place), which `check_now` cannot tell from the old one. A
+        replica's pooled connection through a kept tunnel would reach a guest that never had
+        it (a reset, and the request failed)."""
+        n = 0
+        for task, (joined, _) in list(self._joined.items()):
+            if joined == sandbox_id:
+                self._joined.pop(task, None)
+                task.cancel()
+                n += 1
+        self.cut += n
+        if n:
+            log.info("gateway: cut %d tunnel(s) of sandbox %s: it is reset", n, sandbox_id)
+
     def check_now(self) -> None:
         """Cuts every tunnel whose sandbox no longer runs here at the address it joined."""
         cut: dict[str, int] = {}

@@ -158,6 +158,7 @@ class NodeAgent:
                     tls=server_tls(rpc.tls_cert, rpc.tls_key) if rpc.tls_cert else None,
                 )
                 await self.gateway.start()
+                self.runtime.on_reset = self.gateway.cut_sandbox
             st = self.runtime.status(self.node_id)
             info = NodeInfo(
                 node_id=self.node_id,

@@ -108,6 +108,9 @@ class NodeRuntime(GuestCalls):
         self.node = node or Node(settings)
         # Cordoned (the in-process node's own directory): creates and resumes are refused.
         self.cordon_reason: str | None = None
+        # Told of a reset before the guest is swapped (a node agent's data gateway cuts the
+        # sandbox's tunnels: the same address will be another guest).
+        self.on_reset: Callable[[str], None] | None = None
         # Paused sandboxes in object storage (`snapshot.remote`), when a bucket is set: a
         # pause uploads, a resume of one this node lacks downloads, so any node resumes it.
         self.objects: ObjectStore | None = None
@@ -246,6 +249,8 @@ class NodeRuntime(GuestCalls):
     async def reset(self, spec: SandboxSpec) -> Placement:
         # Not refused on a cordoned node: a reset in place takes nothing new here (same
         # slot, same place kept), and an RL rollout's resets go on while the node drains.
+        if self.on_reset is not None:
+            self.on_reset(spec.sandbox_id)
         template = await self.on_demand.resolve(spec.template)
         await self._fetch_snapshot(template)
         try:

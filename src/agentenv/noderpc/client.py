@@ -33,7 +33,6 @@ from agentenv.contract.runtime import (
     SandboxSpec,
     SnapshotInfo,
     TemplateInfo,
-    Unsupported,
 )
 from agentenv.noderpc.node_streams import NodeStreams
 
@@ -114,8 +113,15 @@ class RemoteRuntime(NodeStreams):
             await transport.aclose()
 
     async def reset(self, spec: SandboxSpec) -> Placement:
-        # The node agent's RPC has no reset yet: the control plane deletes and creates.
-        raise Unsupported(f"reset of {spec.sandbox_id} in place: not over the node RPC")
+        # An agent without the RPC answers UNIMPLEMENTED (`Unsupported`): the control plane
+        # then deletes and creates.
+        req = pb.ResetRequest(spec=convert.spec_to_pb(spec))
+        res = await self._call(
+            "Reset",
+            self._long_s,
+            lambda ms: self._client().reset(req, headers=self._headers, timeout_ms=ms),
+        )
+        return convert.placement_from_pb(res.placement)
 
     async def create_many(self, specs: Sequence[SandboxSpec]) -> list[Placement | BaseException]:
         # One create each (the node's batch start is for its own in-process runtime).

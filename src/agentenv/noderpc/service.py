@@ -127,6 +127,13 @@ class NodeService(NodeServiceProtocol):
         placement = await _call(ctx, "resume", self.runtime.resume(spec, memory=request.memory))
         return pb.PlacementResponse(placement=convert.placement_to_pb(placement))
 
+    async def reset(
+        self, request: pb.ResetRequest, ctx: RequestContext[Any, Any]
+    ) -> pb.PlacementResponse:
+        spec = _spec(request.spec)
+        placement = await _call(ctx, "reset", self.runtime.reset(spec))
+        return pb.PlacementResponse(placement=convert.placement_to_pb(placement))
+
     async def init_guest(
         self, request: pb.InitGuestRequest, ctx: RequestContext[Any, Any]
     ) -> pb.Empty:

@@ -16,7 +16,7 @@ from connectrpc.server import ConnectASGIApplication, ConnectWSGIApplication, DE
 from protobuf import DescService
 
 from . import node_pb
-from .node_pb import AliveResponse, CreateRequest, DeletedResponse, Empty, FindResponse, ForkRequest, ForkResponse, GuestDefaultsRequest, GuestMetricsRequest, GuestRunEvent, GuestRunRequest, GuestWriteRequest, HostMemoryResponse, ImageRef, ImportEvent, ImportImageRequest, InitGuestRequest, LostEvent, NoteActivityRequest, OptionalJson, OptionalText, PauseRequest, PlacementResponse, ResumeRequest, SandboxIdsResponse, SandboxRef, SnapshotInfo, SnapshotRef, SnapshotRequest, SnapshotsResponse, UpdateEgressRequest, WatchLostRequest
+from .node_pb import AliveResponse, CreateRequest, DeletedResponse, Empty, FindResponse, ForkRequest, ForkResponse, GuestDefaultsRequest, GuestMetricsRequest, GuestRunEvent, GuestRunRequest, GuestWriteRequest, HostMemoryResponse, ImageRef, ImportEvent, ImportImageRequest, InitGuestRequest, LostEvent, NoteActivityRequest, OptionalJson, OptionalText, PauseRequest, PlacementResponse, ResetRequest, ResumeRequest, SandboxIdsResponse, SandboxRef, SnapshotInfo, SnapshotRef, SnapshotRequest, SnapshotsResponse, UpdateEgressRequest, WatchLostRequest
 
 if TYPE_CHECKING:
     from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Iterator, Mapping
@@ -44,6 +44,9 @@ class NodeService(Protocol):
         raise ConnectError(Code.UNIMPLEMENTED, 'Not implemented')
 
     async def resume(self, request: ResumeRequest, ctx: RequestContext[ResumeRequest, PlacementResponse], /) -> PlacementResponse:
+        raise ConnectError(Code.UNIMPLEMENTED, 'Not implemented')
+
+    async def reset(self, request: ResetRequest, ctx: RequestContext[ResetRequest, PlacementResponse], /) -> PlacementResponse:
         raise ConnectError(Code.UNIMPLEMENTED, 'Not implemented')
 
     async def init_guest(self, request: InitGuestRequest, ctx: RequestContext[InitGuestRequest, Empty], /) -> Empty:
@@ -180,6 +183,16 @@ class NodeServiceASGIApplication(ConnectASGIApplication[NodeService]):
                         idempotency_level=IdempotencyLevel.UNKNOWN,
                     ),
                     function=svc.resume,
+                ),
+                "/agentenv.node.v1.NodeService/Reset": Endpoint.unary(
+                    method=MethodInfo(
+                        name="Reset",
+                        service_name="agentenv.node.v1.NodeService",
+                        input=ResetRequest,
+                        output=PlacementResponse,
+                        idempotency_level=IdempotencyLevel.UNKNOWN,
+                    ),
+                    function=svc.reset,
                 ),
                 "/agentenv.node.v1.NodeService/InitGuest": Endpoint.unary(
                     method=MethodInfo(
@@ -498,6 +511,26 @@ class NodeServiceClient(ConnectClient):
                 name="Resume",
                 service_name="agentenv.node.v1.NodeService",
                 input=ResumeRequest,
+                output=PlacementResponse,
+                idempotency_level=IdempotencyLevel.UNKNOWN,
+            ),
+            headers=headers,
+            timeout_ms=timeout_ms,
+        )
+
+    async def reset(
+        self,
+        request: ResetRequest,
+        *,
+        headers: Headers | Mapping[str, str] | None = None, 
+        timeout_ms: int | None = None,
+    ) -> PlacementResponse:
+        return await self.execute_unary(
+            request=request,
+            method=MethodInfo(
+                name="Reset",
+                service_name="agentenv.node.v1.NodeService",
+                input=ResetRequest,
                 output=PlacementResponse,
                 idempotency_level=IdempotencyLevel.UNKNOWN,
             ),
@@ -904,6 +937,9 @@ class NodeServiceSync(Protocol):
     def resume(self, request: ResumeRequest, ctx: RequestContext[ResumeRequest, PlacementResponse], /) -> PlacementResponse:
         raise ConnectError(Code.UNIMPLEMENTED, 'Not implemented')
 
+    def reset(self, request: ResetRequest, ctx: RequestContext[ResetRequest, PlacementResponse], /) -> PlacementResponse:
+        raise ConnectError(Code.UNIMPLEMENTED, 'Not implemented')
+
     def init_guest(self, request: InitGuestRequest, ctx: RequestContext[InitGuestRequest, Empty], /) -> Empty:
         raise ConnectError(Code.UNIMPLEMENTED, 'Not implemented')
 
@@ -1036,6 +1072,16 @@ class NodeServiceWSGIApplication(ConnectWSGIApplication):
                         idempotency_level=IdempotencyLevel.UNKNOWN,
                     ),
                     function=service.resume,
+                ),
+                "/agentenv.node.v1.NodeService/Reset": EndpointSync.unary(
+                    method=MethodInfo(
+                        name="Reset",
+                        service_name="agentenv.node.v1.NodeService",
+                        input=ResetRequest,
+                        output=PlacementResponse,
+                        idempotency_level=IdempotencyLevel.UNKNOWN,
+                    ),
+                    function=service.reset,
                 ),
                 "/agentenv.node.v1.NodeService/InitGuest": EndpointSync.unary(
                     method=MethodInfo(
@@ -1349,6 +1395,25 @@ class NodeServiceClientSync(ConnectClientSync):
                 name="Resume",
                 service_name="agentenv.node.v1.NodeService",
                 input=ResumeRequest,
+                output=PlacementResponse,
+                idempotency_level=IdempotencyLevel.UNKNOWN,
+            ),
+            headers=headers,
+            timeout_ms=timeout_ms,
+        )
+    def reset(
+        self,
+        request: ResetRequest,
+        *,
+        headers: Headers | Mapping[str, str] | None = None, 
+        timeout_ms: int | None = None,
+    ) -> PlacementResponse:
+        return self.execute_unary(
+            request=request,
+            method=MethodInfo(
+                name="Reset",
+                service_name="agentenv.node.v1.NodeService",
+                input=ResetRequest,
                 output=PlacementResponse,
                 idempotency_level=IdempotencyLevel.UNKNOWN,
             ),
