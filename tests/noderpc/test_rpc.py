@@ -542,6 +542,33 @@ async def test_a_server_that_never_answers_hits_the_deadline() -> None:
         await server.wait_closed()
 
 
+async def test_a_call_an_older_node_lacks_is_unsupported() -> None:
+    """A node agent of an older version answers a call it does not have with 404 (Connect:
+    UNIMPLEMENTED): the caller gets `Unsupported`, and a reset falls back to delete + create."""
+    answered: list[asyncio.StreamWriter] = []
+
+    async def old_node(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        answered.append(writer)
+        with contextlib.suppress(Exception):
+            await reader.readuntil(b"\r\n\r\n")
+            writer.write(b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n")
+            await writer.drain()
+
+    server = await asyncio.start_server(old_node, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    remote = RemoteRuntime(f"http://127.0.0.1:{port}", TOKEN)
+    await remote.start()
+    try:
+        with pytest.raises(rt.Unsupported, match="Reset is not implemented"):
+            await remote.reset(full_spec())
+    finally:
+        await remote.close()
+        for writer in answered:
+            writer.close()
+        server.close()
+        await server.wait_closed()
+
+
 async def test_the_node_gives_up_on_a_call_past_its_deadline(
     node: tuple[MemoryRuntime, NodeServer],
 ) -> None:

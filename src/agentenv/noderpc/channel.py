@@ -16,6 +16,7 @@ from connectrpc.errors import ConnectError
 from pyqwest import HTTPTransport
 
 from agentenv.config import NodeRpcConfig
+from agentenv.contract.runtime import Unsupported
 
 from .errors import NodeError, NodeUnreachable, failure_of, from_failure
 from .gen.node_connect import NodeServiceClient
@@ -107,6 +108,10 @@ class NodeChannel:
             if exc is not None:
                 return exc
             return NodeError(f"node {self.url}: {method}: {failure.kind}: {failure.message}")
+        if err.code is Code.UNIMPLEMENTED:
+            # An agent of an older version, without this call: callers with another way to
+            # do it take it (a reset becomes a delete and a create).
+            return Unsupported(f"node {self.url}: {method} is not implemented by this node")
         if err.code is Code.DEADLINE_EXCEEDED:
             return self._unreachable(method, f"no answer within {deadline_s:g} s")
         if err.code is Code.UNAVAILABLE:
