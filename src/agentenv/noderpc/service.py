@@ -17,7 +17,7 @@ from connectrpc.code import Code
 from connectrpc.errors import ConnectError
 from connectrpc.request import RequestContext
 
-from agentenv.contract.runtime import GuestCommand, ImportEvent, Runtime, SandboxSpec
+from agentenv.contract.runtime import GuestCommand, ImportEvent, Placement, Runtime, SandboxSpec
 
 from . import convert
 from .convert import opt_str
@@ -92,8 +92,7 @@ class NodeService(NodeServiceProtocol):
         self, request: pb.CreateRequest, ctx: RequestContext[Any, Any]
     ) -> pb.PlacementResponse:
         spec = _spec(request.spec)
-        placement = await _call(ctx, "create", self.runtime.create(spec))
-        return pb.PlacementResponse(placement=convert.placement_to_pb(placement))
+        return _placed(await _call(ctx, "create", self.runtime.create(spec)))
 
     async def update_egress(
         self, request: pb.UpdateEgressRequest, ctx: RequestContext[Any, Any]
@@ -124,15 +123,13 @@ class NodeService(NodeServiceProtocol):
         self, request: pb.ResumeRequest, ctx: RequestContext[Any, Any]
     ) -> pb.PlacementResponse:
         spec = _spec(request.spec)
-        placement = await _call(ctx, "resume", self.runtime.resume(spec, memory=request.memory))
-        return pb.PlacementResponse(placement=convert.placement_to_pb(placement))
+        return _placed(await _call(ctx, "resume", self.runtime.resume(spec, memory=request.memory)))
 
     async def reset(
         self, request: pb.ResetRequest, ctx: RequestContext[Any, Any]
     ) -> pb.PlacementResponse:
         spec = _spec(request.spec)
-        placement = await _call(ctx, "reset", self.runtime.reset(spec))
-        return pb.PlacementResponse(placement=convert.placement_to_pb(placement))
+        return _placed(await _call(ctx, "reset", self.runtime.reset(spec)))
 
     async def init_guest(
         self, request: pb.InitGuestRequest, ctx: RequestContext[Any, Any]
@@ -333,6 +330,10 @@ def _decode(fn: Callable[[], T]) -> T:
         return fn()
     except ValueError as exc:
         raise ConnectError(Code.INVALID_ARGUMENT, f"invalid request: {exc}") from None
+
+
+def _placed(placement: Placement) -> pb.PlacementResponse:
+    return pb.PlacementResponse(placement=convert.placement_to_pb(placement))
 
 
 def _spec(msg: pb.SandboxSpec | None) -> SandboxSpec:
