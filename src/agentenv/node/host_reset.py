@@ -108,11 +108,10 @@ class NodeReset(NodePause):
             handle.egress = old.egress
             if handle.disk_size_mb < old.disk_size_mb:
                 await self._grow_disk(handle, old.disk_size_mb)
-        except Exception as exc:
+        except BaseException as exc:
             await self._unwind(stack, "the failed reset")
-            raise ResetLost(f"sandbox {sandbox_id}: its reset failed: {exc}") from exc
-        except BaseException:
-            await self._unwind(stack, "the failed reset")
+            if isinstance(exc, Exception):
+                raise ResetLost(f"sandbox {sandbox_id}: its reset failed: {exc}") from exc
             raise
         handle.boot_s = time.monotonic() - t0
         self._sandboxes[sandbox_id] = handle
