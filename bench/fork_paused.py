@@ -32,7 +32,8 @@ from agentenv.template.datadir import prepare_home
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 FILE = "/home/user/task.txt"
 RAM = "/tmp/ram.txt"
-PROBE = f"cat {FILE}; echo; cat {RAM}; pgrep -f 'sleep 3601' >/dev/null && echo proc"
+# The bracket keeps pgrep from finding the shell that runs the probe (its command line).
+PROBE = f"cat {FILE}; echo; cat {RAM}; pgrep -f 'sleep 360[1]' >/dev/null && echo proc"
 
 
 def _proc_cpu_s(pid: int) -> float:

@@ -361,6 +361,11 @@ def test_reset_in_place_keeps_the_sandbox_and_drops_what_the_episode_did(
         api.delete(f"/sandboxes/{sid}")
 
 
+# The file on the guest's tmpfs and the background `sleep 3601`; the bracket keeps pgrep from
+# finding the shell that runs this line (its command line holds the pattern too).
+_RAM_AND_SLEEPER = "cat /tmp/ram.txt; pgrep -f 'sleep 360[1]' >/dev/null && echo p"
+
+
 def test_fork_two_from_a_paused_sandbox_and_two_from_a_snapshot(
     api: httpx.Client, server: ServerProcess
 ) -> None:
@@ -379,18 +384,25 @@ def test_fork_two_from_a_paused_sandbox_and_two_from_a_snapshot(
     seen: dict[str, str] = {}
     snapshot_id = ""
 
-    def check_children(kids: list[str]) -> None:
+    def check_children(kids: list[str], reset_first: bool = False) -> None:
         assert len(set(kids)) == 2 and sid not in kids
         for kid in kids:
             child = Sandbox.connect(kid, **opts)  # type: ignore[arg-type]
             assert child.files.read("/home/user/f.txt") == "disk"
-            got = child.commands.run("cat /tmp/ram.txt; pgrep -f 'sleep 3601' >/dev/null && echo p")
+            got = child.commands.run(_RAM_AND_SLEEPER)
             assert got.stdout.split() == ["ram", "p"], got.stdout
             rnd = child.commands.run("head -c 16 /dev/urandom | od -An -tx1").stdout.strip()
             assert rnd and rnd not in seen, (kid, seen)
             seen[rnd] = kid
             child.files.write("/home/user/f.txt", "child")
             child.commands.run("echo child > /tmp/ram.txt")
+            if reset_first and kid == kids[0]:
+                # A child's reset goes back to the fork's state, not to its template's.
+                resp = api.post(f"/sandboxes/{kid}/reset")
+                assert resp.status_code == 200, resp.text
+                assert child.files.read("/home/user/f.txt") == "disk"
+                got = child.commands.run(_RAM_AND_SLEEPER)
+                assert got.stdout.split() == ["ram", "p"], got.stdout
             assert api.delete(f"/sandboxes/{kid}").status_code == 204
 
     try:
@@ -405,14 +417,17 @@ def test_fork_two_from_a_paused_sandbox_and_two_from_a_snapshot(
         with Rollouts(server.url, server.api_key) as rollouts:
             # One child at a time: the second fork finds the first one's snapshot of the
             # paused state and copies nothing.
-            check_children(rollouts.fork(sid, 1, timeout=120) + rollouts.fork(sid, 1, timeout=120))
+            check_children(
+                rollouts.fork(sid, 1, timeout=120) + rollouts.fork(sid, 1, timeout=120),
+                reset_first=True,
+            )
             assert f"paused {sid}: snapshot" in server.log_tail(400)
             assert api.get(f"/sandboxes/{sid}").json()["state"] == "paused"
             check_children(rollouts.fork_snapshot(snapshot_id, 2, timeout=120))
         assert "forked 1 sandbox(es) while paused" in api.get(f"/sandboxes/{sid}/logs").text
         back = Sandbox.connect(sid, **opts)  # type: ignore[arg-type]
         assert back.files.read("/home/user/f.txt") == "disk"
-        got = back.commands.run("cat /tmp/ram.txt; pgrep -f 'sleep 3601' >/dev/null && echo p")
+        got = back.commands.run(_RAM_AND_SLEEPER)
         assert got.stdout.split() == ["ram", "p"], got.stdout
         resp = api.post(f"/sandboxes/{sid}/pause", json={"memory": False})
         assert resp.status_code == 204, resp.text

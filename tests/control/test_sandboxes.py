@@ -26,7 +26,7 @@ from agentenv.contract.errors import (
     SandboxNotFound,
     TemplateNotFound,
 )
-from agentenv.contract.runtime import Placement, SandboxSpec, TemplateUnavailable
+from agentenv.contract.runtime import Placement, SandboxSpec
 from agentenv.control.sandbox_base import CreateSpec
 from agentenv.control.sandboxes import SandboxManager
 from agentenv.control.sqlite_store import SqliteStore
@@ -268,7 +268,7 @@ async def test_a_reset_the_node_refuses_leaves_the_sandbox_running(
         assert rec.envd_url
         async with EnvdClient(rec.envd_url, access_token=rec.envd_token) as guest:
             assert (await guest.run("echo kept > /tmp/mark")).exit_code == 0
-        with pytest.raises(TemplateUnavailable, match="deleted-meanwhile"):
+        with pytest.raises(TemplateNotFound, match="deleted-meanwhile"):
             await m.reset(rec.id)
         after = await m.get(rec.id)
         assert after.state is SandboxState.RUNNING and after.reset_to is None

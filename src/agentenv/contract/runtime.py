@@ -72,6 +72,9 @@ class Placement:
     # The cluster node it runs on (None: the in-process node); the proxy reaches `address`
     # through that node's data gateway (`Runtime.gateway`).
     node_id: str | None = None
+    # The saved state it started from when that is not its template's: a fork's child
+    # holds its fork's capture (a snapshot id), and a reset with no target goes back there.
+    origin: str | None = None
 
 
 class RuntimeFailure(Exception):

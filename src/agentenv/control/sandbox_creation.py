@@ -357,6 +357,7 @@ class SandboxCreation(SandboxBase):
                 address=placement.address,
                 node_id=placement.node_id,
                 envd_url=placement.envd_url,
+                origin=placement.origin,
             )
             children.append(await self.get(rec.id))
         self._wake.set()

@@ -45,18 +45,10 @@ class SandboxReset(SandboxBase):
             rec = await self.get(sandbox_id)
             if rec.state is not SandboxState.RUNNING:
                 raise Conflict(f"sandbox {sandbox_id} is {rec.state.value}, not running")
-            ref = snapshot or rec.template
-            try:
-                tpl = await self.templates.get(ref)
-            except TemplateUnavailable as exc:
-                tag = str(exc) if isinstance(exc, TagUnavailable) else None
-                raise TemplateNotFound(ref, tag) from exc
-            if (tpl.memory_mb or rec.memory_mb) != rec.memory_mb or (tpl.cpu or rec.cpu) != rec.cpu:
-                raise Conflict(
-                    f"{ref!r} is a {tpl.cpu} vCPU / {tpl.memory_mb} MB machine; sandbox "
-                    f"{sandbox_id} is {rec.cpu} / {rec.memory_mb}: a reset keeps the machine"
-                )
-            target = tpl.ref or ref
+            # A fork's child goes back to its fork's capture: the state it was created from.
+            ref = target = snapshot or rec.origin or rec.template
+            if ref != rec.origin:
+                target = await self._reset_target(rec, ref)
             if not await self.store.transition(
                 sandbox_id,
                 SandboxState.RUNNING,
@@ -79,6 +71,8 @@ class SandboxReset(SandboxBase):
                 # Refused before the old guest was touched (a bad target, no capacity, a
                 # full disk): the sandbox runs on as it was, and the caller gets the reason.
                 await self._reset_refused(rec, ref, exc)
+                if isinstance(exc, TemplateUnavailable):
+                    raise self._target_gone(rec, ref, exc) from exc
                 raise
             except BaseException as exc:
                 # A cancel: where the node was in the swap is unknown, so nothing is kept.
@@ -97,6 +91,32 @@ class SandboxReset(SandboxBase):
                 raise
             await self._start_reset(rec, target, ref, started)
         return await self.get(sandbox_id)
+
+    async def _reset_target(self, rec: SandboxRecord, ref: str) -> str:
+        """The reference a reset to template or snapshot `ref` hands the runtime, once it
+        is known to be the sandbox's machine."""
+        try:
+            tpl = await self.templates.get(ref)
+        except TemplateUnavailable as exc:
+            tag = str(exc) if isinstance(exc, TagUnavailable) else None
+            raise TemplateNotFound(ref, tag) from exc
+        if (tpl.memory_mb or rec.memory_mb) != rec.memory_mb or (tpl.cpu or rec.cpu) != rec.cpu:
+            raise Conflict(
+                f"{ref!r} is a {tpl.cpu} vCPU / {tpl.memory_mb} MB machine; sandbox "
+                f"{rec.id} is {rec.cpu} / {rec.memory_mb}: a reset keeps the machine"
+            )
+        return tpl.ref or ref
+
+    @staticmethod
+    def _target_gone(rec: SandboxRecord, ref: str, exc: TemplateUnavailable) -> Exception:
+        """The runtime no longer has the reset's target (deleted meanwhile; a fork's capture
+        not on the node the sandbox now runs on)."""
+        if ref == rec.origin:
+            return Conflict(
+                f"sandbox {rec.id} was forked from a capture ({ref[:12]}) its node no longer "
+                "holds; reset it to a template or snapshot by name"
+            )
+        return TemplateNotFound(ref, str(exc) if isinstance(exc, TagUnavailable) else None)
 
     async def _start_reset(self, rec: SandboxRecord, target: str, ref: str, started: float) -> None:
         """Start the `resuming` row's sandbox from `target` and mark it running; its deadline

@@ -101,7 +101,7 @@ _COLUMNS = (
     "envd_version", "metadata", "env_vars", "envd_token", "traffic_token", "auto_pause",
     "auto_resume", "allow_internet", "network", "address", "envd_url", "api_key_id",
     "auto_pause_memory", "pause_mode", "team_id", "replica_id", "node_id", "grace_s",
-    "keepalive_s", "seen_at", "grace_until", "reset_to",
+    "keepalive_s", "seen_at", "grace_until", "reset_to", "origin",
 )  # fmt: skip
 # Columns added after the first schema: (table, name, declaration), added to older databases.
 _ADDED_COLUMNS = (
@@ -115,6 +115,7 @@ _ADDED_COLUMNS = (
     ("sandboxes", "seen_at", "REAL NOT NULL DEFAULT 0"),
     ("sandboxes", "grace_until", "REAL NOT NULL DEFAULT 0"),
     ("sandboxes", "reset_to", "TEXT"),
+    ("sandboxes", "origin", "TEXT"),
     ("api_keys", "team_id", "TEXT"),
 )
 _KEY_COLUMNS = "id, name, prefix, created_at, revoked_at, team_id"
@@ -518,5 +519,6 @@ def _from_row(row: sqlite3.Row) -> SandboxRecord:
         seen_at=row["seen_at"],
         grace_until=row["grace_until"],
         reset_to=row["reset_to"],
+        origin=row["origin"],
         seq=row["seq"],
     )

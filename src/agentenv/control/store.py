@@ -99,6 +99,10 @@ class SandboxRecord:
     # While a reset runs (state `resuming`): the template or snapshot reference the node
     # starts the sandbox from, so a recovery can finish a reset cut short. None otherwise.
     reset_to: str | None = None
+    # A fork's child: the capture it started from (a snapshot id on its node), which a reset
+    # with no target goes back to (its `template` stays its parent's, as the API shows it).
+    # None: its template's state.
+    origin: str | None = None
     seq: int = 0
 
     @property

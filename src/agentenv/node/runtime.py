@@ -454,7 +454,11 @@ class NodeRuntime(GuestCalls):
         except (snaps.NoMemory, snaps.IncompatibleSnapshot) as exc:
             # A paused source that kept no memory, or whose state this host cannot load.
             raise Conflict(str(exc)) from exc
-        return [_placement(h) for h in made]
+        # Each child's origin is the capture it was restored from: its reset goes back there.
+        return [
+            dataclasses.replace(_placement(h), origin=h.machine.snapshot_id if h.machine else None)
+            for h in made
+        ]
 
     async def gateway(self, node_id: str) -> str | None:
         """Guests of this node are reached at their slot addresses."""

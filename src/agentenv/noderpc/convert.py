@@ -90,7 +90,11 @@ def spec_from_pb(msg: pb.SandboxSpec | None) -> SandboxSpec:
 
 def placement_to_pb(p: Placement) -> pb.Placement:
     return pb.Placement(
-        sandbox_id=p.sandbox_id, address=p.address, envd_url=p.envd_url, booted=p.booted
+        sandbox_id=p.sandbox_id,
+        address=p.address,
+        envd_url=p.envd_url,
+        booted=p.booted,
+        origin=p.origin,
     )
 
 
@@ -98,7 +102,11 @@ def placement_from_pb(msg: pb.Placement | None) -> Placement:
     if msg is None:
         raise ValueError("response has no placement")
     return Placement(
-        sandbox_id=msg.sandbox_id, address=msg.address, envd_url=msg.envd_url, booted=msg.booted
+        sandbox_id=msg.sandbox_id,
+        address=msg.address,
+        envd_url=msg.envd_url,
+        booted=msg.booted,
+        origin=opt_str(msg, "origin"),
     )
 
 
