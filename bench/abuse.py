@@ -25,6 +25,7 @@ a reduced scale and asserts loose bounds.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import shlex
@@ -41,6 +42,9 @@ import httpx
 from e2b import Sandbox
 
 from agentenv.api.devserver import ServerProcess
+from agentenv.config import NetworkPlan
+from agentenv.network import slot_for
+from agentenv.network.slot import NETNS_PREFIX, conntrack_entries, guard_counters
 from agentenv.template.datadir import prepare_home
 from agentenv.vmm import cgroup, registry
 
@@ -398,11 +402,32 @@ def leftovers(home: Path, rid: str, netns: str | None) -> list[str]:
     found += [f"cgroup {d / rid}" for d in cgroup.parent_dirs() if (d / rid).exists()]
     if (home / "sandboxes" / rid).exists():
         found.append(f"sandbox dir {rid}")
-    # A released slot may already hold a new warm entry: then another VM names it.
+    # A released slot may already hold a new warm entry (then another VM names it), or wait
+    # in the server's slot pool for reuse (then it was reset).
     held = netns is not None and (home / "run" / "slots" / netns).exists()
     if held and not any((r.spec or {}).get("netns") == netns for r in records):
-        found.append(f"slot {netns}")
+        assert netns is not None
+        if not pooled(netns):
+            found.append(f"slot {netns}")
     return found
+
+
+def pooled(netns: str) -> bool:
+    """The slot was reset for reuse (`network.slot.reset_slot`): its guard's counters are at
+    zero and its namespace tracks no connection (the abuser's, and the proxy's to envd)."""
+    index = netns.removeprefix(NETNS_PREFIX)
+    if not index.isdigit():
+        return False
+    slot = slot_for(NetworkPlan(), int(index))
+
+    async def reset() -> bool:
+        counts = await guard_counters(slot)
+        return not any(counts.values()) and await conntrack_entries(slot) == 0
+
+    try:
+        return asyncio.run(reset())
+    except Exception:
+        return False
 
 
 def vm_record(home: Path, rid: str) -> registry.VMRecord | None:

@@ -22,6 +22,7 @@ from agentenv.network import (
     destroy_slot,
     slot_for,
 )
+from agentenv.network.egress import Egress
 from agentenv.network.slot import Slot, conntrack_entries, host_lock, made_here
 from agentenv.vmm.confine import vm_ids
 
@@ -210,7 +211,8 @@ async def test_pool_watermarks() -> None:
     pool = SlotPool(NetworkPlan(), low=1, high=2)
     await pool.start()
     try:
-        assert pool.idle == 2
+        # Start builds `low`; the rest come back from releases or a refill.
+        assert pool.idle == 1
         s1 = await pool.acquire()
         s2 = await pool.acquire()
         s1_ifindex = host_links()[s1.host_veth]
@@ -230,9 +232,14 @@ async def test_pool_watermarks() -> None:
             async with asyncio.timeout(0.5):
                 await asyncio.open_connection(str(s2.slot_ip), 49983)
         assert await conntrack_entries(s2) >= 1
+        # A policy other than the open one leaves a table the reuse must remove.
+        await pool.set_egress(s2, Egress.of(internet=False))
+        tables = ("ip", "netns", "exec", s2.netns, "nft", "list", "tables")
+        assert "agentenv_egress" in sh(*tables)
         await pool.release(s2)  # room in the pool: kept, with its connections forgotten
         assert pool.idle == 3 and s2.netns in sh("ip", "netns", "list")
         assert await conntrack_entries(s2) == 0
+        assert "agentenv_egress" not in sh(*tables) and "agentenv_guard" in sh(*tables)
     finally:
         await pool.close()
     assert pool.idle == 0
