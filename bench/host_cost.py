@@ -311,7 +311,7 @@ def floor_main(spec_path: str) -> None:
     import ctypes
     import faulthandler
 
-    from qemu.qmp import QMPClient
+    from agentenv.vmm.qemu_base import QuietQMPClient
 
     # A blocking call the event loop's deadlines cannot cut: where it hangs, then exit.
     faulthandler.dump_traceback_later(240, exit=True)
@@ -340,7 +340,7 @@ def floor_main(spec_path: str) -> None:
         # A bare script: blocking calls on purpose (nothing else runs in this loop).
         err = open(d / "qemu.stderr", "wb")  # noqa: ASYNC230, SIM115
         proc = subprocess.Popen(args, env=env, stdin=subprocess.DEVNULL, stderr=err)  # noqa: ASYNC220
-        qmp = QMPClient("floor")
+        qmp = QuietQMPClient("floor")
         sock = str(d / "qmp.sock")
         deadline = time.monotonic() + 60
         while not os.path.exists(sock):  # noqa: ASYNC240

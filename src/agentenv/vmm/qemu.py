@@ -18,8 +18,6 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Self
 
-from qemu.qmp import QMPClient
-
 from agentenv import aio
 from agentenv.vmm import confine as vm_confine
 from agentenv.vmm import launch as vm_launch
@@ -29,7 +27,7 @@ from agentenv.vmm.base import BootSource, DiskLimits, Drive, MachineSpec, NetIfa
 from agentenv.vmm.cgroup import Limits
 from agentenv.vmm.errors import BalloonUnsupported, VMMError, VMStartError
 from agentenv.vmm.qemu_argv import QemuArgv, private_ram
-from agentenv.vmm.qemu_base import SOCK_FALLBACK_DIR
+from agentenv.vmm.qemu_base import SOCK_FALLBACK_DIR, QuietQMPClient
 from agentenv.vmm.qemu_disks import QemuDisks
 from agentenv.vmm.qemu_migration import QemuMigration
 
@@ -280,7 +278,7 @@ class QemuVM(QemuArgv, QemuDisks, QemuMigration):
             if self.exit_code is not None:
                 raise VMStartError(f"{self.name}: qemu exited: {self._stderr_tail()}")
             if self.qmp_socket.exists():
-                qmp = QMPClient(self.name)
+                qmp = QuietQMPClient(self.name)
                 try:
                     async with asyncio.timeout(max(0.1, deadline - time.monotonic())):
                         await qmp.connect(str(self.qmp_socket))
