@@ -8,6 +8,7 @@ import asyncio
 import ipaddress
 import json
 import subprocess
+import sys
 from collections.abc import AsyncIterator
 from dataclasses import replace
 
@@ -16,7 +17,7 @@ from pyroute2 import AsyncIPRoute
 
 from agentenv.config import NetworkPlan, Settings
 from agentenv.config_env import ConfigError
-from agentenv.network import create_slot, destroy_slot, nft, slot_for
+from agentenv.network import NetworkError, create_slot, destroy_slot, nft, slot_for
 from agentenv.network.slot import (
     Slot,
     conntrack_entries,
@@ -184,6 +185,32 @@ async def test_forged_frames_are_dropped_and_counted(slot: Slot) -> None:
     assert not any((await guard_counters(slot)).values())
     await _guarded(slot, forged[:1])
     assert (await guard_counters(slot))["spoof_mac"] == 1
+
+    # Not while a process still holds the tap (a QEMU the kernel did not let die): the
+    # next guest could not open it.
+    holder = await asyncio.create_subprocess_exec(
+        "ip", "netns", "exec", slot.netns, sys.executable, "-c", _HOLD_TAP, slot.tap,
+        stdout=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        assert holder.stdout is not None
+        assert await asyncio.wait_for(holder.stdout.readline(), 30) == b"attached\n"
+        with pytest.raises(NetworkError, match="still held"):
+            await reset_slot(slot)
+    finally:
+        holder.kill()
+        await holder.wait()
+    await reset_slot(slot)
+
+
+# Attaches to the tap named by argv[1] as QEMU would and keeps it until killed.
+_HOLD_TAP = """
+import fcntl, os, struct, sys, time
+fd = os.open("/dev/net/tun", os.O_RDWR)
+fcntl.ioctl(fd, 0x400454CA, struct.pack("16sH", sys.argv[1].encode(), 0x0002 | 0x1000))
+print("attached", flush=True)
+time.sleep(60)
+"""
 
 
 async def test_what_the_guest_sends_is_policed_and_what_it_gets_shaped(slot: Slot) -> None:

@@ -15,8 +15,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
+import fcntl
 import ipaddress
 import os
+import socket
+import struct
 from collections.abc import AsyncIterator, Collection
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +31,7 @@ from pyroute2.netlink.exceptions import NetlinkError
 
 from agentenv.config import DEFAULT_SLOT_CIDR, GATEWAY_MAC, NetworkPlan
 from agentenv.filelock import file_lock
-from agentenv.network import nft
+from agentenv.network import netns_socket, nft
 from agentenv.network.egress import OPEN, Egress
 from agentenv.network.errors import NetworkError, NoFreeSlot
 from agentenv.network.netns_socket import add_netns, add_tap, netlink_fd, remove_netns
@@ -311,12 +315,42 @@ async def reset_slot(slot: Slot, *, egress_open: bool = False) -> None:
     policy is known to be the open one (no egress table), so there is none to remove."""
     if not egress_open:
         await set_egress(slot, OPEN)
-    await nft.apply(slot.netns, f"reset counters table netdev {nft.GUARD_TABLE}\n")
+
+    def reset_guard() -> None:
+        if _tap_held(slot.tap):
+            # A QEMU that would not die (the kernel holds it) still has the tap: the next
+            # guest could not open it. The pool destroys the slot instead.
+            raise NetworkError(f"slot {slot.index}: its tap is still held by a process")
+        nft.nft_run(f"reset counters table netdev {nft.GUARD_TABLE}\n")
+
+    try:
+        async with asyncio.timeout(nft.COMMAND_TIMEOUT_S):
+            await netns_socket.run_in(slot.netns, reset_guard)
+    except TimeoutError:
+        raise NetworkError(f"slot {slot.index}: resetting its guard did not finish") from None
+    except OSError as exc:
+        raise NetworkError(f"slot {slot.index}: {exc}") from exc
     try:
         async with AsyncConntrack(fileno=await netlink_fd(slot.netns, NETLINK_NETFILTER)) as ct:
             await ct.flush()
     except (NetlinkError, OSError) as exc:
         raise NetworkError(f"slot {slot.index}: conntrack flush failed: {exc}") from exc
+
+
+def _tap_held(tap: str) -> bool:
+    """In the slot's namespace: whether a process has `tap` open. A tap has carrier only
+    while one does; ethtool's link state reads the carrier as it is now (the link's
+    IFF_RUNNING follows it only after the kernel's link watch, up to a second later)."""
+    value = ctypes.create_string_buffer(struct.pack("II", _ETHTOOL_GLINK, 0), 8)
+    req = struct.pack("16sP", tap.encode(), ctypes.addressof(value)).ljust(40, b"\0")
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        fcntl.ioctl(sock, _SIOCETHTOOL, req)
+    linked: int = struct.unpack("II", value.raw)[1]
+    return linked != 0
+
+
+_SIOCETHTOOL = 0x8946
+_ETHTOOL_GLINK = 0x0000000A
 
 
 async def _teardown(slot: Slot) -> None:
