@@ -25,7 +25,6 @@ a reduced scale and asserts loose bounds.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import shlex
@@ -42,11 +41,11 @@ import httpx
 from e2b import Sandbox
 
 from agentenv.api.devserver import ServerProcess
-from agentenv.config import NetworkPlan
-from agentenv.network import slot_for
-from agentenv.network.slot import NETNS_PREFIX, conntrack_entries, guard_counters
 from agentenv.template.datadir import prepare_home
 from agentenv.vmm import cgroup, registry
+
+sys.path.insert(0, str(Path(__file__).parent))
+import slots
 
 # Every loop here is bounded: by a count, by a deadline, or both.
 MAX_EXECS = 100_000
@@ -407,27 +406,9 @@ def leftovers(home: Path, rid: str, netns: str | None) -> list[str]:
     held = netns is not None and (home / "run" / "slots" / netns).exists()
     if held and not any((r.spec or {}).get("netns") == netns for r in records):
         assert netns is not None
-        if not pooled(netns):
+        if not slots.pooled(netns):
             found.append(f"slot {netns}")
     return found
-
-
-def pooled(netns: str) -> bool:
-    """The slot was reset for reuse (`network.slot.reset_slot`): its guard's counters are at
-    zero and its namespace tracks no connection (the abuser's, and the proxy's to envd)."""
-    index = netns.removeprefix(NETNS_PREFIX)
-    if not index.isdigit():
-        return False
-    slot = slot_for(NetworkPlan(), int(index))
-
-    async def reset() -> bool:
-        counts = await guard_counters(slot)
-        return not any(counts.values()) and await conntrack_entries(slot) == 0
-
-    try:
-        return asyncio.run(reset())
-    except Exception:
-        return False
 
 
 def vm_record(home: Path, rid: str) -> registry.VMRecord | None:

@@ -35,6 +35,9 @@ from agentenv.api.devserver import ServerProcess
 from agentenv.template.datadir import prepare_home
 from agentenv.vmm import registry
 
+sys.path.insert(0, str(Path(__file__).parent))
+import slots
+
 PAUSE_EVERY = 10
 FORK_EVERY = 25
 FORK_CHILDREN = 2
@@ -45,7 +48,14 @@ SETTLE_S = 120.0
 # The warm pool refills whenever an entry is taken (low = high), so that it is full, and the
 # same, at every sample; the default (1/2) leaves 1 or 2 entries depending on timing.
 WARM = 2
-SERVER_ENV = {"AGENTENV_WARM_LOW": str(WARM), "AGENTENV_WARM_HIGH": str(WARM)}
+# Released slots the server keeps for reuse: fewer than the churn's peak, so that releases
+# both keep slots and destroy them.
+SLOT_POOL = 4
+SERVER_ENV = {
+    "AGENTENV_WARM_LOW": str(WARM),
+    "AGENTENV_WARM_HIGH": str(WARM),
+    "AGENTENV_SLOT_POOL_HIGH": str(SLOT_POOL),
+}
 
 
 @dataclass(frozen=True)
@@ -66,6 +76,8 @@ class Sample:
     qemus: int  # sandboxes' and converters' (not the warm pool's)
     warm_qemus: int
     netns: int  # slot namespaces this data dir holds (its markers), else the host's ae-s*
+    pooled_slots: int  # of those, no VM's and reset for reuse (`slots.census`)
+    stray_slots: str  # no VM's and not reset (left behind): their names, comma-separated
 
     @property
     def sqlite_bytes(self) -> int:
@@ -132,6 +144,7 @@ def sample(server: ServerProcess, cycles: int) -> Sample:
     assert server.proc is not None
     pid, home = server.proc.pid, server.home
     other, warm = home_qemus(home)
+    slot_states = slots.census(home)
     return Sample(
         cycles=cycles,
         fds=len(os.listdir(f"/proc/{pid}/fd")),
@@ -150,6 +163,8 @@ def sample(server: ServerProcess, cycles: int) -> Sample:
         qemus=other,
         warm_qemus=warm,
         netns=slot_netns(home),
+        pooled_slots=slot_states.pooled,
+        stray_slots=",".join(slot_states.stray),
     )
 
 
@@ -164,7 +179,10 @@ def settle(server: ServerProcess, cycles: int, timeout_s: float = SETTLE_S) -> S
         now = sample(server, cycles)
         quiet = now.qemus == 0 and now.sandbox_dirs == 0 and now.warm_qemus == now.warm_entries
         quiet = quiet and now.warm_entries == WARM
-        counts = ("warm_entries", "layers", "snapshots", "warm_qemus", "netns", "threads")
+        counts = (
+            "warm_entries", "layers", "snapshots", "warm_qemus", "netns", "pooled_slots",
+            "threads",
+        )  # fmt: skip
         if quiet and all(getattr(now, k) == getattr(last, k) for k in counts):
             return now
         last = now
@@ -302,7 +320,9 @@ class ChurnReport:
             "snapshots": e.snapshots - b.snapshots,
             "qemus": e.qemus,
             "warm_qemus_minus_entries": e.warm_qemus - e.warm_entries,
-            "netns": e.netns - b.netns,
+            # Slots no VM holds and the pool does not keep, and the growth of the others.
+            "stray_slots": len(e.stray_slots.split(",")) if e.stray_slots else 0,
+            "held_netns": (e.netns - e.pooled_slots) - (b.netns - b.pooled_slots),
         }
 
 

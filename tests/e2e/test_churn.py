@@ -81,7 +81,12 @@ def test_churn_without_drift(churn_server: ServerProcess) -> None:
     assert per_cycle < SQLITE_BYTES_PER_CYCLE, f"SQLite grows {per_cycle:.0f} B per cycle"
     assert e.wal_bytes < WAL_MAX_BYTES, f"WAL at {e.wal_bytes} bytes: never checkpointed"
     assert (e.layers, e.snapshots) == (b.layers, b.snapshots), (b, e)
-    assert e.netns == b.netns, f"slot namespaces {b.netns} -> {e.netns}"
+    # Slots: the warm entries' and those the pool keeps for reuse (reset, at most its
+    # cap); none left behind.
+    assert not e.stray_slots, e.stray_slots
+    assert e.pooled_slots <= churn.SLOT_POOL, e
+    held = (b.netns - b.pooled_slots, e.netns - e.pooled_slots)
+    assert held[0] == held[1], f"slot namespaces held by VMs {held[0]} -> {held[1]}"
 
     # Nothing left after all kills but the warm pool (full, one QEMU per entry).
     assert e.sandbox_dirs == 0, os.listdir(churn_server.home / "sandboxes")

@@ -116,7 +116,9 @@ class SandboxReset(SandboxBase):
                 f"sandbox {rec.id} was forked from a capture ({ref[:12]}) its node no longer "
                 "holds; reset it to a template or snapshot by name"
             )
-        return TemplateNotFound(ref, str(exc) if isinstance(exc, TagUnavailable) else None)
+        if isinstance(exc, TagUnavailable):
+            return TemplateNotFound(ref, str(exc))
+        return TemplateNotFound(ref, f"template {ref!r} is not available here: {exc}")
 
     async def _start_reset(self, rec: SandboxRecord, target: str, ref: str, started: float) -> None:
         """Start the `resuming` row's sandbox from `target` and mark it running; its deadline
