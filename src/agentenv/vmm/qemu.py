@@ -237,7 +237,8 @@ class QemuVM(QemuArgv, QemuDisks, QemuMigration):
         try:
             # Written before the spawn: a server killed right after it still leaves a record
             # by which the next one finds this QEMU (its QMP socket path).
-            self._write_record()
+            spec = self.spec()
+            self._write_record(spec)
             if self.cgroup is not None:
                 self.cgroup.create(cgroup_limits(self.machine))
             jail = None
@@ -246,7 +247,7 @@ class QemuVM(QemuArgv, QemuDisks, QemuMigration):
                 jail = await asyncio.to_thread(self._jail)
             await self._spawn(self._launch_plan(jail))
             self.started_at = time.monotonic()
-            self._write_record()
+            self._write_record(spec)
             self._start_watch()
             await self._connect_qmp()
             if self.disk_limits is not None:

@@ -178,7 +178,7 @@ class QemuBase:
         )
         return spec
 
-    def _record(self) -> vm_registry.VMRecord:
+    def _record(self, spec: dict[str, Any] | None = None) -> vm_registry.VMRecord:
         pid = self.pid
         return vm_registry.VMRecord(
             name=self.name,
@@ -187,12 +187,14 @@ class QemuBase:
             launch_socket=str(self.launch_socket),
             pid=pid,
             starttime=None if pid is None else vm_registry.proc_starttime(pid),
-            spec=self.spec(),
+            spec=self.spec() if spec is None else spec,
         )
 
-    def _write_record(self) -> None:
+    def _write_record(self, spec: dict[str, Any] | None = None) -> None:
+        """`spec`: this VM's `spec()` when the caller has it (a start writes the record twice,
+        before and after the spawn, from the same spec)."""
         if self.registry is not None:
-            vm_registry.write(self.registry, self._record())
+            vm_registry.write(self.registry, self._record(spec))
 
     async def _execute(self, cmd: str, args: dict[str, object] | None = None) -> object:
         if self._qmp is None:
