@@ -386,7 +386,14 @@ def test_paused_on_a_cordoned_node_resumes_on_another_with_its_memory(
             kid = resp.json()[0]["sandbox"]["sandboxID"]
             try:
                 assert _bound_node(server, kid, nodes) == NODES[1]
-                _check_marks(Sandbox.connect(kid, request_timeout=RT), pid)
+                child = Sandbox.connect(kid, request_timeout=RT)
+                _check_marks(child, pid)
+                # Its reset goes back to the fork's state (the capture on its node), not to
+                # the template's.
+                child.files.write("/home/user/disk.txt", "the child's")
+                reset = api.post(f"/sandboxes/{kid}/reset")
+                assert reset.status_code == 200, reset.text
+                _check_marks(child, pid)
             finally:
                 assert api.delete(f"/sandboxes/{kid}").status_code == 204
             assert api.get(f"/sandboxes/{sbx.sandbox_id}").json()["state"] == "paused"
