@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -43,7 +44,35 @@ def small_fs(tmp_path: Path) -> Iterator[Path]:
     try:
         yield mnt
     finally:
-        _sh("umount", str(mnt))
+        _unmount(mnt)
+
+
+# A process that exits as the server stops may hold a file on the mount for a moment more
+# (a process's files close late in its exit, after its command line is gone).
+UNMOUNT_TRIES = 20
+UNMOUNT_PAUSE_S = 0.5
+
+
+def _unmount(mnt: Path) -> None:
+    for _ in range(UNMOUNT_TRIES):
+        if subprocess.run(("umount", str(mnt)), capture_output=True).returncode == 0:
+            return
+        time.sleep(UNMOUNT_PAUSE_S)
+    raise AssertionError(f"{mnt} stayed busy: {_holders(mnt)}")
+
+
+def _holders(mnt: Path) -> list[str]:
+    """Processes with a file, working directory or root on `mnt`."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            links = [proc / "cwd", proc / "root", *(proc / "fd").iterdir()]
+            held = [str(os.readlink(link)) for link in links if link.is_symlink()]
+            if any(h.startswith(str(mnt)) for h in held):
+                found.append(f"{proc.name} {(proc / 'cmdline').read_bytes()[:80]!r}")
+    return found
 
 
 def _free_mb(path: Path) -> int:
