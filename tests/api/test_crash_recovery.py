@@ -657,6 +657,41 @@ def test_sigkill_mid_reset_finishes_it(home: Path, restore_env: None) -> None:
         _finish(srv)
 
 
+def test_sigkill_mid_reset_of_a_fork_child_keeps_its_capture(home: Path, restore_env: None) -> None:
+    """A fork's child whose parent is gone is the only holder of the fork's capture. A server
+    killed mid-reset of it (the old guest gone, its stack run by the restart) must not lose
+    the capture: the restart finishes the reset from it, and the child's kill then lets it go."""
+    srv = _start(home, AGENTENV_CRASH_AT="reset:deleted")
+    repo = SnapshotRepository(home / "snapshots", LayerStore(home / "layers"))
+    try:
+        parent = Sandbox.create(timeout=TIMEOUT_S)
+        parent.files.write("/home/user/state.txt", "forked")
+        with _api(srv) as api:
+            resp = api.post(f"/sandboxes/{parent.sandbox_id}/fork", json={"count": 1})
+            assert resp.status_code == 201, resp.text
+            child_id = resp.json()[0]["sandbox"]["sandboxID"]
+            parent.kill()
+            child = Sandbox.connect(child_id)
+            child.files.write("/home/user/state.txt", "episode")
+            rid = _runtime_id(child)
+            (capture,) = [s.id for s in repo.list() if rid in s.holders]
+            with pytest.raises(httpx.TransportError):
+                api.post(f"/sandboxes/{child_id}/reset")
+        _await_crash(srv)
+        srv = _start(home, srv.port)
+        with _api(srv) as api:
+            resp = api.get(f"/sandboxes/{child_id}")
+            assert resp.status_code == 200, (resp.text, srv.log_tail(30))
+            assert resp.json()["state"] == "running", resp.text
+        assert Sandbox.connect(child_id).files.read("/home/user/state.txt") == "forked"
+        assert not [h for h in repo.all_holders() if h.startswith("reset:")]
+        Sandbox.connect(child_id).kill()
+        assert _held(home, rid) == []
+        assert capture not in {s.id for s in repo.list()}, "the capture outlived its last child"
+    finally:
+        _finish(srv)
+
+
 def test_lost_sandbox_error_names_it(home: Path, restore_env: None) -> None:
     """A running sandbox whose VM died while no server ran is reported lost, not missing."""
     srv = _start(home)

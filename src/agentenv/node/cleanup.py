@@ -49,6 +49,11 @@ REFS = "references"
 SLOT = "slot"
 WARM_LINK = "warm link"
 VM = "vm"
+# A snapshot reference a reset in place takes on a target nothing else may keep (a fork's
+# capture held only by the sandbox being reset): a crash between the old guest's end and
+# the new one's start runs the sandbox's stack, and the control plane's restart needs the
+# target still there. The ":" keeps it out of the orphan sweep by holder name.
+RESET_HOLDER = "reset:"
 
 
 def push_workdir(stack: Cleanup, workdir: Path) -> None:
@@ -158,3 +163,9 @@ def remove_unheld_layers(layers: LayerStore, digests: list[str]) -> None:
                 layers.remove(digest)
             except (LayerInUse, LayerNotFound):
                 break
+
+
+def drop_reset_hold(repo: SnapshotStore, sandbox_id: str) -> None:
+    """Let a reset's target go (`RESET_HOLDER`), and remove it if nothing else keeps it."""
+    repo.unref_holder(RESET_HOLDER + sandbox_id)
+    repo.gc()

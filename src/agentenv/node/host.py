@@ -29,7 +29,15 @@ from agentenv import snapshot as snaps
 from agentenv.cleanup import Cleanup
 from agentenv.network import Egress, Slot, destroy_slot, recover_slots, slot_for
 from agentenv.network.slot import NETNS_PREFIX
-from agentenv.node.cleanup import push_record, push_slot, push_vm, push_workdir, record_slot
+from agentenv.node.cleanup import (
+    RESET_HOLDER,
+    drop_reset_hold,
+    push_record,
+    push_slot,
+    push_vm,
+    push_workdir,
+    record_slot,
+)
 from agentenv.node.errors import (
     SandboxError,
 )
@@ -262,8 +270,18 @@ class Node(NodeReset):
 
         for holder in filter(orphan, self.layers.all_holders()):
             self.layers.unref_holder(holder)
-        for holder in filter(orphan, self.repo.all_holders()):
+        snapshot_holders = self.repo.all_holders()
+        for holder in filter(orphan, snapshot_holders):
             self.repo.unref_holder(holder)
+        # A reset cut short: its target stays for the control plane's restart of a lost
+        # sandbox; one that got its new guest (adopted) holds the target itself.
+        for holder in snapshot_holders:
+            if holder.startswith(RESET_HOLDER):
+                sandbox_id = holder.removeprefix(RESET_HOLDER)
+                if sandbox_id in self._sandboxes:
+                    drop_reset_hold(self.repo, sandbox_id)
+                else:
+                    self._reset_holds.add(sandbox_id)
 
     def _unconverted_pauses(self) -> builtins.list[tuple[str, Path]]:
         found = []

@@ -94,6 +94,10 @@ class NodeBase:
         # Sandboxes found dead or not adoptable at start: why (the control plane takes each
         # once, `NodeRuntime.lost_reason`).
         self.lost: dict[str, str] = {}
+        # Sandboxes lost in the middle of a reset whose target (a fork's capture) is kept
+        # for the control plane's restart under `RESET_HOLDER + id` (`host_reset`); the
+        # next create or delete of that id lets it go.
+        self._reset_holds: set[str] = set()
         # Told (sandbox id, why) the moment a running sandbox's VM ends on its own; without
         # a handler the node deletes the sandbox itself.
         self.on_lost: Callable[[str, str], None] | None = None
@@ -282,6 +286,9 @@ class NodeBase:
         sb = self._sandboxes.pop(sandbox_id, None)
         self.memory.forget(sandbox_id)
         await self.conversions.cancel(sandbox_id)
+        if sandbox_id in self._reset_holds:
+            self._reset_holds.discard(sandbox_id)
+            await asyncio.to_thread(node_cleanup.drop_reset_hold, self.repo, sandbox_id)
         if sb is not None:
             stack = sb.cleanup
         elif self._on_disk(sandbox_id):

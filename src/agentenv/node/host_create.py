@@ -18,7 +18,14 @@ from agentenv.contract.ids import is_sandbox_id, new_sandbox_id
 from agentenv.faults import crash_point
 from agentenv.guest.envd.client import EnvdClient, EnvdError
 from agentenv.network import OPEN, Egress, Slot
-from agentenv.node.cleanup import push_refs, push_slot, push_vm, push_warm_link, push_workdir
+from agentenv.node.cleanup import (
+    drop_reset_hold,
+    push_refs,
+    push_slot,
+    push_vm,
+    push_warm_link,
+    push_workdir,
+)
 from agentenv.node.errors import (
     BootFailed,
     DiskTooSmallForTemplate,
@@ -85,6 +92,18 @@ class NodeCreate(NodeBase):
         with it."""
         if self._boot is None or self._accel is None:
             raise SandboxError("node is not started")
+        if sandbox_id is not None and sandbox_id in self._reset_holds:
+            # The restart of a reset cut short: its target is held until this create
+            # holds it itself, or has failed (the sandbox is then lost).
+            self._reset_holds.discard(sandbox_id)
+            try:
+                return await self.create(
+                    template, cpu, memory_mb, disk_size_mb, egress=egress,
+                    sandbox_id=sandbox_id, init=init, metadata=metadata,
+                    capacity_wait_s=capacity_wait_s,
+                )  # fmt: skip
+            finally:
+                await thread_whole(drop_reset_hold, self.repo, sandbox_id)
         if sandbox_id is not None:
             await asyncio.to_thread(self._check_new_id, sandbox_id)
         named = await asyncio.to_thread(self._named_snapshot, template)

@@ -12,7 +12,9 @@ keys its VM record and cgroup.
 A crash in between leaves the workdir with no QEMU: crash recovery finds the sandbox lost and
 runs its stack (files, references; the slot goes with the dead server's pool), and the control
 plane, whose row says `resuming` with the target, starts it again from the target
-(`control.sandbox_reset._finish_reset`). A crash after the new QEMU has its state leaves a
+(`control.sandbox_reset._finish_reset`); a target nothing else may keep (a fork's capture
+whose last child this is) is held under `RESET_HOLDER` meanwhile, and that restart's create
+lets it go (so does a delete of the id). A crash after the new QEMU has its state leaves a
 sandbox that recovery adopts as any other."""
 
 from __future__ import annotations
@@ -25,7 +27,13 @@ import time
 
 from agentenv.aio import thread_whole
 from agentenv.faults import crash_point
-from agentenv.node.cleanup import VM, WARM_LINK, remove_unheld_layers
+from agentenv.node.cleanup import (
+    RESET_HOLDER,
+    VM,
+    WARM_LINK,
+    drop_reset_hold,
+    remove_unheld_layers,
+)
 from agentenv.node.errors import (
     InvalidResources,
     NotResettable,
@@ -61,12 +69,21 @@ class NodeReset(NodePause):
             raise NotResettable(f"sandbox {sandbox_id} is paused")
         snap, top, defaults = await self._reset_target(template, old)
         old_refs = await asyncio.to_thread(self._target_refs, old)
+        # A target with no name (a fork's capture) may be kept by this sandbox alone: held
+        # through the swap, so a crash in it leaves the target for the restart.
+        hold = not snap.names
+        if hold:
+            await asyncio.to_thread(self.repo.ref, snap.id, RESET_HOLDER + sandbox_id)
         # From here the old guest is going: the sandbox is not listed until its new one runs,
         # and its place on the node is kept for it meanwhile.
-        with self.admission.kept(old.memory_mb):
-            del self._sandboxes[sandbox_id]
-            self.memory.forget(sandbox_id)
-            handle = await self._swap(old, template, snap, top, defaults, init)
+        try:
+            with self.admission.kept(old.memory_mb):
+                del self._sandboxes[sandbox_id]
+                self.memory.forget(sandbox_id)
+                handle = await self._swap(old, template, snap, top, defaults, init)
+        finally:
+            if hold:
+                await thread_whole(drop_reset_hold, self.repo, sandbox_id)
         stale = old_refs - await asyncio.to_thread(self._target_refs, handle)
         if stale:
             # The reset is done: a reference left behind is a leak to log, not a failure.

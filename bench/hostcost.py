@@ -2,7 +2,7 @@
 it spawns, per create, `commands.run`, kill, pause and resume, with the warm pool off and on,
 and the floor beside them.
 
-    .venv/bin/python bench/host_cost.py [-n 6] [--runs 5] [--pauses 2]
+    .venv/bin/python bench/hostcost.py [-n 6] [--runs 5] [--pauses 2]
 
 For each warm-pool setting a server is started as a child on its own home and a free loopback
 port. Passes:
