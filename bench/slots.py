@@ -36,18 +36,17 @@ def pooled(netns: str) -> bool:
 
 @dataclass(frozen=True)
 class SlotCensus:
-    held: int
     pooled: int
     stray: list[str]
 
 
 def census(home: Path) -> SlotCensus:
-    """The data dir's slots (its markers that name an existing namespace) by state."""
+    """The data dir's slots (its markers that name an existing namespace) that no VM holds:
+    reset and waiting in the pool, or left behind (stray)."""
     existing = set(os.listdir("/run/netns")) if os.path.isdir("/run/netns") else set()
     markers = home / "run" / "slots"
     ours = existing & set(os.listdir(markers)) if markers.is_dir() else set()
     named = {(r.spec or {}).get("netns") for r in registry.load_all(home / "run" / "vms")}
-    held = ours & named
     idle = sorted(ours - named)
     stray = [n for n in idle if not pooled(n)]
-    return SlotCensus(held=len(held), pooled=len(idle) - len(stray), stray=stray)
+    return SlotCensus(pooled=len(idle) - len(stray), stray=stray)
