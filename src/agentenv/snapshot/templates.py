@@ -26,6 +26,7 @@ from agentenv.snapshot.errors import SnapshotNotFound
 from agentenv.snapshot.machine import GuestImage, boot
 from agentenv.snapshot.model import Snapshot
 from agentenv.snapshot.repository import SnapshotRepository
+from agentenv.snapshot.warmup import warm_up
 from agentenv.storage import LayerStore, create_upper
 from agentenv.template.catalog import TemplateCatalog
 
@@ -35,7 +36,8 @@ log = logging.getLogger(__name__)
 # 2: the balloon device no longer offers free page reporting to file-backed guests.
 # 3: free page reporting for every guest again (clones discard through vmm.ramshim).
 # 4: every slot's tap has one MAC (config.GATEWAY_MAC), the one a template's guest keeps.
-RECIPE = "4"
+# 5: the guest has run a first command, file write and read before its capture (`warmup`).
+RECIPE = "5"
 # A waiter for another process's build gives up after this many boot timeouts (a cold boot
 # under TCG plus the capture).
 BUILD_LOCK_BOOTS = 3
@@ -114,7 +116,9 @@ async def ensure_template_snapshot(
             snap = await asyncio.to_thread(repo.get, alias)
             if snap.build_key == key:
                 return snap
-        return await _build(settings, image, repo, tpl.layers[-1], name, alias, key, cpu, memory_mb)
+        return await _build(
+            settings, image, repo, tpl.layers[-1], name, alias, key, cpu, memory_mb, tpl.user
+        )
 
 
 async def _build(
@@ -127,6 +131,7 @@ async def _build(
     key: str,
     cpu: int,
     memory_mb: int,
+    user: str | None,
 ) -> Snapshot:
     vm_name = f"tpl-{template[:20]}-{secrets.token_hex(4)}"
     workdir = snapshots_dir(settings) / f".build-{vm_name}"
@@ -151,6 +156,7 @@ async def _build(
         vm = machine.vm
         try:
             crash_point("template:booted")
+            await warm_up(machine.envd_url, user)
             cap = await capture(
                 machine,
                 repo,

@@ -350,6 +350,26 @@ class EnvdClient:
                     end = event["end"]
         return end
 
+    async def write_file(self, path: str, data: bytes, user: str) -> None:
+        """Writes `data` to `path` as `user`, as the SDK's `files.write` does (multipart)."""
+        with _mapped("files.write"):
+            response = await self._http.post(
+                "/files",
+                params={"path": path},
+                files={"file": (path.rsplit("/", 1)[-1], data)},
+                headers=self._headers(user),
+            )
+        _raise_for_http(response)
+
+    async def read_file(self, path: str, user: str) -> bytes:
+        """The file at `path`, read as `user` (the SDK's `files.read`)."""
+        with _mapped("files.read"):
+            response = await self._http.get(
+                "/files", params={"path": path}, headers=self._headers(user)
+            )
+        _raise_for_http(response)
+        return response.content
+
     async def upload_file(self, local: Path, dest: str) -> None:
         """Writes the host file `local` to `dest` in the guest (as root), streamed."""
 
