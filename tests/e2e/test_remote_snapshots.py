@@ -96,7 +96,8 @@ async def test_template_captured_on_a_restores_on_b(
                 machine = await restore(
                     repo_b, repo_b.layers, image, snap.id, name=name, workdir=workdir, slot=slot
                 )
-                await identify(machine.envd_url, hostname=name)
+                async with EnvdClient(machine.envd_url) as envd:
+                    await identify(envd, hostname=name)
                 restore_s = time.monotonic() - t0
                 async with EnvdClient(machine.envd_url) as envd:
                     code, out, err = await envd.run("hostname; cat /etc/os-release", timeout=60)
@@ -140,7 +141,8 @@ async def test_sandbox_paused_on_a_resumes_on_b(
             repo_a, repo_a.layers, image, snap.id, name=name, workdir=workdir_a, slot=slots[0]
         )
         machines.append((m, repo_a))
-        await identify(m.envd_url, hostname=name)
+        async with EnvdClient(m.envd_url) as envd:
+            await identify(envd, hostname=name)
         await _sh(m.envd_url, "echo on-disk > /root/file; echo in-ram > /tmp/ram-only")
         pid = await _sh(m.envd_url, "setsid nohup sleep 100000 >/dev/null 2>&1 & echo $!")
         record = await pause(m, repo_a, image)

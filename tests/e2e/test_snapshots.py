@@ -100,7 +100,8 @@ class Sandboxes:
             slot=await self.slot(),
         )
         self.machines[name] = m
-        await identify(m.envd_url, hostname=name)
+        async with EnvdClient(m.envd_url) as envd:
+            await identify(envd, hostname=name)
         return m
 
     async def close(self) -> None:

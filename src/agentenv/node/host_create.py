@@ -343,29 +343,35 @@ class NodeCreate(NodeBase):
         caller runs on failure and keeps on the handle."""
         t0 = time.monotonic()
         if prepared is not None:
-            machine = await load(prepared, self.repo, self.layers)
+            token = prepared.snap.envd_token
         else:
-            machine = await snaps.restore(
-                self.repo, self.layers, self.image, ref, name=sandbox_id, workdir=workdir, slot=slot
+            token = (await asyncio.to_thread(self.repo.get, ref)).envd_token
+        # One client, and one connection to the guest, for the health wait and the /init.
+        at = prepared.slot if prepared is not None else slot
+        async with EnvdClient(snaps.envd_url(at), token) as envd:
+            if prepared is not None:
+                machine = await load(prepared, self.repo, self.layers, envd=envd)
+            else:
+                machine = await snaps.restore(
+                    self.repo, self.layers, self.image, ref,
+                    name=sandbox_id, workdir=workdir, slot=slot, envd=envd,
+                )  # fmt: skip
+                push_vm(stack, lambda: machine.vm)
+            crash_point("create:loaded")
+            handle = await asyncio.to_thread(self._handle, machine, template, top)
+            handle.cleanup = stack
+            handle.origin = "warm" if prepared is not None else origin
+            d = defaults or TemplateDefaults()
+            env = init.env_over(d)
+            await snaps.identify(
+                envd,
+                hostname=sandbox_id,
+                # The captured guest's token (if any) is replaced by the sandbox's own.
+                access_token=init.envd_token or ("" if token else None),
+                env_vars=env or None,
+                default_user=d.user,
+                default_workdir=d.workdir,
             )
-            push_vm(stack, lambda: machine.vm)
-        crash_point("create:loaded")
-        handle = await asyncio.to_thread(self._handle, machine, template, top)
-        handle.cleanup = stack
-        handle.origin = "warm" if prepared is not None else origin
-        token = (await asyncio.to_thread(self.repo.get, ref)).envd_token
-        d = defaults or TemplateDefaults()
-        env = init.env_over(d)
-        await snaps.identify(
-            machine.envd_url,
-            hostname=sandbox_id,
-            current_token=token,
-            # The captured guest's token (if any) is replaced by the sandbox's own.
-            access_token=init.envd_token or ("" if token else None),
-            env_vars=env or None,
-            default_user=d.user,
-            default_workdir=d.workdir,
-        )
         handle.envd_token = init.envd_token
         handle.spawn_to_healthy_s = time.monotonic() - t0
         return handle

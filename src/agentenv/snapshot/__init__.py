@@ -26,7 +26,7 @@ from agentenv.snapshot.errors import (
 from agentenv.snapshot.fork import ForkResult, ForkTarget, fork, fork_paused
 from agentenv.snapshot.guestsync import GuestSyncFailed
 from agentenv.snapshot.identity import identify
-from agentenv.snapshot.machine import GuestImage, Machine, MemoryMode, boot
+from agentenv.snapshot.machine import GuestImage, Machine, MemoryMode, boot, envd_url
 from agentenv.snapshot.model import Snapshot
 from agentenv.snapshot.pause import PausedState, pause, pause_disk, paused_state, resume
 from agentenv.snapshot.paused_capture import NoMemory
@@ -63,6 +63,7 @@ __all__ = [
     "capture",
     "capture_disk",
     "ensure_template_snapshot",
+    "envd_url",
     "find_template_snapshot",
     "fork",
     "fork_paused",

@@ -14,10 +14,11 @@ from pathlib import Path
 
 from agentenv.cleanup import Cleanup, CleanupFailed
 from agentenv.faults import crash_point
+from agentenv.guest.envd.client import EnvdClient
 from agentenv.network import Slot
 from agentenv.snapshot.capture import Capture, capture
 from agentenv.snapshot.identity import identify
-from agentenv.snapshot.machine import GuestImage, Machine
+from agentenv.snapshot.machine import GuestImage, Machine, envd_url
 from agentenv.snapshot.paused_capture import capture_paused
 from agentenv.snapshot.repository import SnapshotStore
 from agentenv.snapshot.restore import release, restore
@@ -152,18 +153,18 @@ async def _children(
     async def one(i: int, target: ForkTarget | Awaitable[ForkTarget]) -> None:
         # Shielded: cancelling this child must not cancel the caller's future.
         t = target if isinstance(target, ForkTarget) else await asyncio.shield(target)
-        async with sem:
+        async with sem, EnvdClient(envd_url(t.slot), envd_token) as envd:
             child = made[i] = await restore(
-                repo, layers, image, cap.snapshot.id, name=t.name, workdir=t.workdir, slot=t.slot
-            )
+                repo, layers, image, cap.snapshot.id,
+                name=t.name, workdir=t.workdir, slot=t.slot, envd=envd,
+            )  # fmt: skip
             stack.push(f"child {t.name}", lambda: release(child, repo, layers))
             crash_point("fork:child")
             env = {**(env_vars or {}), **(t.env_vars or {})}
             await identify(
-                child.envd_url,
+                envd,
                 hostname=t.name,
                 env_vars=env or None,
-                current_token=envd_token,
                 access_token=t.access_token or ("" if envd_token else None),
             )
 

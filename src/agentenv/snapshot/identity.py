@@ -15,23 +15,22 @@ ENTROPY_BYTES = 64
 
 
 async def identify(
-    envd_url: str,
+    envd: EnvdClient,
     *,
     hostname: str,
     env_vars: Mapping[str, str] | None = None,
     access_token: str | None = None,
     default_user: str | None = None,
     default_workdir: str | None = None,
-    current_token: str | None = None,
 ) -> None:
-    """`current_token` is the token the captured guest's envd already has (a capture of a
-    sandbox that was initialised); `access_token=""` clears it."""
-    async with EnvdClient(envd_url, access_token=current_token) as envd:
-        await envd.init(
-            hostname=hostname,
-            entropy=os.urandom(ENTROPY_BYTES),
-            env_vars=env_vars,
-            access_token=access_token,
-            default_user=default_user,
-            default_workdir=default_workdir,
-        )
+    """Through `envd`, a client to the restored guest carrying the token its envd already
+    has (a capture of a sandbox that was initialised; the restore's health wait used the
+    same client and connection). `access_token=""` clears the token."""
+    await envd.init(
+        hostname=hostname,
+        entropy=os.urandom(ENTROPY_BYTES),
+        env_vars=env_vars,
+        access_token=access_token,
+        default_user=default_user,
+        default_workdir=default_workdir,
+    )

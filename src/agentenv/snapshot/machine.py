@@ -128,7 +128,12 @@ class Machine:
 
     @property
     def envd_url(self) -> str:
-        return f"http://{self.slot.slot_ip}:{ENVD_PORT}"
+        return envd_url(self.slot)
+
+
+def envd_url(slot: Slot) -> str:
+    """Where the envd of the guest in `slot` answers."""
+    return f"http://{slot.slot_ip}:{ENVD_PORT}"
 
 
 def new_vm(
@@ -284,14 +289,27 @@ async def stream_to_memory_file(
         await asyncio.to_thread(shutil.rmtree, scratch, True)
 
 
-async def wait_envd(url: str, vm: QemuVM, timeout_s: float, poll_s: float = HEALTH_POLL_S) -> None:
-    """Until envd answers `/health` through the slot; fails early if QEMU exits."""
+async def wait_envd(
+    url: str,
+    vm: QemuVM,
+    timeout_s: float,
+    poll_s: float = HEALTH_POLL_S,
+    *,
+    envd: EnvdClient | None = None,
+) -> None:
+    """Until envd answers `/health` through the slot; fails early if QEMU exits. With
+    `envd` (the caller's client to that guest) its connection stays open for the next
+    request: a restore's `/init` then needs no new connection (a guest-side accept, under
+    TCG a few ms of guest CPU, and a client of the server's)."""
 
     def exited() -> str | None:
         return None if vm.exit_code is None else f"QEMU exited with {vm.exit_code}"
 
-    async with EnvdClient(url, timeout=2.0) as envd:
-        try:
+    try:
+        if envd is not None:
             await envd.wait_healthy(timeout_s, poll_s, gone=exited)
-        except EnvdError as exc:
-            raise RestoreFailed(f"{vm.name}: {exc.message}") from exc
+            return
+        async with EnvdClient(url, timeout=2.0) as own:
+            await own.wait_healthy(timeout_s, poll_s, gone=exited)
+    except EnvdError as exc:
+        raise RestoreFailed(f"{vm.name}: {exc.message}") from exc

@@ -13,6 +13,7 @@ from pathlib import Path
 from agentenv.aio import thread_whole
 from agentenv.cleanup import Cleanup, CleanupFailed
 from agentenv.files import ROOTFS
+from agentenv.guest.envd.client import EnvdClient
 from agentenv.network import Slot
 from agentenv.snapshot.errors import IncompatibleSnapshot, RestoreFailed
 from agentenv.snapshot.machine import (
@@ -199,9 +200,10 @@ async def load(
     layers: LayerStore,
     *,
     health_timeout_s: float = RESTORE_HEALTH_TIMEOUT_S,
+    envd: EnvdClient | None = None,
 ) -> Machine:
-    """Load the state into a prepared guest; returns once envd answers. On failure the
-    guest is discarded."""
+    """Load the state into a prepared guest; returns once envd answers (through `envd`,
+    the caller's client to the slot's envd, if given). On failure the guest is discarded."""
     snap, name, vm = prep.snap, prep.name, prep.vm
     try:
         try:
@@ -220,7 +222,7 @@ async def load(
             balloon=snap.balloon,
             snapshot_id=snap.id,
         )
-        await wait_envd(machine.envd_url, vm, health_timeout_s)
+        await wait_envd(machine.envd_url, vm, health_timeout_s, envd=envd)
     except BaseException:
         await discard(prep, repo, layers)
         raise
@@ -243,14 +245,16 @@ async def restore(
     slot: Slot,
     disk_size_mb: int | None = None,
     health_timeout_s: float = RESTORE_HEALTH_TIMEOUT_S,
+    envd: EnvdClient | None = None,
 ) -> Machine:
-    """Returns once envd answers through `slot`. The caller gives the guest its identity
-    (`identify`). On failure nothing it made is left (QEMU, upper, references)."""
+    """Returns once envd answers through `slot` (asked through `envd`, if given). The
+    caller gives the guest its identity (`identify`). On failure nothing it made is left
+    (QEMU, upper, references)."""
     t0 = time.monotonic()
     prep = await prepare(
         repo, layers, image, ref, name=name, workdir=workdir, slot=slot, disk_size_mb=disk_size_mb
     )
-    machine = await load(prep, repo, layers, health_timeout_s=health_timeout_s)
+    machine = await load(prep, repo, layers, health_timeout_s=health_timeout_s, envd=envd)
     log.info("%s restored from %s in %.3fs", name, prep.snap.id[:12], time.monotonic() - t0)
     return machine
 

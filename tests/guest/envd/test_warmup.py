@@ -3,6 +3,7 @@ leaves nothing behind, and one that cannot (no such user) is reported, not raise
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 from agentenv.snapshot.warmup import PROBE, warm_up
@@ -12,7 +13,7 @@ from .conftest import EnvdProc
 
 async def test_warm_up_runs_every_step_and_leaves_nothing(envd: EnvdProc) -> None:
     assert await warm_up(envd.url) == []
-    assert not Path(PROBE).exists()
+    assert not await asyncio.to_thread(Path(PROBE).exists)
 
 
 async def test_warm_up_reports_what_failed_and_goes_on(envd: EnvdProc) -> None:
