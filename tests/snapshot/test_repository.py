@@ -128,6 +128,15 @@ def test_delete_hides_a_mapped_snapshot_until_gc(repo: SnapshotRepository, layer
     assert f"snapshot:{snap.id}" not in repo.layers.holders(layer)
 
 
+def test_release_drops_a_holder_and_what_only_it_kept(repo: SnapshotRepository, layer: str) -> None:
+    shared = repo.commit(stage(repo, b"s"), draft(layer, holders=["sb-1", "sb-2"]))
+    only = repo.commit(stage(repo, b"o"), draft(layer, holders=["sb-1"]))
+    named = repo.commit(stage(repo, b"n"), draft(layer, ["keep"], holders=["sb-1"]))
+    assert repo.release("sb-1") == [only.id]
+    assert not (repo.root / only.id).exists()
+    assert {s.id: s.holders for s in repo.list()} == {shared.id: ["sb-2"], named.id: []}
+
+
 def test_gc_keeps_named_and_held(repo: SnapshotRepository, layer: str) -> None:
     named = repo.commit(stage(repo, b"n"), draft(layer, ["keep"]))
     held = repo.commit(stage(repo, b"h"), draft(layer, holders=["sb"]))

@@ -113,6 +113,11 @@ def test_unref_holder_and_unknown_digest(store: LayerStore, tmp_path: Path) -> N
     assert store.unref_holder("sbx-1") == sorted([d, e])
     assert store.unheld([d, e]) == [e]
     assert store.holders(d) == ["sbx-2"]
+    # A kill's release: its references gone, and those nobody else holds named.
+    store.ref(d, "sbx-3")
+    store.ref(e, "sbx-3")
+    assert store.release("sbx-3") == [e]
+    assert store.held_by("sbx-3") == [] and store.holders(d) == ["sbx-2"]
     assert store.held_by("sbx-1") == [] and store.held_by("sbx-2") == [d]
     with pytest.raises(LayerNotFound):
         store.path("0" * 64)

@@ -282,6 +282,9 @@ class Node(NodeReset):
                     drop_reset_hold(self.repo, sandbox_id)
                 else:
                     self._reset_holds.add(sandbox_id)
+        # Snapshots the dead server's last references held, and captures' staging dirs it
+        # left (a kill's release does not look for those).
+        self.repo.gc()
 
     def _unconverted_pauses(self) -> builtins.list[tuple[str, Path]]:
         found = []

@@ -75,6 +75,8 @@ class SnapshotStore(Protocol):
 
     def unref_holder(self, holder: str) -> None: ...
 
+    def release(self, holder: str) -> builtins.list[str]: ...
+
     def delete(self, ref: str) -> Snapshot: ...
 
     def gc(self) -> builtins.list[str]: ...
@@ -322,6 +324,21 @@ class SnapshotRepository:
                 self.layers.remove(digest)
             except (LayerInUse, LayerNotFound):
                 break
+
+    def release(self, holder: str) -> builtins.list[str]:
+        """`unref_holder` and the snapshots that leaves with neither names nor holders
+        deleted (a fork's capture with its last child), in one pass over the catalog: a
+        kill's step. Returns the deleted ids."""
+        with self._locked() as snaps:
+            for snap in snaps.values():
+                if holder in snap.holders:
+                    snap.holders.remove(holder)
+            victims = [s for s in snaps.values() if not s.names and not s.holders]
+            for snap in victims:
+                del snaps[snap.id]
+        for snap in victims:
+            self._remove_files(snap)
+        return [s.id for s in victims]
 
     def gc(self) -> builtins.list[str]:
         """Delete snapshots with neither names nor holders, and leftover staging dirs."""

@@ -176,6 +176,18 @@ class LayerStore:
                     dropped.append(digest)
             return sorted(dropped)
 
+    def release(self, holder: str) -> list[str]:
+        """`unref_holder`, in the same pass returning the digests it held that nothing
+        references now (the layers a kill may remove)."""
+        with self._locked() as refs:
+            freed = []
+            for digest, held in refs.items():
+                if holder in held:
+                    held.remove(holder)
+                    if not held:
+                        freed.append(digest)
+            return sorted(freed)
+
     def unheld(self, digests: list[str]) -> list[str]:
         """Those of `digests` nothing references now (one read of the refs)."""
         with self._locked() as refs:
