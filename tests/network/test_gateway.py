@@ -94,6 +94,30 @@ async def test_gateway_dns_policy_and_release() -> None:
             await pool.close()
 
 
+async def test_a_reused_slot_keeps_an_open_gateway_and_drops_a_policy() -> None:
+    """A released slot the pool keeps keeps its gateway when its egress was open (the next
+    guest gets the same DNS listener); one that had a policy gets a fresh, open one."""
+    with TestResolver({"inet.test": ["198.51.100.2"]}) as r:
+        pool = SlotPool(NetworkPlan(), 0, 2, dns=DnsForwarder([r.address], timeout_s=1))
+        try:
+            slot = await pool.acquire()
+            first = pool._gateways[slot.index]
+            await pool.release(slot)
+            again = await pool.acquire()
+            assert again.index == slot.index and pool._gateways[again.index] is first
+            assert await lookup(again, "inet.test") == "NOERROR 198.51.100.2"
+
+            await pool.set_egress(again, Egress(internet=False))
+            assert await lookup(again, "inet.test") == "REFUSED"
+            await pool.release(again)
+            third = await pool.acquire()
+            assert third.index == slot.index and pool._gateways[third.index] is not first
+            assert pool.egress(third) == Egress()
+            assert await lookup(third, "inet.test") == "NOERROR 198.51.100.2"
+        finally:
+            await pool.close()
+
+
 @pytest.mark.parametrize("policy", [Egress.of(deny_out=["*.bad.test", "203.0.113.0/24"])])
 async def test_adopted_slot_gets_its_gateway_back(policy: Egress) -> None:
     with TestResolver({"x.bad.test": ["198.51.100.9"], "ok.test": ["198.51.100.2"]}) as r:

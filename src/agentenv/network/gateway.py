@@ -67,6 +67,12 @@ class SlotGateway:
         for ip, ttl in fresh.items():
             self._learned[ip] = now + ttl
 
+    @property
+    def reusable(self) -> bool:
+        """Whether the next guest of the slot can have this gateway as it is: open egress
+        (nothing learned, no table of its own to drop) and no inspecting proxy."""
+        return self.egress.open and self._inspector is None and not self._learned
+
     async def close(self) -> None:
         await self._dns.close()
         if self._inspector is not None:
