@@ -130,6 +130,16 @@ def base_url(workdir: Path) -> Iterator[str]:
         envd.shutdown()
 
 
+def test_warm_up_leaves_no_trace(base_url: str, workdir: Path) -> None:
+    """The server ran a cell in its python kernel before its /health said 200 (so that a
+    template's snapshot has it done, `Kernel.warm_up`): the first execution a client makes
+    is still number 1, `_` is a fresh kernel's, the warm-up's env var is gone. Runs first."""
+    ex = run(base_url, "import os\n(_, os.environ.get('AGENTENV_WARM_UP'))")
+    assert ex.execution_count == 1
+    assert ex.text == "('', None)"
+    assert "warm-up" not in (workdir / "server.log").read_text()
+
+
 def test_health_reports_failed_defaults(workdir: Path) -> None:
     # A default language with no kernel: /health never says 200 and tells why; work is refused.
     with serve(workdir, "bad-defaults", ["--default-languages", "cobol"]) as (proc, url):

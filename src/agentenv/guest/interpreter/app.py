@@ -105,7 +105,11 @@ class Server:
     async def _start_defaults(self) -> None:
         try:
             for language in self.default_languages:
-                await self.contexts.default(language)
+                kernel = await self.contexts.default(language)
+                try:
+                    await kernel.warm_up()
+                except Exception:  # a cold first execution, not a broken server
+                    log.exception("warm-up of the %s context failed", language)
             self.ready.set()
             log.info("default contexts up: %s", ", ".join(self.default_languages))
         except Exception as exc:

@@ -30,6 +30,9 @@ from .messages import Line
 
 log = logging.getLogger(__name__)
 
+# Set and unset by the warm-up (`Kernel.warm_up`), only to run the env-var snippet once.
+WARM_UP_VAR = "AGENTENV_WARM_UP"
+
 
 @dataclass
 class Settings:
@@ -242,13 +245,15 @@ class Kernel:
         elif pending.idle:
             pending.finish()
 
-    def _send(self, code: str, silent: bool) -> tuple[str, _Pending]:
+    def _send(
+        self, code: str, silent: bool, store_history: bool | None = None
+    ) -> tuple[str, _Pending]:
         if self._kc is None:
             raise KernelGone("kernel is not connected")
         msg_id: str = self._kc.execute(
             code,
             silent=silent,
-            store_history=not silent,
+            store_history=not silent if store_history is None else store_history,
             allow_stdin=False,
             stop_on_error=not silent,
         )
@@ -271,6 +276,30 @@ class Kernel:
             line = pending.queue.get_nowait()
             if line is not None and line["type"] == "error":
                 log.error("helper snippet in %s failed: %s", self.id, line)
+
+    async def warm_up(self) -> None:
+        """What a python kernel's first execution does once, done at the server's start:
+        in a template it is then in the snapshot and no sandbox repeats it (a first
+        `run_code` took ~2 s of TCG, later ones ~0.1 s): the envd client's first request (its
+        answer dropped: the template's envd is not the sandbox's), the env-var snippet, and a
+        cell with a result (IPython's display path). The cell stays out of the history: a
+        sandbox's first execution is still number 1, and `_` is reset to a fresh kernel's."""
+        if self.language != "python" or self._kc is None:
+            return
+        with contextlib.suppress(Exception):
+            await envs.fetch_sandbox_envs(
+                self._settings.envd_url, None, self._settings.envd_timeout
+            )
+        await self._run_silent(envs.set_snippet(self.language, {WARM_UP_VAR: "1"}))
+        await self._run_silent(envs.set_snippet(self.language, {WARM_UP_VAR: None}))
+        msg_id, pending = self._send("1 + 1", silent=False, store_history=False)
+        try:
+            await asyncio.wait_for(pending.done.wait(), self._settings.snippet_timeout)
+        except TimeoutError:
+            log.warning("warm-up cell in %s did not finish in time", self.id)
+        finally:
+            self._pending.pop(msg_id, None)
+        await self._run_silent("_ = __ = ___ = ''")
 
     # execution ----------------------------------------------------------------------------
 
