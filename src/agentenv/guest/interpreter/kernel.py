@@ -261,11 +261,13 @@ class Kernel:
         self._pending[msg_id] = pending
         return msg_id, pending
 
-    async def _run_silent(self, code: str) -> None:
-        """Run a helper snippet (env vars) and wait for it, with a deadline."""
+    async def _run_silent(self, code: str, *, shown: bool = False) -> None:
+        """Run a helper snippet (env vars, the warm-up's cell) and wait for it, with a
+        deadline; outside the history either way. `shown`: not silent, so its result takes
+        IPython's display path (the output is dropped here)."""
         if not code:
             return
-        msg_id, pending = self._send(code, silent=True)
+        msg_id, pending = self._send(code, silent=not shown, store_history=False)
         try:
             await asyncio.wait_for(pending.done.wait(), self._settings.snippet_timeout)
         except TimeoutError:
@@ -292,13 +294,7 @@ class Kernel:
             )
         await self._run_silent(envs.set_snippet(self.language, {WARM_UP_VAR: "1"}))
         await self._run_silent(envs.set_snippet(self.language, {WARM_UP_VAR: None}))
-        msg_id, pending = self._send("1 + 1", silent=False, store_history=False)
-        try:
-            await asyncio.wait_for(pending.done.wait(), self._settings.snippet_timeout)
-        except TimeoutError:
-            log.warning("warm-up cell in %s did not finish in time", self.id)
-        finally:
-            self._pending.pop(msg_id, None)
+        await self._run_silent("1 + 1", shown=True)
         await self._run_silent("_ = __ = ___ = ''")
 
     # execution ----------------------------------------------------------------------------
