@@ -243,7 +243,7 @@ class NodeCreate(NodeBase):
             crash_point("create:acquired")
             if snap is not None:
                 handle = await self._restore(
-                    snap.id, sandbox_id, template, workdir, slot, top, stack, prepared=warm,
+                    snap, sandbox_id, template, workdir, slot, top, stack, prepared=warm,
                     defaults=defaults, init=init,
                 )  # fmt: skip
                 handle.egress = egress
@@ -325,7 +325,7 @@ class NodeCreate(NodeBase):
 
     async def _restore(
         self,
-        ref: str,
+        snap: Snapshot,
         sandbox_id: str,
         template: str,
         workdir: Path,
@@ -337,15 +337,13 @@ class NodeCreate(NodeBase):
         defaults: TemplateDefaults | None = None,
         init: GuestInit = NO_INIT,
     ) -> SandboxHandle:
-        """Restore `ref` as `sandbox_id` (into `prepared`, a warm pool's guest spawned for
+        """Restore `snap` as `sandbox_id` (into `prepared`, a warm pool's guest spawned for
         it, if given) and give it, in one `/init`, its hostname, the template's defaults and
         `init`. Its QEMU goes onto `stack` (a prepared one is there already), which the
         caller runs on failure and keeps on the handle."""
         t0 = time.monotonic()
-        if prepared is not None:
-            token = prepared.snap.envd_token
-        else:
-            token = (await asyncio.to_thread(self.repo.get, ref)).envd_token
+        # The token its envd was captured with (a snapshot's record does not change).
+        token = snap.envd_token
         # One client, and one connection to the guest, for the health wait and the /init.
         at = prepared.slot if prepared is not None else slot
         async with EnvdClient(snaps.envd_url(at), token) as envd:
@@ -353,7 +351,7 @@ class NodeCreate(NodeBase):
                 machine = await load(prepared, self.repo, self.layers, envd=envd)
             else:
                 machine = await snaps.restore(
-                    self.repo, self.layers, self.image, ref,
+                    self.repo, self.layers, self.image, snap.id,
                     name=sandbox_id, workdir=workdir, slot=slot, envd=envd,
                 )  # fmt: skip
                 push_vm(stack, lambda: machine.vm)
@@ -447,7 +445,7 @@ class NodeCreate(NodeBase):
             )  # fmt: skip
             if snap.memory:
                 handle = await self._restore(
-                    snap.id, sandbox_id, ref, workdir, slot, snap.top_layer, stack, init=init
+                    snap, sandbox_id, ref, workdir, slot, snap.top_layer, stack, init=init
                 )
             else:
                 handle = await self._boot_snapshot(snap, sandbox_id, ref, workdir, slot, stack)

@@ -119,7 +119,7 @@ class NodeReset(NodePause):
             if template != old.template or top != old.top_layer:
                 await self._rewrite_meta(files, template, snap, top, old, defaults)
             handle = await self._restore(
-                snap.id, sandbox_id, template, old.workdir, old.slot, top, stack,
+                snap, sandbox_id, template, old.workdir, old.slot, top, stack,
                 origin="reset", defaults=defaults, init=init,
             )  # fmt: skip
             handle.egress = old.egress
