@@ -13,7 +13,6 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-import httpx
 import pytest
 import uvicorn
 from noderpc.test_tls import Pki, pki  # noqa: F401 (a fixture)
@@ -23,10 +22,34 @@ from websockets.exceptions import ConnectionClosed
 
 from agentenv.gateway.client import GatewayDialer, TunnelError, TunnelRefused
 from agentenv.gateway.server import DataGateway
+from agentenv.proxy.http1 import Unreachable, UpstreamPool, request_head
 
 TOKEN = "gateway-test-token"
-LIMITS = httpx.Limits(max_connections=64, max_keepalive_connections=16, keepalive_expiry=30)
-PLAIN = ssl.create_default_context()
+
+
+def _tunnels(dialer: GatewayDialer, gateway: str, sandbox_id: str, port: int) -> UpstreamPool:
+    """The proxy's pool over tunnels to one sandbox port, as a cluster replica has it."""
+
+    async def dial() -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        try:
+            return await dialer.open(gateway, sandbox_id, port)
+        except TunnelError as exc:
+            raise Unreachable(str(exc)) from exc
+
+    return UpstreamPool(dial)
+
+
+async def _fetch(pool: UpstreamPool, path: str, body: bytes | None = None) -> tuple[int, bytes]:
+    method = "GET" if body is None else "POST"
+    headers = [(b"host", b"x")]
+    if body is not None:
+        headers.append((b"content-length", str(len(body)).encode()))
+    exchange = await pool.exchange(bytes(request_head(method, path, headers)) + (body or b""))
+    try:
+        await exchange.response()
+        return exchange.status, b"".join([chunk async for chunk in exchange.body()])
+    finally:
+        exchange.release()
 
 
 async def _app(scope: dict, receive, send) -> None:  # type: ignore[no-untyped-def,type-arg]
@@ -117,23 +140,23 @@ def _address(gw: DataGateway) -> str:
 async def test_http_through_a_tunnel_keeps_its_connection_and_carries_big_bodies(
     guests: Guests, gateway: DataGateway
 ) -> None:
-    dialer = GatewayDialer(TOKEN)
-    transport = dialer.transport(_address(gateway), "sbx1", limits=LIMITS, verify=PLAIN)
-    # The URL's host is never dialled: the tunnel goes where the gateway says sbx1 is.
-    base = f"http://198.18.99.99:{guests.http_port}"
-    async with httpx.AsyncClient(transport=transport, base_url=base) as client:
+    # The tunnel goes where the gateway says sbx1 is: no address of ours is dialled.
+    pool = _tunnels(GatewayDialer(TOKEN), _address(gateway), "sbx1", guests.http_port)
+    try:
         for i in range(20):
-            r = await client.get(f"/n{i}")
-            assert r.status_code == 200 and r.json() == {"path": f"/n{i}", "got": 0}
+            status, got = await _fetch(pool, f"/n{i}")
+            assert status == 200 and json.loads(got) == {"path": f"/n{i}", "got": 0}
         assert gateway.opened == 1, "keep-alive: one tunnel for sequential requests"
         up = bytes(7) * (3 * 1024 * 1024)
-        r = await client.post("/up", content=up)
-        assert r.json()["got"] == len(up)
-        r = await client.get("/big")
-        assert r.content == bytes(range(256)) * (32 * 1024)
-        answers = await asyncio.gather(*(client.get(f"/c{i}") for i in range(40)))
-        assert [a.json()["path"] for a in answers] == [f"/c{i}" for i in range(40)]
+        status, got = await _fetch(pool, "/up", up)
+        assert status == 200 and json.loads(got)["got"] == len(up)
+        status, got = await _fetch(pool, "/big")
+        assert status == 200 and got == bytes(range(256)) * (32 * 1024)
+        answers = await asyncio.gather(*(_fetch(pool, f"/c{i}") for i in range(40)))
+        assert [json.loads(a[1])["path"] for a in answers] == [f"/c{i}" for i in range(40)]
         assert 1 < gateway.opened <= 41
+    finally:
+        await pool.aclose()
     deadline = time.monotonic() + 5
     while gateway.open_tunnels and time.monotonic() < deadline:  # noqa: ASYNC110
         await asyncio.sleep(0.05)
@@ -192,16 +215,13 @@ async def test_every_refusal_is_an_answer_with_its_reason(
     answer = await asyncio.wait_for(reader.read(), 5)
     writer.close()
     assert answer.startswith(b"HTTP/1.1 400") and time.monotonic() - t0 < 4
-    # Through the dialer: typed refusals, and httpx sees a failed connect.
+    # Through the dialer: typed refusals, and the proxy's pool sees a failed connect.
     with pytest.raises(TunnelRefused) as refused:
         await GatewayDialer("wrong").open(_address(gateway), "sbx1", guests.http_port)
     assert refused.value.status == 407
-    transport = GatewayDialer(TOKEN).transport(
-        _address(gateway), "gone", limits=LIMITS, verify=PLAIN
-    )
-    async with httpx.AsyncClient(transport=transport) as client:
-        with pytest.raises(httpx.ConnectError, match="404 sandbox gone does not run"):
-            await client.get(f"http://x:{guests.http_port}/")
+    pool = _tunnels(GatewayDialer(TOKEN), _address(gateway), "gone", guests.http_port)
+    with pytest.raises(Unreachable, match="404 sandbox gone does not run"):
+        await _fetch(pool, "/")
     # Nothing listening at the gateway's address: a connect error at once, not a hang.
     t0 = time.monotonic()
     with pytest.raises(TunnelError, match="unreachable"):
@@ -273,12 +293,10 @@ async def test_a_tls_gateway_is_verified_and_carries_the_same_traffic(
     try:
         trusted = ssl.create_default_context(cafile=str(pki.ca))
         address = "tls://" + _address(gw)
-        transport = GatewayDialer(TOKEN, trusted).transport(
-            address, "sbx1", limits=LIMITS, verify=PLAIN
-        )
-        async with httpx.AsyncClient(transport=transport) as client:
-            r = await client.post(f"http://x:{guests.http_port}/tls", content=b"abc")
-            assert r.json() == {"path": "/tls", "got": 3}
+        pool = _tunnels(GatewayDialer(TOKEN, trusted), address, "sbx1", guests.http_port)
+        status, got = await _fetch(pool, "/tls", b"abc")
+        assert status == 200 and json.loads(got) == {"path": "/tls", "got": 3}
+        await pool.aclose()
         sock, relay = await GatewayDialer(TOKEN, trusted).socket(address, "sbx1", guests.ws_port)
         async with ws_connect(f"ws://x:{guests.ws_port}/", sock=sock, open_timeout=5) as ws:
             await ws.send("over tls")

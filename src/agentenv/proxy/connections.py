@@ -1,5 +1,5 @@
-"""What the sandbox proxy holds per sandbox (`ProxyConnections`): its httpx pool to the slot
-address (through the node's data gateway on a cluster), the requests open to it so a
+"""What the sandbox proxy holds per sandbox (`ProxyConnections`): its connection pools to the
+slot address (through the node's data gateway on a cluster), the requests open to it so a
 release ends them (`drop`), and admitting a request (resolve the record, refuse one that is
 not running, note activity). Split from `forward.py`; HTTP (`forward`) and WebSocket
 (`websocket`) relaying are built over it."""
@@ -8,26 +8,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import secrets
 from collections.abc import Awaitable, Callable, Iterator
 
-import httpx
-
 from agentenv.control.metrics import Metrics
 from agentenv.control.store import SandboxRecord
-from agentenv.gateway.client import GatewayDialer
+from agentenv.gateway.client import GatewayDialer, TunnelError
 from agentenv.ports import ENVD_PORT
 from agentenv.proxy.cuts import Cut
+from agentenv.proxy.http1 import READ_CHUNK, Dial, Unreachable, UpstreamPool
 from agentenv.proxy.routing import TRAFFIC_TOKEN_HEADER, Sandbox
-from agentenv.proxy.upstream import (
-    UPSTREAM_LIMITS,
-    UPSTREAM_TIMEOUT,
-    UPSTREAM_TLS,
-    UpstreamClient,
-    forwardable,
-    refusal,
-)
+from agentenv.proxy.upstream import UPSTREAM_TLS, forwardable, refusal
 from agentenv.proxy.wire import Send, send_json
 
 log = logging.getLogger("agentenv.proxy")
@@ -38,6 +31,17 @@ Resolver = Callable[[str], Awaitable[SandboxRecord | None]]
 ActivityHook = Callable[[SandboxRecord], None]
 # node id -> its data gateway (HOST:PORT), None to reach its guests' addresses directly.
 GatewayOf = Callable[[str], Awaitable[str | None]]
+
+
+class _SandboxPools:
+    """One sandbox's pools, one per port (and TLS or not) it was reached on."""
+
+    def __init__(self) -> None:
+        self.ports: dict[tuple[int, bool], UpstreamPool] = {}
+
+    async def aclose(self) -> None:
+        for pool in self.ports.values():
+            await pool.aclose()
 
 
 class ProxyConnections:
@@ -59,8 +63,8 @@ class ProxyConnections:
         self._on_activity = on_activity
         self._gateway_of = gateway_of
         self._dialer = dialer
-        # Per sandbox: (slot address, gateway or None) the pool goes to, and the pool.
-        self._pools: dict[str, tuple[tuple[str, str | None], httpx.AsyncClient]] = {}
+        # Per sandbox: (slot address, gateway or None) its pools go to, and the pools.
+        self._pools: dict[str, tuple[tuple[str, str | None], _SandboxPools]] = {}
         # Per sandbox, one event per open request; `drop` sets them.
         self._open: dict[str, set[Cut]] = {}
 
@@ -105,32 +109,45 @@ class ProxyConnections:
             return None
         return await self._gateway_of(rec.node_id)
 
-    async def _pool(self, rec: SandboxRecord) -> httpx.AsyncClient:
+    async def _pool(self, rec: SandboxRecord, port: int, tls: bool) -> UpstreamPool:
+        """The sandbox's pool to `port` (in TLS for its `httpsPorts`)."""
         assert rec.address is not None
         key = (rec.address, await self._via(rec))
         entry = self._pools.get(rec.id)
-        if entry is not None and entry[0] == key:
-            return entry[1]
-        via = key[1]
-        transport = None
-        if via is not None:
-            assert self._dialer is not None
-            transport = self._dialer.transport(
-                via, rec.id, limits=UPSTREAM_LIMITS, verify=UPSTREAM_TLS
+        if entry is None or entry[0] != key:
+            if entry is not None:
+                # A resumed sandbox may sit on another slot or node; the old pools point
+                # nowhere.
+                asyncio.get_running_loop().create_task(entry[1].aclose())
+            entry = (key, _SandboxPools())
+            self._pools[rec.id] = entry
+        pools = entry[1]
+        pool = pools.ports.get((port, tls))
+        if pool is None:
+            pool = pools.ports[(port, tls)] = UpstreamPool(self._dial(rec.id, key, port, tls))
+        return pool
+
+    def _dial(self, sandbox_id: str, key: tuple[str, str | None], port: int, tls: bool) -> Dial:
+        address, via = key
+        # Only used for `httpsPorts` (plain http elsewhere); see `_unverified_tls`.
+        context = UPSTREAM_TLS if tls else None
+        if via is None:
+            return functools.partial(
+                asyncio.open_connection, address, port, ssl=context, limit=READ_CHUNK
             )
-        client = UpstreamClient(
-            timeout=UPSTREAM_TIMEOUT,
-            limits=UPSTREAM_LIMITS,
-            trust_env=False,
-            # Only used for `httpsPorts` (plain http elsewhere); see `_unverified_tls`.
-            verify=UPSTREAM_TLS,
-            transport=transport,
-        )
-        if entry is not None:
-            # A resumed sandbox may sit on another slot or node; the old pool points nowhere.
-            asyncio.get_running_loop().create_task(entry[1].aclose())
-        self._pools[rec.id] = (key, client)
-        return client
+        dialer = self._dialer
+        assert dialer is not None
+
+        async def tunnel() -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+            try:
+                reader, writer = await dialer.open(via, sandbox_id, port)
+            except TunnelError as exc:
+                raise Unreachable(str(exc)) from exc
+            if context is not None:
+                await writer.start_tls(context)
+            return reader, writer
+
+        return tunnel
 
     async def _admit(
         self, target: Sandbox, headers: dict[str, str], send: Send

@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable
-
-import httpx
+from collections.abc import AsyncIterator, Awaitable
 
 from agentenv.control.store import SandboxRecord
 from agentenv.proxy.connections import log
@@ -28,6 +26,7 @@ from agentenv.proxy.cuts import (
     connect_end_stream_error,
     unless_cut,
 )
+from agentenv.proxy.http1 import Broken, Exchange, Unreachable, request_head
 from agentenv.proxy.routing import ROUTING_HEADERS, Sandbox
 from agentenv.proxy.upstream import (
     HOP_BY_HOP,
@@ -38,6 +37,8 @@ from agentenv.proxy.upstream import (
 )
 from agentenv.proxy.websocket import WebSocketRelay
 from agentenv.proxy.wire import Receive, Scope, Send, abort_response, send_json
+
+CONNECT_STREAM_B = CONNECT_STREAM.encode()
 
 
 class SandboxProxy(WebSocketRelay):
@@ -52,7 +53,9 @@ class SandboxProxy(WebSocketRelay):
         fwd: list[tuple[bytes, bytes]] = []
         for k, v in scope["headers"]:
             name = k.decode("latin-1").lower()
-            if name in HOP_BY_HOP or name in ROUTING_HEADERS:
+            if name in HOP_BY_HOP or name in ROUTING_HEADERS or name == "expect":
+                # `Expect: 100-continue` was the ASGI server's to answer (it did, once we
+                # read the body); the body goes upstream without waiting for another one.
                 continue
             if forwarded_host is not None and name in ("host", "x-forwarded-host"):
                 continue
@@ -61,15 +64,61 @@ class SandboxProxy(WebSocketRelay):
             fwd.append((b"host", host.encode("latin-1")))
             if forwarded_host:
                 fwd.append((b"x-forwarded-host", forwarded_host.encode("latin-1")))
-        has_body = "content-length" in headers or "chunked" in headers.get("transfer-encoding", "")
+        elif "host" not in headers:
+            fwd.append((b"host", f"{rec.address}:{target.port}".encode("latin-1")))
+        method = scope["method"]
+        sized = "content-length" in headers
+        first = b""
+        more = False
+        if sized or "chunked" in headers.get("transfer-encoding", ""):
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                self._metrics.proxy_requests.labels("client_gone").inc()
+                return
+            first = msg.get("body", b"")
+            more = msg.get("more_body", False)
+        chunked = more and not sized
+        if chunked:
+            fwd.append((b"transfer-encoding", b"chunked"))
+        elif not sized and (first or method in ("POST", "PUT", "PATCH")):
+            # A chunked body that came whole goes sized (as does an empty one where
+            # servers expect a length).
+            fwd.append((b"content-length", str(len(first)).encode()))
+        path = raw_target_path(scope, target.path)
         query = scope.get("query_string", b"")
-        scheme = "https" if https_port(rec, target.port) else "http"
-        url = f"{scheme}://{rec.address}:{target.port}{raw_target_path(scope, target.path)}"
         if query:
-            url += "?" + query.decode("latin-1")
-        sent_up = 0
+            path += "?" + query.decode("latin-1")
+        out = request_head(method, path, fwd)
+        if first:
+            out += b"%x\r\n%b\r\n" % (len(first), first) if chunked else first
+        pool = await self._pool(rec, target.port, https_port(rec, target.port))
+        with self._opened(rec.id) as cut:
+            await self._exchange(
+                rec,
+                target,
+                pool.exchange(bytes(out), head_request=method == "HEAD", replayable=not more),
+                (receive, send),
+                cut,
+                len(first),
+                more=more,
+                chunked=chunked,
+            )
 
-        async def body() -> AsyncIterator[bytes]:
+    async def _exchange(
+        self,
+        rec: SandboxRecord,
+        target: Sandbox,
+        opening: Awaitable[Exchange],
+        asgi: tuple[Receive, Send],
+        cut: Cut,
+        sent_up: int,
+        *,
+        more: bool,
+        chunked: bool,
+    ) -> None:
+        receive, send = asgi
+
+        async def rest() -> AsyncIterator[bytes]:
             nonlocal sent_up
             while True:
                 msg = await receive()
@@ -82,75 +131,110 @@ class SandboxProxy(WebSocketRelay):
                 if not msg.get("more_body", False):
                     return
 
-        request = httpx.Request(
-            scope["method"], url, headers=fwd, content=body() if has_body else None
-        )
-        client = await self._pool(rec)
-        with self._opened(rec.id) as cut:
-            await self._exchange(rec, target, client, request, receive, send, cut, lambda: sent_up)
+        try:
+            exchange = await opening
+        except Unreachable as exc:
+            self._metrics.proxy_bytes.labels("up").inc(sent_up)
+            if cut.is_set():
+                self._metrics.proxy_requests.labels("sandbox_gone").inc()
+                await send_json(send, 502, not_found_body(rec.id))
+            else:
+                await self._unreachable(rec, target, send, exc)
+            return
+        try:
+            await self._answer(rec, target, exchange, cut, asgi, rest() if more else None, chunked)
+        finally:
+            exchange.release()
+            self._metrics.proxy_bytes.labels("up").inc(sent_up)
 
-    async def _exchange(
+    async def _unreachable(
+        self, rec: SandboxRecord, target: Sandbox, send: Send, exc: Exception
+    ) -> None:
+        self._metrics.proxy_requests.labels("upstream_error").inc()
+        log.info(
+            "sandbox %s port %d unreachable: %r",
+            rec.id,
+            target.port,
+            exc,
+            extra={"sandbox_id": rec.id},
+        )
+        await send_json(
+            send,
+            502,
+            {
+                "code": 502,
+                "sandboxId": rec.id,
+                "message": f"The sandbox {rec.id} is running but port {target.port} is not open",
+            },
+        )
+
+    async def _answer(
         self,
         rec: SandboxRecord,
         target: Sandbox,
-        client: httpx.AsyncClient,
-        request: httpx.Request,
-        receive: Receive,
-        send: Send,
+        exchange: Exchange,
         cut: Cut,
-        sent: Callable[[], int],
+        asgi: tuple[Receive, Send],
+        rest: AsyncIterator[bytes] | None,
+        chunked: bool,
     ) -> None:
+        receive, send = asgi
         try:
-            response = await unless_cut(client.send(request, stream=True), cut)
+            if rest is not None:
+                # A body still coming may idle for minutes: a cut must not wait for it.
+                await unless_cut(exchange.send_body(rest, chunked=chunked), cut)
+            await exchange.response()
         except ClientGone:
             self._metrics.proxy_requests.labels("client_gone").inc()
             return
-        except SandboxGone:
-            self._metrics.proxy_requests.labels("sandbox_gone").inc()
-            await send_json(send, 502, not_found_body(rec.id))
+        except (SandboxGone, Broken) as exc:
+            if cut.is_set():
+                self._metrics.proxy_requests.labels("sandbox_gone").inc()
+                await send_json(send, 502, not_found_body(rec.id))
+            else:
+                await self._unreachable(rec, target, send, exc)
             return
-        except httpx.TransportError as exc:
-            self._metrics.proxy_requests.labels("upstream_error").inc()
-            log.info(
-                "sandbox %s port %d unreachable: %r",
-                rec.id,
-                target.port,
-                exc,
-                extra={"sandbox_id": rec.id},
-            )
-            await send_json(
-                send,
-                502,
-                {
-                    "code": 502,
-                    "sandboxId": rec.id,
-                    "message": f"The sandbox {rec.id} is running but port {target.port} "
-                    "is not open",
-                },
-            )
-            return
-        finally:
-            self._metrics.proxy_bytes.labels("up").inc(sent())
         self._metrics.proxy_requests.labels("ok").inc()
-        connect_stream = response.status_code == 200 and response.headers.get(
-            "content-type", ""
-        ).startswith(CONNECT_STREAM)
+        connect_stream = exchange.status == 200 and any(
+            k.lower() == b"content-type" and v.startswith(CONNECT_STREAM_B)
+            for k, v in exchange.headers
+        )
         frames = EnvelopeTracker() if connect_stream else None
+        await send(
+            {
+                "type": "http.response.start",
+                "status": exchange.status,
+                "headers": [
+                    (k, v)
+                    for k, v in exchange.headers
+                    if k.decode("latin-1").lower() not in HOP_BY_HOP
+                ],
+            }
+        )
+        state = {"finished": False, "client_gone": False}
+
+        async def watch_disconnect() -> None:
+            # A long stream (process output) must stop when its client goes away, or the
+            # upstream connection would be held until the guest process ends.
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            if not state["finished"]:
+                state["client_gone"] = True
+                exchange.abort()
+
+        watch = asyncio.create_task(watch_disconnect())
+        down = self._metrics.proxy_bytes.labels("down")
         try:
-            out_headers = [
-                (k, v)
-                for k, v in response.headers.raw
-                if k.decode("latin-1").lower() not in HOP_BY_HOP
-            ]
-            await send(
-                {
-                    "type": "http.response.start",
-                    "status": response.status_code,
-                    "headers": out_headers,
-                }
-            )
-            await unless_cut(self._relay_body(response, receive, send, frames), cut)
-        except (SandboxGone, httpx.TransportError) as exc:
+            async for chunk in exchange.body():
+                down.inc(len(chunk))
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                if frames is not None:
+                    frames.advance(chunk)
+            state["finished"] = True
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except Broken as exc:
+            if state["client_gone"]:
+                return
             # Paused, killed or dead in the middle of a response. As E2B's proxy, which
             # resets its connections to a sandbox that stops: a Connect stream cut between
             # two frames is ended with an `unavailable` error frame (the SDKs probe
@@ -163,7 +247,7 @@ class SandboxProxy(WebSocketRelay):
                 "sandbox %s port %d: response cut (%s)",
                 rec.id,
                 target.port,
-                "sandbox released" if isinstance(exc, SandboxGone) else repr(exc),
+                "sandbox released" if cut.is_set() else repr(exc),
                 extra={"sandbox_id": rec.id},
             )
             if frames is not None and frames.at_boundary:
@@ -177,39 +261,4 @@ class SandboxProxy(WebSocketRelay):
                 return
             abort_response()
         finally:
-            await response.aclose()
-
-    async def _relay_body(
-        self,
-        response: httpx.Response,
-        receive: Receive,
-        send: Send,
-        frames: EnvelopeTracker | None = None,
-    ) -> None:
-        async def pump() -> None:
-            async for chunk in response.aiter_raw():
-                self._metrics.proxy_bytes.labels("down").inc(len(chunk))
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                if frames is not None:
-                    frames.advance(chunk)
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-
-        async def watch_disconnect() -> None:
-            # A long stream (process output) must stop when its client goes away, or the
-            # upstream connection would be held until the guest process ends.
-            while True:
-                msg = await receive()
-                if msg["type"] == "http.disconnect":
-                    return
-
-        pump_task = asyncio.create_task(pump())
-        watch_task = asyncio.create_task(watch_disconnect())
-        try:
-            await asyncio.wait({pump_task, watch_task}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for task in (pump_task, watch_task):
-                task.cancel()
-            await asyncio.gather(pump_task, watch_task, return_exceptions=True)
-        if not pump_task.cancelled() and (exc := pump_task.exception()) is not None:
-            # Aborting makes the server drop the connection, so the client sees a cut body.
-            raise exc
+            watch.cancel()

@@ -1,5 +1,5 @@
-"""What a proxied request becomes upstream: the headers that stop at the proxy, the upstream
-client's timeouts, limits and TLS, the host and scheme of a sandbox port, the raw target
+"""What a proxied request becomes upstream: the headers that stop at the proxy, the TLS of
+a guest's own HTTPS port, the host and scheme of a sandbox port, the raw target
 path, and the bodies of a refusal (a sandbox not found, or paused). Split from
 `forward.py`: the rules, apart from the relaying."""
 
@@ -9,8 +9,6 @@ import re
 import ssl
 from typing import Any
 from urllib.parse import unquote
-
-import httpx
 
 from agentenv.control.store import SandboxRecord, SandboxState
 from agentenv.ports import ENVD_PORT
@@ -41,14 +39,6 @@ WS_OWN_HEADERS = frozenset(
     )
 )
 
-# Connect fails only if the guest does not accept; reads have no deadline because streams
-# (process output, watches, async stdin) legitimately stay silent for minutes.
-UPSTREAM_TIMEOUT = httpx.Timeout(connect=5.0, read=None, write=None, pool=30.0)
-
-UPSTREAM_LIMITS = httpx.Limits(
-    max_connections=256, max_keepalive_connections=32, keepalive_expiry=60.0
-)
-
 # `network.maskRequestHost`: E2B's placeholder for the sandbox port the request is for.
 MASK_PORT_PLACEHOLDER = "${PORT}"
 # A Host value we can put into a WebSocket URI as is (name or [v6], optional port).
@@ -69,31 +59,6 @@ def _unverified_tls() -> ssl.SSLContext:
 
 
 UPSTREAM_TLS = _unverified_tls()
-
-
-class _NoCookies(httpx.Cookies):
-    """A jar that keeps nothing: the proxy passes `Set-Cookie` on to its client as is."""
-
-    def extract_cookies(self, response: httpx.Response) -> None:
-        del response
-
-
-_NO_COOKIES = _NoCookies()
-
-
-class UpstreamClient(httpx.AsyncClient):
-    """The proxy's client to one sandbox. Without a cookie jar: httpx's own stored every
-    `Set-Cookie` of every response of every client of the sandbox (growing for as long as
-    the pool lived) and built two urllib request/response adapters per response to do it
-    (~3% of a proxied command's server CPU, #23)."""
-
-    @property
-    def cookies(self) -> httpx.Cookies:
-        return _NO_COOKIES
-
-    @cookies.setter
-    def cookies(self, cookies: object) -> None:
-        del cookies
 
 
 def upstream_host(rec: SandboxRecord, port: int, incoming: str) -> tuple[str, str | None]:
