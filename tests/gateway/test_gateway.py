@@ -22,7 +22,7 @@ from websockets.exceptions import ConnectionClosed
 
 from agentenv.gateway.client import GatewayDialer, TunnelError, TunnelRefused
 from agentenv.gateway.server import DataGateway
-from agentenv.proxy.http1 import Unreachable, UpstreamPool, request_head
+from agentenv.http1 import Unreachable, UpstreamPool, request_head
 
 TOKEN = "gateway-test-token"
 

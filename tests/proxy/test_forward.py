@@ -50,7 +50,7 @@ def test_header_routing_strips_routing_headers(client: httpx.Client, guest: Gues
     for h in ("e2b-sandbox-id", "e2b-sandbox-port", "e2b-traffic-access-token"):
         assert h not in body["headers"]
     # A guest's Set-Cookie reaches the client as is, and the proxy's own client to the
-    # sandbox keeps none of it (no jar: `proxy.http1`): a request without
+    # sandbox keeps none of it (no jar: `agentenv.http1`): a request without
     # cookies arrives without any.
     with httpx.Client(base_url=guest.server.url, timeout=30) as fresh:
         set_one = fresh.get("/echo?cookie=1", headers=guest.headers())

@@ -16,9 +16,9 @@ from collections.abc import Awaitable, Callable, Iterator
 from agentenv.control.metrics import Metrics
 from agentenv.control.store import SandboxRecord
 from agentenv.gateway.client import GatewayDialer, TunnelError
+from agentenv.http1 import READ_CHUNK, Dial, Unreachable, UpstreamPool
 from agentenv.ports import ENVD_PORT
 from agentenv.proxy.cuts import Cut
-from agentenv.proxy.http1 import READ_CHUNK, Dial, Unreachable, UpstreamPool
 from agentenv.proxy.routing import TRAFFIC_TOKEN_HEADER, Sandbox
 from agentenv.proxy.upstream import UPSTREAM_TLS, forwardable, refusal
 from agentenv.proxy.wire import Send, send_json

@@ -16,6 +16,7 @@ import contextlib
 from collections.abc import AsyncIterator, Awaitable
 
 from agentenv.control.store import SandboxRecord
+from agentenv.http1 import Broken, Exchange, Unreachable, request_head
 from agentenv.proxy.connections import log
 from agentenv.proxy.cuts import (
     CONNECT_STREAM,
@@ -26,7 +27,6 @@ from agentenv.proxy.cuts import (
     connect_end_stream_error,
     unless_cut,
 )
-from agentenv.proxy.http1 import Broken, Exchange, Unreachable, request_head
 from agentenv.proxy.routing import ROUTING_HEADERS, Sandbox
 from agentenv.proxy.upstream import (
     HOP_BY_HOP,

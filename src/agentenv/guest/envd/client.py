@@ -2,9 +2,11 @@
 by line), uploading a file. The node (create, resume, fork, pauses that sync the disk), the
 template builder and the e2e tests all use it.
 
-It speaks the Connect protocol by hand over httpx (JSON codec, envelope framing), so the host
-needs no generated stubs to drive a guest. Every failure leaves it as an `EnvdError` (httpx's
-errors are mapped once, in `_mapped`): callers catch one type, never the transport's.
+It speaks the Connect protocol by hand (JSON codec, envelope framing), so the host needs no
+generated stubs to drive a guest, over the host's HTTP/1.1 client (`agentenv.http1`: one
+kept-alive connection serves a restore's health wait, identity and init). Every failure
+leaves it as an `EnvdError` (the transport's errors are mapped once, in `_mapped`): callers
+catch one type, never the transport's.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import base64
 import contextlib
 import functools
 import json
+import secrets
 import ssl
 import struct
 import time
@@ -21,10 +24,12 @@ from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from pathlib import Path
 from types import TracebackType
 from typing import Any, NamedTuple
+from urllib.parse import quote, urlencode, urlsplit
 
-import httpx
+from agentenv.http1 import Broken, Exchange, Reply, Unreachable, UpstreamPool, fetch, request_head
 
 _END_STREAM = 0x02
+UPLOAD_TIMEOUT_S = 600.0
 _HEADER = struct.Struct(">BI")
 
 
@@ -53,17 +58,15 @@ class EnvdTimeout(EnvdError, TimeoutError):
 
 @contextlib.contextmanager
 def _mapped(what: str) -> Iterator[None]:
-    """The one place httpx's errors become ours."""
+    """The one place the transport's errors become ours."""
     try:
         yield
     except EnvdError:
         raise
-    except (httpx.TimeoutException, TimeoutError) as exc:
-        raise EnvdTimeout(f"{what}: no answer in time ({type(exc).__name__})") from exc
-    except httpx.TransportError as exc:
+    except TimeoutError as exc:
+        raise EnvdTimeout(f"{what}: no answer in time") from exc
+    except (Unreachable, Broken) as exc:
         raise EnvdUnreachable(f"{what}: {type(exc).__name__}: {exc}") from exc
-    except httpx.HTTPError as exc:  # e.g. a stream read after close: a bug of ours, not envd's
-        raise EnvdError("internal", f"{what}: {type(exc).__name__}: {exc}") from exc
 
 
 class RunResult(NamedTuple):
@@ -133,11 +136,10 @@ def basic_user(user: str) -> str:
 
 @functools.cache
 def _tls() -> ssl.SSLContext:
-    """One TLS context for every client, built on first use. Left to itself, httpx builds a
-    verifying context per client, loading the CA bundle: ~20 ms of CPU each, and a create made
-    two clients (its envd wait and its identity), a third of the server's CPU per create. envd
-    speaks plain http; the context serves only an https base URL."""
-    return httpx.create_ssl_context()
+    """One TLS context for every client, built on first use (loading the CA bundle costs ~20
+    ms of CPU: per client, it was a third of the server's CPU per create). envd speaks plain
+    http; the context serves only an https base URL."""
+    return ssl.create_default_context()
 
 
 class EnvdClient:
@@ -152,14 +154,24 @@ class EnvdClient:
         headers: Mapping[str, str] | None = None,
     ) -> None:
         self.access_token = access_token
-        base_headers = dict(headers or {})
+        self._base = base_url.rstrip("/")
+        url = urlsplit(self._base)
+        if url.scheme not in ("http", "https") or not url.hostname:
+            raise ValueError(f"envd URL {base_url!r}: expected http(s)://HOST[:PORT][/PATH]")
+        self._prefix = url.path
+        self._timeout = timeout
+        self._fixed = [(b"host", url.netloc.encode("latin-1"))] + [
+            (k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in (headers or {}).items()
+        ]
         # Never through a proxy from the environment: a guest is reached at its slot address.
-        self._http = httpx.AsyncClient(
-            base_url=base_url.rstrip("/"),
-            timeout=httpx.Timeout(timeout),
-            headers=base_headers,
-            trust_env=False,
-            verify=_tls(),
+        https = url.scheme == "https"
+        self._pool = UpstreamPool(
+            functools.partial(
+                asyncio.open_connection,
+                url.hostname,
+                url.port or (443 if https else 80),
+                ssl=_tls() if https else None,
+            )
         )
 
     async def __aenter__(self) -> EnvdClient:
@@ -174,7 +186,57 @@ class EnvdClient:
         await self.aclose()
 
     async def aclose(self) -> None:
-        await self._http.aclose()
+        await self._pool.aclose()
+
+    def _request(
+        self,
+        method: str,
+        path: str,
+        headers: Mapping[str, str],
+        *,
+        params: Mapping[str, str] | None = None,
+        length: int | None = None,
+    ) -> bytes:
+        """A request's head (`length`: its body's, None for none)."""
+        target = self._prefix + path
+        if params:
+            target += "?" + urlencode(params, quote_via=quote)
+        fields = list(self._fixed)
+        fields += [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
+        if length is not None:
+            fields.append((b"content-length", str(length).encode()))
+        return bytes(request_head(method, target, fields))
+
+    async def _call(
+        self,
+        method: str,
+        path: str,
+        headers: Mapping[str, str],
+        *,
+        params: Mapping[str, str] | None = None,
+        body: bytes | None = None,
+        timeout_s: float | None = None,
+    ) -> Reply:
+        """One request and its whole answer, within `timeout_s` (the client's by default)."""
+        head = self._request(
+            method, path, headers, params=params, length=None if body is None else len(body)
+        )
+        async with asyncio.timeout(self._timeout if timeout_s is None else timeout_s):
+            return await fetch(self._pool, head + (body or b""))
+
+    @contextlib.asynccontextmanager
+    async def _stream(
+        self, path: str, body: bytes, headers: Mapping[str, str]
+    ) -> AsyncIterator[Exchange]:
+        """A POST whose answer is read as it comes (`Exchange.body`)."""
+        exchange = await self._pool.exchange(
+            self._request("POST", path, headers, length=len(body)) + body
+        )
+        try:
+            await exchange.response()
+            yield exchange
+        finally:
+            exchange.release()
 
     def _headers(self, user: str | None = None) -> dict[str, str]:
         headers: dict[str, str] = {}
@@ -192,22 +254,22 @@ class EnvdClient:
         """Why envd does not answer `/health` within `timeout_s` (a 2xx), None when it does."""
         try:
             with _mapped("/health"):
-                response = await self._http.get("/health", timeout=timeout_s)
+                response = await self._call("GET", "/health", {}, timeout_s=timeout_s)
         except EnvdTimeout:
             return f"no answer in {timeout_s:g} s"
         except EnvdError as exc:
             return exc.message
-        if not response.is_success:
-            return f"/health answered {response.status_code}"
+        if not 200 <= response.status < 300:
+            return f"/health answered {response.status}"
         return None
 
     async def metrics(self) -> dict[str, Any] | None:
         """envd's `/metrics` sample (a JSON object), None if it answered something else."""
         with _mapped("/metrics"):
-            response = await self._http.get("/metrics", headers=self._headers())
+            response = await self._call("GET", "/metrics", self._headers())
         _raise_for_http(response)
         try:
-            body = response.json()
+            body = json.loads(response.content)
         except ValueError:
             return None
         return body if isinstance(body, dict) else None
@@ -234,9 +296,7 @@ class EnvdClient:
                 return
             last = reason
             if time.monotonic() >= deadline:
-                raise EnvdTimeout(
-                    f"envd at {self._http.base_url} not healthy after {timeout:g}s ({last})"
-                )
+                raise EnvdTimeout(f"envd at {self._base} not healthy after {timeout:g}s ({last})")
             await asyncio.sleep(interval)
 
     async def init(
@@ -269,8 +329,12 @@ class EnvdClient:
             body["hostname"] = hostname
         if entropy is not None:
             body["entropy"] = base64.b64encode(entropy).decode()
+        headers = self._headers()
+        headers["Content-Type"] = "application/json"
         with _mapped("/init"):
-            response = await self._http.post("/init", json=body, headers=self._headers())
+            response = await self._call(
+                "POST", "/init", headers, body=json.dumps(body, separators=(",", ":")).encode()
+            )
         _raise_for_http(response)
         if access_token is not None:
             self.access_token = access_token or None
@@ -321,18 +385,16 @@ class EnvdClient:
         end: dict[str, Any] | None = None
         async with (
             asyncio.timeout(timeout_s + 10.0),
-            self._http.stream(
-                "POST",
+            self._stream(
                 "/process.Process/Start",
-                content=encode_envelope({"process": process, "stdin": False}),
-                headers=headers,
-                timeout=httpx.Timeout(30.0, read=None),
+                encode_envelope({"process": process, "stdin": False}),
+                headers,
             ) as response,
         ):
-            if response.status_code != 200:
-                body = (await response.aread()).decode(errors="replace")
-                raise EnvdError(str(response.status_code), body[:300])
-            async for flags, payload in iter_envelopes(response.aiter_bytes()):
+            if response.status != 200:
+                body = b"".join([chunk async for chunk in response.body()])
+                raise EnvdError(str(response.status), body.decode(errors="replace")[:300])
+            async for flags, payload in iter_envelopes(response.body()):
                 message = json.loads(payload or b"{}")
                 if flags & _END_STREAM:
                     if "error" in message:
@@ -352,21 +414,16 @@ class EnvdClient:
 
     async def write_file(self, path: str, data: bytes, user: str) -> None:
         """Writes `data` to `path` as `user`, as the SDK's `files.write` does (multipart)."""
+        headers = self._headers(user)
+        body, headers["Content-Type"] = _multipart(path.rsplit("/", 1)[-1], data)
         with _mapped("files.write"):
-            response = await self._http.post(
-                "/files",
-                params={"path": path},
-                files={"file": (path.rsplit("/", 1)[-1], data)},
-                headers=self._headers(user),
-            )
+            response = await self._call("POST", "/files", headers, params={"path": path}, body=body)
         _raise_for_http(response)
 
     async def read_file(self, path: str, user: str) -> bytes:
         """The file at `path`, read as `user` (the SDK's `files.read`)."""
         with _mapped("files.read"):
-            response = await self._http.get(
-                "/files", params={"path": path}, headers=self._headers(user)
-            )
+            response = await self._call("GET", "/files", self._headers(user), params={"path": path})
         _raise_for_http(response)
         return response.content
 
@@ -380,16 +437,21 @@ class EnvdClient:
 
         headers = self._headers("root")
         headers["Content-Type"] = "application/octet-stream"
+        size = (await asyncio.to_thread(local.stat)).st_size
+        head = self._request(
+            "POST", "/files", headers, params={"path": dest, "username": "root"}, length=size
+        )
         with _mapped("upload"):
-            response = await self._http.post(
-                "/files",
-                params={"path": dest, "username": "root"},
-                content=chunks(),
-                headers=headers,
-                timeout=httpx.Timeout(600.0),
-            )
-        if not response.is_success:
-            raise EnvdError(str(response.status_code), response.text[:300])
+            async with asyncio.timeout(UPLOAD_TIMEOUT_S):
+                exchange = await self._pool.exchange(head, replayable=False)
+                try:
+                    await exchange.send_body(chunks(), chunked=False)
+                    await exchange.response()
+                    content = b"".join([chunk async for chunk in exchange.body()])
+                finally:
+                    exchange.release()
+        if not 200 <= exchange.status < 300:
+            raise EnvdError(str(exchange.status), content.decode(errors="replace")[:300])
 
     async def run(
         self,
@@ -437,17 +499,14 @@ class EnvdClient:
         stderr: bytearray,
     ) -> dict[str, Any] | None:
         end: dict[str, Any] | None = None
-        async with self._http.stream(
-            "POST",
-            "/process.Process/Start",
-            content=encode_envelope(request),
-            headers=headers,
-            timeout=httpx.Timeout(timeout + 5.0),
-        ) as response:
-            if response.status_code != 200:
-                await response.aread()
-                _raise_for_http(response)
-            async for flags, payload in iter_envelopes(response.aiter_bytes()):
+        async with (
+            asyncio.timeout(timeout + 5.0),
+            self._stream("/process.Process/Start", encode_envelope(request), headers) as response,
+        ):
+            if response.status != 200:
+                content = b"".join([chunk async for chunk in response.body()])
+                _raise_for_http(Reply(response.status, response.headers, content))
+            async for flags, payload in iter_envelopes(response.body()):
                 message = json.loads(payload or b"{}")
                 if flags & _END_STREAM:
                     if "error" in message:
@@ -470,16 +529,34 @@ class EnvdClient:
         return end
 
 
-def _raise_for_http(response: httpx.Response) -> None:
-    if response.is_success:
+def _raise_for_http(response: Reply) -> None:
+    if 200 <= response.status < 300:
         return
     try:
-        body = response.json()
+        body = json.loads(response.content)
     except ValueError:
         body = None
     if isinstance(body, dict) and "code" in body:
         raise EnvdError(str(body["code"]), str(body.get("message", "")))
-    raise EnvdError(str(response.status_code), response.text[:200])
+    raise EnvdError(str(response.status), response.content.decode(errors="replace")[:200])
+
+
+def _multipart(filename: str, data: bytes) -> tuple[bytes, str]:
+    """A `multipart/form-data` body with one part, `file` (what the SDKs' `files.write`
+    sends), and its Content-Type."""
+    boundary = secrets.token_hex(16)
+    name = (
+        filename.replace("\\", "\\\\").replace('"', "%22").replace("\r", "%0D").replace("\n", "%0A")
+    )
+    body = (
+        (
+            f'--{boundary}\r\nContent-Disposition: form-data; name="file"; filename="{name}"\r\n'
+            "Content-Type: application/octet-stream\r\n\r\n"
+        ).encode()
+        + data
+        + f"\r\n--{boundary}--\r\n".encode()
+    )
+    return body, f"multipart/form-data; boundary={boundary}"
 
 
 def _rfc3339(ts: float) -> str:

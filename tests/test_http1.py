@@ -1,4 +1,4 @@
-"""The proxy's HTTP/1.1 client (`proxy.http1`) against loopback servers written to answer
+"""The proxy's HTTP/1.1 client (`agentenv.http1`) against loopback servers written to answer
 what envd never does: bodies that end at the close, informational answers, a HEAD with a
 length, idle connections the server drops, chunked uploads and targets that need escaping."""
 
@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 
-from agentenv.proxy.http1 import Broken, Unreachable, UpstreamPool, request_head
+from agentenv.http1 import Broken, Unreachable, UpstreamPool, request_head
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 

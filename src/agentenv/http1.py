@@ -1,15 +1,18 @@
-"""The proxy's HTTP/1.1 client to one sandbox: kept-alive connections per sandbox
-(`UpstreamPool`), a request's head and body written as they are in hand, and the answer parsed
-by httptools (llhttp, the C parser uvicorn already uses for the server side) and handed on as
-it arrives (`Exchange`).
+"""The HTTP/1.1 client the host speaks to guests with: the proxy to any sandbox port, the
+node's envd client to envd. Kept-alive connections to one address (`UpstreamPool`), a
+request's head and body written as they are in hand, and the answer parsed by httptools
+(llhttp, the C parser uvicorn already uses for the server side) and handed on as it arrives
+(`Exchange`); `fetch` for a whole answer.
 
-Why not httpx, the proxy's client before: its layers (httpx's request and response models,
-httpcore's pool and h11, anyio's streams and cancel scopes) were about half of the server's
-CPU per proxied request (#23, docs/vmm.md), and a proxy uses none of what they add
-(redirects, auth, cookies, decoding, timeouts per read). What stays: a connect deadline, a
-bound on connections per sandbox with a deadline to wait for one, idle connections kept for a
-while and never reused once their peer has closed them.
-"""
+Why not httpx, the client before: its layers (httpx's request and response models, httpcore's
+pool and h11, anyio's streams and cancel scopes) were about half of the server's CPU per
+proxied request and ~0.65 ms per request of a kept client on loopback, where this takes
+~0.05 (#23, docs/vmm.md); neither user needs what they add (redirects, auth, cookies,
+decoding, timeouts per read: callers bound their calls with `asyncio.timeout`). What stays:
+a connect deadline, a bound on connections with a deadline to wait for one, idle connections
+kept for a while and never reused once their peer has closed them. It sits at the top of the
+package (it imports nothing of ours) so the control plane and the node, which may not import
+each other, share it."""
 
 from __future__ import annotations
 
@@ -18,11 +21,21 @@ import contextlib
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import NamedTuple
 from urllib.parse import quote
 
 import httptools
 
-__all__ = ["Broken", "Dial", "Exchange", "Unreachable", "UpstreamPool", "request_head"]
+__all__ = [
+    "Broken",
+    "Dial",
+    "Exchange",
+    "Reply",
+    "Unreachable",
+    "UpstreamPool",
+    "fetch",
+    "request_head",
+]
 
 CONNECT_TIMEOUT_S = 5.0
 # How long a request waits for one of a sandbox's MAX_CONNECTIONS to be free.
@@ -344,3 +357,28 @@ class Exchange:
         reusable = self._sent and answer.done and not self._head_request and answer.keep_alive
         with contextlib.suppress(Exception):
             self._pool._give_back(self._conn, reusable)
+
+
+class Reply(NamedTuple):
+    """A whole answer."""
+
+    status: int
+    headers: list[tuple[bytes, bytes]]
+    content: bytes
+
+    def header(self, name: bytes) -> bytes | None:
+        for key, value in self.headers:
+            if key.lower() == name:
+                return value
+        return None
+
+
+async def fetch(pool: UpstreamPool, request: bytes) -> Reply:
+    """Send `request` (head and whole body) and read the whole answer."""
+    exchange = await pool.exchange(request)
+    try:
+        await exchange.response()
+        content = b"".join([chunk async for chunk in exchange.body()])
+        return Reply(exchange.status, exchange.headers, content)
+    finally:
+        exchange.release()
