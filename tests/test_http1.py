@@ -140,3 +140,41 @@ async def test_chunked_upload_and_errors() -> None:
     closed = UpstreamPool(lambda: asyncio.open_connection("127.0.0.1", 1))
     with pytest.raises(Unreachable):
         await _request(closed, "GET", "/")
+
+
+async def test_many_at_once_share_a_bounded_set_of_connections() -> None:
+    """60 concurrent requests over at most 8 connections: every one answered, in its own
+    order; beyond the bound a request waits, and one that waits too long is told why."""
+    release = asyncio.Event()
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            try:
+                line = (await _head(reader))[0]
+            except asyncio.IncompleteReadError:
+                return
+            if b"/hold" in line:
+                await release.wait()
+            body = line.split(b" ")[1]
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%b" % (len(body), body))
+            await writer.drain()
+
+    server = await asyncio.start_server(handler, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    async with server:
+        pool = UpstreamPool(
+            lambda: asyncio.open_connection("127.0.0.1", port),
+            max_connections=8,
+            pool_timeout_s=0.3,
+        )
+        answers = await asyncio.gather(*(_request(pool, "GET", f"/r{i}") for i in range(60)))
+        assert answers == [(200, f"/r{i}".encode()) for i in range(60)]
+        assert len(pool._idle) <= 8 and not pool._busy
+        held = [asyncio.create_task(_request(pool, "GET", f"/hold{i}")) for i in range(8)]
+        await asyncio.sleep(0.05)
+        with pytest.raises(Unreachable, match=r"all 8 connections stayed busy for 0\.3s"):
+            await _request(pool, "GET", "/late")
+        release.set()
+        assert [await t for t in held] == [(200, f"/hold{i}".encode()) for i in range(8)]
+        await pool.aclose()
+        await asyncio.sleep(0)

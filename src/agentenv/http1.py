@@ -143,11 +143,19 @@ class _Connection:
 class UpstreamPool:
     """The connections to one sandbox address (one pool per sandbox and slot address)."""
 
-    def __init__(self, dial: Dial) -> None:
+    def __init__(
+        self,
+        dial: Dial,
+        *,
+        max_connections: int = MAX_CONNECTIONS,
+        pool_timeout_s: float = POOL_TIMEOUT_S,
+    ) -> None:
         self._dial = dial
         self._idle: deque[_Connection] = deque()
         self._busy: set[_Connection] = set()
-        self._slots = asyncio.Semaphore(MAX_CONNECTIONS)
+        self._max = max_connections
+        self._slots = asyncio.Semaphore(max_connections)
+        self._pool_timeout_s = pool_timeout_s
         self._closed = False
 
     async def exchange(
@@ -159,12 +167,11 @@ class UpstreamPool:
         if self._closed:
             raise Unreachable("the sandbox's connections were closed")
         try:
-            async with asyncio.timeout(POOL_TIMEOUT_S):
+            async with asyncio.timeout(self._pool_timeout_s):
                 await self._slots.acquire()
         except TimeoutError:
             raise Unreachable(
-                f"all {MAX_CONNECTIONS} connections to the sandbox stayed busy for "
-                f"{POOL_TIMEOUT_S:g}s"
+                f"all {self._max} connections stayed busy for {self._pool_timeout_s:g}s"
             ) from None
         try:
             conn = self._reuse() or await self._open()

@@ -350,15 +350,22 @@ class QemuVM(QemuArgv, QemuDisks, QemuMigration):
         if self._cleaned or (self.pid is not None and self.exit_code is None):
             return
         self._cleaned = True
-        if self.registry is not None:
-            await asyncio.to_thread(vm_registry.remove, self.registry, self.name, self.pid)
         if self._qmp is not None:
             with contextlib.suppress(Exception):
                 await self._qmp.disconnect()
             self._qmp = None
         remove_socket(self.qmp_socket)
+        if self.registry is not None or self.cgroup is not None:
+            # One thread hop for both. The cgroup goes first: a crash (or a cgroup that will
+            # not go) in between leaves the record, which the node's next start reaps with
+            # whatever it names; an empty cgroup without a record nothing would find.
+            await asyncio.to_thread(self._forget)
+
+    def _forget(self) -> None:
         if self.cgroup is not None:
-            await asyncio.to_thread(self.cgroup.remove)
+            self.cgroup.remove()
+        if self.registry is not None:
+            vm_registry.remove(self.registry, self.name, self.pid)
 
     async def pause(self) -> None:
         await self._execute("stop")

@@ -459,7 +459,9 @@ async def test_client_helper(envd: EnvdProc) -> None:
         with pytest.raises(EnvdTimeout, match=r"not healthy after 0\.3s"):
             await dead.wait_healthy(0.3)
         # Callers catch the client's errors only: the transport's never leave it.
-        with pytest.raises(EnvdUnreachable, match=r"process.Start: Unreachable: .*Connect call failed"):
+        with pytest.raises(
+            EnvdUnreachable, match=r"process.Start: Unreachable: .*Connect call failed"
+        ):
             await dead.run("true", user="root")
         with pytest.raises(EnvdUnreachable, match=r"/init: Unreachable: .*Connect call failed"):
             await dead.init()
