@@ -173,6 +173,9 @@ async def test_a_missing_piece_fails_the_start(
 ) -> None:
     vm = make_vm(settings, guest_artifacts, tmp_path / "vm")
     monkeypatch.setattr(confine, "TOOLS", ("no-such-command-here",))
+    # A host found complete is not asked again in this process (`missing_once`); this one
+    # stands for a host that never was.
+    monkeypatch.setattr(confine, "_COMPLETE", set())
     with pytest.raises(VMStartError, match=r"no-such-command-here.*AGENTENV_CONFINE=off"):
         await vm.start()
     assert not (tmp_path / "vm").exists()

@@ -216,7 +216,7 @@ class QemuVM(QemuArgv, QemuDisks, QemuMigration):
         if self.machine.vcpus < 1 or self.machine.memory_mb < 16:
             raise VMStartError(f"{self.name}: bad machine shape {self.machine}")
         if self.confine:
-            gaps = vm_confine.missing(self.qemu_binary)
+            gaps = vm_confine.missing_once(self.qemu_binary)
             if gaps:
                 names = ", ".join(f"{p.name} ({p.detail})" for p in gaps)
                 raise VMStartError(
