@@ -90,6 +90,15 @@ async def test_keep_alive_reuse_until_close_bodies_and_a_dropped_idle_connection
         # A decoded path (what routing hands on without a raw one) goes out escaped.
         assert await _request(pool, "GET", "/a b/ü?q=1") == (200, b"hello")
         assert targets[-1] == b"/a%20b/%C3%BC?q=1"
+        # A query goes on byte for byte, as the client's request line held it.
+        head = request_head("GET", "/q", [(b"host", b"guest")], b"k=%C3%BC&raw=\xc3\xbc")
+        exchange = await pool.exchange(bytes(head))
+        try:
+            await exchange.response()
+            assert b"".join([c async for c in exchange.body()]) == b"hello"
+        finally:
+            exchange.release()
+        assert targets[-1] == b"/q?k=%C3%BC&raw=\xc3\xbc"
         await pool.aclose()
         await asyncio.sleep(0)
 

@@ -60,13 +60,22 @@ class Broken(Exception):
     """The connection failed or closed before the answer was whole, or it was not HTTP."""
 
 
-def request_head(method: str, target: str, headers: list[tuple[bytes, bytes]]) -> bytearray:
+def request_head(
+    method: str, target: str, headers: list[tuple[bytes, bytes]], query: bytes = b""
+) -> bytearray:
     """The request line and header block. The headers come from the ASGI server, which
     refused CR and LF in them; the target may be a decoded path (see `raw_target_path`),
-    so what a request line cannot hold is escaped."""
+    so what a request line cannot hold is escaped. `query` goes on as its bytes came (the
+    client's request line held them)."""
     if not target.isascii() or " " in target or not target.isprintable():
         target = quote(target, safe=_TARGET_SAFE)
-    out = bytearray(f"{method} {target} HTTP/1.1\r\n".encode("latin-1"))
+    out = bytearray(method.encode("latin-1"))
+    out += b" "
+    out += target.encode("ascii")
+    if query:
+        out += b"?"
+        out += query
+    out += b" HTTP/1.1\r\n"
     for name, value in headers:
         out += name
         out += b": "

@@ -84,11 +84,9 @@ class SandboxProxy(WebSocketRelay):
             # A chunked body that came whole goes sized (as does an empty one where
             # servers expect a length).
             fwd.append((b"content-length", str(len(first)).encode()))
-        path = raw_target_path(scope, target.path)
-        query = scope.get("query_string", b"")
-        if query:
-            path += "?" + query.decode("latin-1")
-        out = request_head(method, path, fwd)
+        out = request_head(
+            method, raw_target_path(scope, target.path), fwd, scope.get("query_string", b"")
+        )
         if first:
             out += b"%x\r\n%b\r\n" % (len(first), first) if chunked else first
         pool = await self._pool(rec, target.port, https_port(rec, target.port))
