@@ -50,15 +50,20 @@ async def _head(reader: asyncio.StreamReader) -> list[bytes]:
     return (await reader.readuntil(b"\r\n\r\n")).split(b"\r\n")
 
 
+async def _request_lines(reader: asyncio.StreamReader) -> AsyncIterator[bytes]:
+    """The request line of each request on a connection, until the client closes it."""
+    while True:
+        try:
+            yield (await _head(reader))[0]
+        except asyncio.IncompleteReadError:
+            return
+
+
 async def test_keep_alive_reuse_until_close_bodies_and_a_dropped_idle_connection() -> None:
     targets: list[bytes] = []
 
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        while True:
-            try:
-                line = (await _head(reader))[0]
-            except asyncio.IncompleteReadError:
-                return
+        async for line in _request_lines(reader):
             targets.append(line.split(b" ")[1])
             if b"/old" in line:
                 # HTTP/1.0 style: no length, the body ends when the server closes.
@@ -157,11 +162,7 @@ async def test_many_at_once_share_a_bounded_set_of_connections() -> None:
     release = asyncio.Event()
 
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        while True:
-            try:
-                line = (await _head(reader))[0]
-            except asyncio.IncompleteReadError:
-                return
+        async for line in _request_lines(reader):
             if b"/hold" in line:
                 await release.wait()
             body = line.split(b" ")[1]

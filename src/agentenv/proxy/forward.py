@@ -133,17 +133,24 @@ class SandboxProxy(WebSocketRelay):
             exchange = await opening
         except Unreachable as exc:
             self._metrics.proxy_bytes.labels("up").inc(sent_up)
-            if cut.is_set():
-                self._metrics.proxy_requests.labels("sandbox_gone").inc()
-                await send_json(send, 502, not_found_body(rec.id))
-            else:
-                await self._unreachable(rec, target, send, exc)
+            await self._no_answer(rec, target, send, cut, exc)
             return
         try:
             await self._answer(rec, target, exchange, cut, asgi, rest() if more else None, chunked)
         finally:
             exchange.release()
             self._metrics.proxy_bytes.labels("up").inc(sent_up)
+
+    async def _no_answer(
+        self, rec: SandboxRecord, target: Sandbox, send: Send, cut: Cut, exc: Exception
+    ) -> None:
+        """Nothing came back: the sandbox was released meanwhile (the 502 of a sandbox not
+        found), or its port does not answer."""
+        if not cut.is_set():
+            await self._unreachable(rec, target, send, exc)
+            return
+        self._metrics.proxy_requests.labels("sandbox_gone").inc()
+        await send_json(send, 502, not_found_body(rec.id))
 
     async def _unreachable(
         self, rec: SandboxRecord, target: Sandbox, send: Send, exc: Exception
@@ -186,11 +193,7 @@ class SandboxProxy(WebSocketRelay):
             self._metrics.proxy_requests.labels("client_gone").inc()
             return
         except (SandboxGone, Broken) as exc:
-            if cut.is_set():
-                self._metrics.proxy_requests.labels("sandbox_gone").inc()
-                await send_json(send, 502, not_found_body(rec.id))
-            else:
-                await self._unreachable(rec, target, send, exc)
+            await self._no_answer(rec, target, send, cut, exc)
             return
         self._metrics.proxy_requests.labels("ok").inc()
         connect_stream = exchange.status == 200 and any(
