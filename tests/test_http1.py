@@ -69,6 +69,12 @@ async def test_keep_alive_reuse_until_close_bodies_and_a_dropped_idle_connection
                 # HTTP/1.0 style: no length, the body ends when the server closes.
                 writer.write(b"HTTP/1.1 200 OK\r\n\r\nuntil the close")
                 return
+            if b"/extra" in line:
+                # More than one answer to one request: the second is not the next one's.
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 1\r\n\r\n1")
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 1\r\n\r\n2")
+                await writer.drain()
+                continue
             if b"/drop" in line:
                 writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
                 await writer.drain()
@@ -85,6 +91,10 @@ async def test_keep_alive_reuse_until_close_bodies_and_a_dropped_idle_connection
         assert accepted[0] == 1, "sequential requests share one kept-alive connection"
         assert await _request(pool, "HEAD", "/a") == (200, b""), "a HEAD's length has no body"
         assert await _request(pool, "GET", "/old") == (200, b"until the close")
+        before = accepted[0]  # /old's connection is closed: /extra needs a new one
+        assert await _request(pool, "GET", "/extra") == (200, b"1")
+        assert await _request(pool, "GET", "/a") == (200, b"hello")
+        assert accepted[0] == before + 2, "a connection that said too much is not reused"
         assert await _request(pool, "GET", "/drop") == (200, b"ok")
         # At once, maybe before the loop has seen the server's close: sent again on a new
         # connection if the kept one turns out closed.

@@ -100,23 +100,30 @@ class _Answer:
         self.keep_alive = False
 
     def on_message_begin(self) -> None:
+        if self.done:
+            # Bytes after the whole answer, unasked for: parsed and dropped, and the
+            # connection is not used again.
+            self.keep_alive = False
+            return
         # An informational (1xx) answer comes before the response: its headers are not it.
         self.headers = []
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self.headers.append((name, value))
+        if not self.done:
+            self.headers.append((name, value))
 
     def on_headers_complete(self) -> None:
         status = self.parser.get_status_code()
-        if status >= 200:
+        if status >= 200 and not self.done:
             self.status = status
             self.head = True
 
     def on_body(self, data: bytes) -> None:
-        self.body.append(data)
+        if not self.done:
+            self.body.append(data)
 
     def on_message_complete(self) -> None:
-        if self.head:
+        if self.head and not self.done:
             self.done = True
             # llhttp answers this only until the message is over.
             self.keep_alive = self.parser.should_keep_alive()
