@@ -389,12 +389,6 @@ class Reply(NamedTuple):
     headers: list[tuple[bytes, bytes]]
     content: bytes
 
-    def header(self, name: bytes) -> bytes | None:
-        for key, value in self.headers:
-            if key.lower() == name:
-                return value
-        return None
-
 
 async def fetch(pool: UpstreamPool, request: bytes) -> Reply:
     """Send `request` (head and whole body) and read the whole answer."""

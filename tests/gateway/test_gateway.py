@@ -22,7 +22,7 @@ from websockets.exceptions import ConnectionClosed
 
 from agentenv.gateway.client import GatewayDialer, TunnelError, TunnelRefused
 from agentenv.gateway.server import DataGateway
-from agentenv.http1 import Unreachable, UpstreamPool, request_head
+from agentenv.http1 import Unreachable, UpstreamPool, fetch, request_head
 
 TOKEN = "gateway-test-token"
 
@@ -44,12 +44,8 @@ async def _fetch(pool: UpstreamPool, path: str, body: bytes | None = None) -> tu
     headers = [(b"host", b"x")]
     if body is not None:
         headers.append((b"content-length", str(len(body)).encode()))
-    exchange = await pool.exchange(bytes(request_head(method, path, headers)) + (body or b""))
-    try:
-        await exchange.response()
-        return exchange.status, b"".join([chunk async for chunk in exchange.body()])
-    finally:
-        exchange.release()
+    reply = await fetch(pool, bytes(request_head(method, path, headers)) + (body or b""))
+    return reply.status, reply.content
 
 
 async def _app(scope: dict, receive, send) -> None:  # type: ignore[no-untyped-def,type-arg]

@@ -144,7 +144,13 @@ class ProxyConnections:
             except TunnelError as exc:
                 raise Unreachable(str(exc)) from exc
             if context is not None:
-                await writer.start_tls(context)
+                try:
+                    # Within the pool's connect deadline, as the tunnel itself.
+                    await writer.start_tls(context)
+                except BaseException:
+                    # A guest's TLS that fails (or a deadline) must not leave the tunnel open.
+                    writer.close()
+                    raise
             return reader, writer
 
         return tunnel
