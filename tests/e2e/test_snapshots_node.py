@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import importlib
-import json
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -211,6 +210,5 @@ def qemu_cmdlines() -> list[str]:
 
 def holders(node: Node) -> set[str]:
     """Everyone holding a layer or a snapshot."""
-    refs = json.loads((node.settings.layers_dir / "refs.json").read_text())
     snaps = {h for s in node.repo.list() for h in s.holders}
-    return {h for hs in refs.values() for h in hs} | snaps
+    return node.layers.all_holders() | snaps

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 from pathlib import Path
@@ -210,3 +211,22 @@ def test_adopt_finds_the_snapshot_files_elsewhere_would_make(
         repo.unref(made.id, holder)
     assert made.id in repo.gc()
     assert repo.adopt(draft(layer), memory, state) is None
+
+
+def test_holders_of_a_catalog_written_before_holds_are_kept(
+    repo: SnapshotRepository, layer: str
+) -> None:
+    """A catalog from before `storage.holds` lists holders in its entries: they count at
+    once, become holds at the first change, and leave the catalog."""
+    snap = repo.commit(stage(repo, b"m"), draft(layer))
+    catalog = repo.root / "catalog.json"
+    doc = json.loads(catalog.read_text())
+    doc["snapshots"][0]["holders"] = ["sb-1", "sb-2"]
+    catalog.write_text(json.dumps(doc))
+    assert repo.get(snap.id).holders == ["sb-1", "sb-2"]
+    assert repo.all_holders() >= {"sb-1", "sb-2"}
+    assert repo.release("sb-1") == []
+    assert json.loads(catalog.read_text())["snapshots"][0]["holders"] == []
+    assert repo.get(snap.id).holders == ["sb-2"]
+    assert repo.release("sb-2") == [snap.id]
+    assert not (repo.root / snap.id).exists() and repo.holds.targets() == []

@@ -145,3 +145,18 @@ async def test_upper_smaller_than_base_is_refused(store: LayerStore, tmp_path: P
     with pytest.raises(DiskTooSmall, match="smaller than"):
         await create_upper(base, dest, 4)
     assert not dest.exists()
+
+
+def test_holds_of_a_store_written_before_them_are_kept(store: LayerStore, tmp_path: Path) -> None:
+    """A data dir from before `Holds` has one `refs.json` table: its holds become files on
+    the store's first use, and what they hold is kept by gc."""
+    held = store.add(make_raw(tmp_path / "held.raw", 8, 0x21))
+    loose = store.add(make_raw(tmp_path / "loose.raw", 8, 0x22))
+    (store.root / "refs.json").write_text(f'{{"{held}": ["template:base", "i0abc"]}}')
+    fresh = LayerStore(store.root)
+    assert fresh.holders(held) == ["i0abc", "template:base"]
+    assert not (store.root / "refs.json").exists()
+    assert fresh.gc() == [loose]
+    assert fresh.release("i0abc") == []
+    assert fresh.release("template:base") == [held]
+    assert fresh.gc() == [held] and fresh.digests() == []

@@ -1,9 +1,10 @@
 """The snapshot repository: immutable, content-addressed snapshots on local disk.
 
 Layout under `root` (``<home>/snapshots``): ``<id>/memory`` (the RAM image, mode 0444),
-``<id>/state`` (QEMU device state), ``catalog.json`` (every snapshot's metadata, names and
-holders), rewritten atomically under ``.lock``. Disk layers live in the `LayerStore`, held
-there as ``snapshot:<id>``.
+``<id>/state`` (QEMU device state), ``catalog.json`` (every snapshot's metadata and names),
+rewritten atomically under ``.lock``, and ``.holds/<id>/<holder>`` (who maps or keeps each
+snapshot: `storage.holds`; a take or drop touches one file, not the catalog). Disk layers
+live in the `LayerStore`, held there as ``snapshot:<id>``.
 
 A capture writes into a staging directory (`stage`) and `commit` turns it into a snapshot:
 the id is the hash of the device state, the memory file's data and the layer digests, so the
@@ -34,12 +35,14 @@ from agentenv.snapshot.errors import (
 from agentenv.snapshot.model import Snapshot
 from agentenv.storage import LayerStore
 from agentenv.storage.errors import LayerInUse, LayerNotFound
+from agentenv.storage.holds import Holds
 from agentenv.template.catalog import validate_name
 from agentenv.template.errors import CatalogError
 
 MEMORY = "memory"
 STATE = "state"
 CATALOG = "catalog.json"
+HOLDS = ".holds"
 LAYER_HOLDER = "snapshot:"
 _STAGING_PREFIX = ".staging-"
 STALE_STAGING_S = 3600.0
@@ -107,6 +110,7 @@ class SnapshotRepository:
     def __init__(self, root: Path, layers: LayerStore) -> None:
         self.root = root
         self.layers = layers
+        self.holds = Holds(root / HOLDS)
 
     # -- catalog ----------------------------------------------------------------------------
 
@@ -130,6 +134,12 @@ class SnapshotRepository:
             fcntl.flock(lock, fcntl.LOCK_EX)
             snaps = self._read()
             before = json.dumps([s.to_dict() for s in snaps.values()])
+            # A catalog written before `Holds` lists holders in its entries: they become
+            # holds, and the rewrite below drops them from the catalog.
+            for snap in snaps.values():
+                for holder in snap.holders:
+                    self.holds.add(snap.id, holder)
+                snap.holders = []
             yield snaps
             listed = [s.to_dict() for s in snaps.values()]
             if json.dumps(listed) == before:
@@ -162,12 +172,18 @@ class SnapshotRepository:
 
     # -- queries ----------------------------------------------------------------------------
 
+    def _with_holders(self, snap: Snapshot) -> Snapshot:
+        # Holders of a catalog not yet migrated (see `_locked`) count too.
+        snap.holders = sorted({*snap.holders, *self.holds.holders(snap.id)})
+        return snap
+
     def get(self, ref: str) -> Snapshot:
-        return self._find(self._read(), ref)
+        return self._with_holders(self._find(self._read(), ref))
 
     def list(self) -> list[Snapshot]:
         return sorted(
-            (s for s in self._read().values() if not s.deleted), key=lambda s: s.created_at
+            (self._with_holders(s) for s in self._read().values() if not s.deleted),
+            key=lambda s: s.created_at,
         )
 
     def memory_path(self, snapshot_id: str) -> Path:
@@ -218,6 +234,7 @@ class SnapshotRepository:
                         **draft.to_dict(),
                         "id": snap_id,
                         "names": [],
+                        "holders": [],
                         "memory_bytes": allocated_bytes(memory) if draft.memory else 0,
                         "state_bytes": state.stat().st_size if draft.memory else 0,
                     }
@@ -230,12 +247,11 @@ class SnapshotRepository:
             else:
                 snap = existing
                 shutil.rmtree(staging, ignore_errors=True)
-                for holder in draft.holders:
-                    if holder not in snap.holders:
-                        snap.holders.append(holder)
+            for holder in draft.holders:
+                self.holds.add(snap_id, holder)
             for name in draft.names:
                 self._move_name(snaps, snap_id, name)
-            return snaps[snap_id]
+        return self._with_holders(Snapshot.from_dict(snap.to_dict()))
 
     def adopt(self, draft: Snapshot, memory: Path, state: Path) -> Snapshot | None:
         """The snapshot that committing `memory` + `state` (files anywhere, not staged) with
@@ -248,9 +264,8 @@ class SnapshotRepository:
                 return None
             snap.deleted = False
             for holder in draft.holders:
-                if holder not in snap.holders:
-                    snap.holders.append(holder)
-            return snap
+                self.holds.add(snap_id, holder)
+        return self._with_holders(Snapshot.from_dict(snap.to_dict()))
 
     # -- names and holders --------------------------------------------------------------------
 
@@ -280,24 +295,20 @@ class SnapshotRepository:
     def ref(self, snapshot_id: str, holder: str) -> None:
         with self._locked() as snaps:
             snap = self._find(snaps, snapshot_id)
-            if holder not in snap.holders:
-                snap.holders.append(holder)
+            self.holds.add(snap.id, holder)
 
     def unref(self, snapshot_id: str, holder: str) -> None:
-        with self._locked() as snaps:
-            snap = snaps.get(snapshot_id)
-            if snap is not None and holder in snap.holders:
-                snap.holders.remove(holder)
+        with self._locked():
+            self.holds.drop(snapshot_id, holder)
 
     def all_holders(self) -> set[str]:
-        """Every holder of any snapshot (one read of the catalog)."""
-        return {h for snap in self._read().values() for h in snap.holders}
+        """Every holder of any snapshot."""
+        legacy = {h for snap in self._read().values() for h in snap.holders}
+        return legacy | self.holds.all_holders()
 
     def unref_holder(self, holder: str) -> None:
-        with self._locked() as snaps:
-            for snap in snaps.values():
-                if holder in snap.holders:
-                    snap.holders.remove(holder)
+        with self._locked():
+            self.holds.release(holder)
 
     # -- removal ------------------------------------------------------------------------------
 
@@ -306,16 +317,17 @@ class SnapshotRepository:
         its memory it only disappears from view; `gc` removes it after the last one."""
         with self._locked() as snaps:
             snap = self._find(snaps, ref)
-            if snap.holders:
+            if self.holds.held(snap.id):
                 snap.names = []
                 snap.deleted = True
-                return snap
+                return self._with_holders(Snapshot.from_dict(snap.to_dict()))
             del snaps[snap.id]
         self._remove_files(snap)
         return snap
 
     def _remove_files(self, snap: Snapshot) -> None:
         shutil.rmtree(self.root / snap.id, ignore_errors=True)
+        self.holds.forget(snap.id)
         self.layers.unref_holder(LAYER_HOLDER + snap.id)
         # Layers a capture added and nothing else holds; stop at the first one still in use
         # (a template's base layer, another snapshot's chain).
@@ -330,24 +342,30 @@ class SnapshotRepository:
         deleted (a fork's capture with its last child), in one pass over the catalog: a
         kill's step. Returns the deleted ids."""
         with self._locked() as snaps:
-            for snap in snaps.values():
-                if holder in snap.holders:
-                    snap.holders.remove(holder)
-            victims = [s for s in snaps.values() if not s.names and not s.holders]
+            self.holds.release(holder)
+            victims = self._unclaimed(snaps)
             for snap in victims:
                 del snaps[snap.id]
         for snap in victims:
             self._remove_files(snap)
         return [s.id for s in victims]
 
+    def _unclaimed(self, snaps: dict[str, Snapshot]) -> builtins.list[Snapshot]:
+        return [s for s in snaps.values() if not s.names and not self.holds.held(s.id)]
+
     def gc(self) -> builtins.list[str]:
         """Delete snapshots with neither names nor holders, and leftover staging dirs."""
         with self._locked() as snaps:
-            victims = [s for s in snaps.values() if not s.names and not s.holders]
+            victims = self._unclaimed(snaps)
             for snap in victims:
                 del snaps[snap.id]
+            # Holds of a snapshot the catalog does not list: a commit that died before its
+            # catalog write had taken them.
+            strays = [t for t in self.holds.targets() if t not in snaps]
         for snap in victims:
             self._remove_files(snap)
+        for target in strays:
+            self.holds.forget(target)
         # A staging dir that old belongs to a capture that died; younger ones may be live.
         cutoff = time.time() - STALE_STAGING_S
         for stale in self.root.glob(_STAGING_PREFIX + "*"):

@@ -160,12 +160,18 @@ async def rename(prep: Prepared, name: str, repo: SnapshotStore, layers: LayerSt
     its references are taken under the new name before the old ones are dropped, so the
     snapshot and layer are held throughout."""
     old = prep.name
-    await asyncio.to_thread(repo.ref, prep.snap.id, name)
-    await asyncio.to_thread(layers.ref, prep.snap.top_layer, name)
-    prep.vm.rename(name)
-    prep.name = name
-    await asyncio.to_thread(repo.unref, prep.snap.id, old)
-    await asyncio.to_thread(layers.unref, prep.snap.top_layer, old)
+
+    def move() -> None:
+        # One thread hop for all of it (the VM's rename writes its record and cgroup too);
+        # whole, so a cancel cannot leave `prep.name` behind the references.
+        repo.ref(prep.snap.id, name)
+        layers.ref(prep.snap.top_layer, name)
+        prep.vm.rename(name)
+        prep.name = name
+        repo.unref(prep.snap.id, old)
+        layers.unref(prep.snap.top_layer, old)
+
+    await thread_whole(move)
 
 
 async def relocate(prep: Prepared, workdir: Path) -> None:

@@ -20,9 +20,12 @@ from pathlib import Path
 
 from agentenv.storage import images
 from agentenv.storage.errors import LayerInUse, LayerNotFound, StorageError
+from agentenv.storage.holds import Holds
 
 _SUFFIX = ".qcow2"
+# Before `Holds`: every hold in one table (read once, then turned into files).
 _REFS = "refs.json"
+HOLDS = ".holds"
 _LOCK = ".lock"
 
 
@@ -38,30 +41,34 @@ def _check_digest(digest: str) -> str:
 
 
 class LayerStore:
-    """Layers under `root`: `<digest>.qcow2` (mode 0444) plus `refs.json`."""
+    """Layers under `root`: `<digest>.qcow2` (mode 0444) plus their holds (`.holds/`)."""
 
     def __init__(self, root: Path) -> None:
         self.root = root
+        self.holds = Holds(root / HOLDS)
 
-    # -- locking and the refs file -----------------------------------------------------------
+    # -- locking and the holds ------------------------------------------------------------------
 
     @contextlib.contextmanager
-    def _locked(self) -> Iterator[dict[str, list[str]]]:
-        """Hold the store lock and yield the refs table; changes are written back on exit."""
+    def _locked(self) -> Iterator[None]:
+        """Hold the store lock: a hold taken and a layer removed never cross."""
         self.root.mkdir(parents=True, exist_ok=True)
         with (self.root / _LOCK).open("a+") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
-            refs_path = self.root / _REFS
-            refs: dict[str, list[str]] = {}
-            if refs_path.exists():
-                refs = json.loads(refs_path.read_text() or "{}")
-            before = json.dumps(refs, sort_keys=True)
-            yield refs
-            after = {d: sorted(set(h)) for d, h in refs.items() if h}
-            if json.dumps(after, sort_keys=True) != before:
-                tmp = refs_path.with_suffix(".tmp")
-                tmp.write_text(json.dumps(after, sort_keys=True, indent=1))
-                os.replace(tmp, refs_path)
+            self._migrate()
+            yield
+
+    def _migrate(self) -> None:
+        """Holds of a store written before `Holds` (one `refs.json` table) become files;
+        the table goes once all of them are there, so a crash in between repeats this."""
+        legacy = self.root / _REFS
+        if not legacy.exists():
+            return
+        refs: dict[str, list[str]] = json.loads(legacy.read_text() or "{}")
+        for digest, held in refs.items():
+            for holder in held:
+                self.holds.add(digest, holder)
+        legacy.unlink()
 
     # -- queries --------------------------------------------------------------------------------
 
@@ -77,18 +84,18 @@ class LayerStore:
         return sorted(p.name[: -len(_SUFFIX)] for p in self.root.glob(f"*{_SUFFIX}"))
 
     def holders(self, digest: str) -> list[str]:
-        with self._locked() as refs:
-            return list(refs.get(digest, []))
+        with self._locked():
+            return self.holds.holders(digest)
 
     def all_holders(self) -> set[str]:
-        """Every holder of any layer (one read of the refs)."""
-        with self._locked() as refs:
-            return {h for held in refs.values() for h in held}
+        """Every holder of any layer."""
+        with self._locked():
+            return self.holds.all_holders()
 
     def held_by(self, holder: str) -> list[str]:
-        """Digests `holder` references (one read of the refs)."""
-        with self._locked() as refs:
-            return sorted(d for d, held in refs.items() if holder in held)
+        """Digests `holder` references."""
+        with self._locked():
+            return self.holds.held_by(holder)
 
     def parent(self, digest: str) -> str | None:
         backing = images.info(self.path(digest)).backing_file
@@ -153,71 +160,57 @@ class LayerStore:
 
     def ref(self, digest: str, holder: str) -> None:
         """Record that `holder` uses `digest` (and so, implicitly, its whole chain)."""
-        self.path(digest)
-        with self._locked() as refs:
-            held = refs.setdefault(digest, [])
-            if holder not in held:
-                held.append(holder)
+        with self._locked():
+            self.path(digest)
+            self.holds.add(digest, holder)
 
     def unref(self, digest: str, holder: str) -> None:
-        with self._locked() as refs:
-            held = refs.get(digest, [])
-            if holder in held:
-                held.remove(holder)
+        with self._locked():
+            self.holds.drop(digest, holder)
 
     def unref_holder(self, holder: str) -> list[str]:
         """Drop every reference `holder` has (used when a sandbox is torn down); return the
         digests it held."""
-        with self._locked() as refs:
-            dropped = []
-            for digest, held in refs.items():
-                if holder in held:
-                    held.remove(holder)
-                    dropped.append(digest)
-            return sorted(dropped)
+        with self._locked():
+            return self.holds.release(holder)
 
     def release(self, holder: str) -> list[str]:
-        """`unref_holder`, in the same pass returning the digests it held that nothing
-        references now (the layers a kill may remove)."""
-        with self._locked() as refs:
-            freed = []
-            for digest, held in refs.items():
-                if holder in held:
-                    held.remove(holder)
-                    if not held:
-                        freed.append(digest)
-            return sorted(freed)
+        """`unref_holder`, returning the digests it held that nothing references now (the
+        layers a kill may remove)."""
+        with self._locked():
+            return [d for d in self.holds.release(holder) if not self.holds.held(d)]
 
     def unheld(self, digests: list[str]) -> list[str]:
-        """Those of `digests` nothing references now (one read of the refs)."""
-        with self._locked() as refs:
-            return [d for d in digests if not refs.get(d)]
+        """Those of `digests` nothing references now."""
+        with self._locked():
+            return [d for d in digests if not self.holds.held(d)]
 
     # -- removal --------------------------------------------------------------------------------
 
-    def _protected(self, refs: dict[str, list[str]]) -> set[str]:
+    def _protected(self) -> set[str]:
         keep: set[str] = set()
-        for digest, held in refs.items():
-            if held and (self.root / f"{digest}{_SUFFIX}").exists():
+        for digest in self.holds.targets():
+            if (self.root / f"{digest}{_SUFFIX}").exists():
                 keep.update(self.chain(digest))
         return keep
 
     def remove(self, digest: str) -> None:
         """Delete one layer; refuses if it or anything above it is referenced."""
         p = self.path(digest)
-        with self._locked() as refs:
-            if digest in self._protected(refs):
+        with self._locked():
+            if digest in self._protected():
                 raise LayerInUse(f"layer {digest[:12]} is still referenced")
             for other in self.digests():
                 if other != digest and self.parent(other) == digest:
                     raise LayerInUse(f"layer {digest[:12]} backs layer {other[:12]}")
             p.unlink()
+            self.holds.forget(digest)
 
     def gc(self) -> list[str]:
         """Remove every layer nothing references, top layers first; return what was removed."""
         removed: list[str] = []
-        with self._locked() as refs:
-            keep = self._protected(refs)
+        with self._locked():
+            keep = self._protected()
             while True:
                 present = set(self.digests())
                 parents = {p for d in present if (p := self.parent(d)) is not None}
@@ -226,6 +219,7 @@ class LayerStore:
                     break
                 for d in victims:
                     (self.root / f"{d}{_SUFFIX}").unlink()
+                    self.holds.forget(d)
                     removed.append(d)
             for stale in self.root.glob(f".add-*{_SUFFIX}"):
                 stale.unlink(missing_ok=True)

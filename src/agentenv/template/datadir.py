@@ -64,6 +64,18 @@ def ensure_seed(seed: Path) -> Path:
     return seed
 
 
+def _copy_holds(seed_store: Path, store: Path) -> None:
+    """A store's holds (`storage.holds`: empty files), or the table a seed written before
+    them has (read and turned into files by the store on its first use)."""
+    from agentenv.storage.layers import HOLDS
+
+    if (seed_store / HOLDS).is_dir():
+        shutil.copytree(seed_store / HOLDS, store / HOLDS)
+    legacy = seed_store / "refs.json"
+    if legacy.exists():
+        shutil.copy2(legacy, store / legacy.name)
+
+
 def clone_home(seed: Path, home: Path) -> bool:
     """Fill the empty data dir ``home`` from ``seed``: layers, snapshot files and memory
     images hard-linked (all read-only, content-addressed), the catalogs copied. A layer
@@ -90,7 +102,7 @@ def clone_home(seed: Path, home: Path) -> bool:
             shutil.copyfile(layer, copy)
             images.rebase_unsafe(copy, layers / parent.name)
             copy.chmod(0o444)
-        shutil.copy2(seed / "layers" / "refs.json", layers / "refs.json")
+        _copy_holds(seed / "layers", layers)
         snapshots = home_snapshots_dir(home)
         snapshots.mkdir()
         made.append(snapshots)
@@ -100,6 +112,7 @@ def clone_home(seed: Path, home: Path) -> bool:
                 for f in entry.iterdir():
                     os.link(f, snapshots / entry.name / f.name)
         shutil.copy2(home_snapshots_dir(seed) / "catalog.json", snapshots / "catalog.json")
+        _copy_holds(home_snapshots_dir(seed), snapshots)
         shutil.copy2(seed / "templates.json", home / "templates.json")
         made.append(home / "templates.json")
     except OSError as exc:
