@@ -213,6 +213,9 @@ class Settings:
     # once the pool is empty (low 1) keeps the background work on a small host to one burst.
     warm_low: int = 1
     warm_high: int = 2
+    # Entries of all shapes together (templates and named snapshots): each waits as a QEMU
+    # and holds a network slot, and named snapshots can be many.
+    warm_max: int = 8
     boot_timeout_s: float = 120.0
     # Upstream resolvers (`ip` or `ip:port`) the slot gateways' DNS forwarder asks; guests'
     # resolv.conf names only their gateway.
@@ -327,6 +330,9 @@ class Settings:
                 f"AGENTENV_WARM_LOW={warm_low}, AGENTENV_WARM_HIGH={warm_high}: "
                 "expected 0 <= low <= high"
             )
+        warm_max = env_int("AGENTENV_WARM_MAX", cls.warm_max)
+        if warm_max < 0:
+            raise ConfigError(f"AGENTENV_WARM_MAX={warm_max}: expected 0 or more")
         limits = {
             name: env_int(name, default)
             for name, default in (
@@ -413,6 +419,7 @@ class Settings:
             slot_pool_high=env_int("AGENTENV_SLOT_POOL_HIGH", cls.slot_pool_high),
             warm_low=warm_low,
             warm_high=warm_high,
+            warm_max=warm_max,
             boot_timeout_s=float(env_int("AGENTENV_BOOT_TIMEOUT", 120)),
             snapshots=env_int("AGENTENV_SNAPSHOTS", 1) != 0,
             paused_retention_s=float(env_int("AGENTENV_PAUSED_RETENTION", 7 * 24 * 3600)),

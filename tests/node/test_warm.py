@@ -20,7 +20,7 @@ from agentenv.contract.ids import new_sandbox_id
 from agentenv.guest.envd.client import EnvdClient, EnvdError
 from agentenv.node.errors import InvalidResources
 from agentenv.node.host import GuestInit, Node, SandboxHandle
-from agentenv.node.warm import Shape
+from agentenv.node.warm import Shape, snapshot_shape
 from agentenv.template.catalog import TemplateCatalog
 from agentenv.vmm import registry as vm_registry
 
@@ -231,3 +231,38 @@ async def test_create_p50_with_and_without_warm_pool(
     # Printed, not asserted: on a shared 2-core TCG host the gap is a fraction of a second
     # and other load swamps it.
     print(f"create p50: cold restore {p50['cold restore']:.3f}s, warm {p50['warm']:.3f}s")
+
+
+async def test_creates_from_a_named_snapshot_take_warm_entries_from_the_third_on(
+    settings: Settings, base_template: Any
+) -> None:
+    """An RL task state: its second create puts the snapshot's shape in the pool, the next
+    ones take a waiting QEMU with the state's files; a deleted snapshot's entries go."""
+    node = Node(replace(settings, warm_low=1, warm_high=1))
+    node.warm.check_s = 0.2
+    await node.start()
+    shape = snapshot_shape("warm-task", 1, MEM)
+    try:
+        src = await node.create("base", memory_mb=MEM)
+        await sh(src, "echo task-state > /root/state")
+        await node.snapshot(src.id, "warm-task")
+        await node.delete(src.id)
+        first = await node.create("warm-task")
+        assert first.origin == "restore" and shape not in node.warm.shapes()
+        second = await node.create("warm-task")
+        await wait_ready(node, 1, shape)
+        third = await node.create("warm-task")
+        assert third.origin == "warm" and second.origin == "restore"
+        assert await sh(third, "cat /root/state") == "task-state"
+        for sb in (first, second, third):
+            await node.delete(sb.id)
+        await wait_ready(node, 1, shape)
+        doomed = [(p.vm.pid, p.workdir) for p in node.warm.ready(shape)]
+        await asyncio.to_thread(node.repo.delete, "warm-task")
+        for pid, workdir in doomed:
+            assert pid is not None
+            await wait_gone(pid, workdir)
+        assert shape not in node.warm.shapes()
+    finally:
+        await node.close()
+    assert warm_entries(settings) == []

@@ -49,7 +49,7 @@ from agentenv.node.sandbox import (
     replace_json,
     tail,
 )
-from agentenv.node.warm import Shape, WarmPool
+from agentenv.node.warm import SNAPSHOT_PREFIX, Shape, WarmPool
 from agentenv.snapshot import GuestImage, Machine, Snapshot, SnapshotError
 from agentenv.snapshot.identity import ENTROPY_BYTES
 from agentenv.snapshot.pause import DISK
@@ -116,6 +116,7 @@ class NodeBase:
             self._warm_make,
             self._warm_drop,
             self._warm_current,
+            max_entries=settings.warm_max,
         )
         # This node's warm entries (`<warm_dir>/<pid>-<random>/<sandbox id>`), made at start,
         # and each waiting entry's stack by its name (a create that takes one forgets it).
@@ -448,6 +449,12 @@ class NodeBase:
     async def _warm_current(self, shape: Shape) -> str | None:
         from agentenv.template.catalog import TemplateNotFound
 
+        if shape.template.startswith(SNAPSHOT_PREFIX):
+            # A named snapshot's entries: stale once the name points elsewhere or is gone.
+            named = await asyncio.to_thread(
+                self._named_snapshot, shape.template[len(SNAPSHOT_PREFIX) :]
+            )
+            return None if named is None or not named.memory else named.id
         try:
             snap = await asyncio.to_thread(
                 snaps.find_template_snapshot,

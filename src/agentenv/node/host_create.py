@@ -7,7 +7,7 @@ import asyncio
 import logging
 import shutil
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,7 +43,7 @@ from agentenv.node.sandbox import (
     TemplateDefaults,
     tail,
 )
-from agentenv.node.warm import Shape
+from agentenv.node.warm import Shape, snapshot_shape
 from agentenv.snapshot import Machine, MemoryMode, Snapshot, SnapshotError
 from agentenv.snapshot.machine import new_vm
 from agentenv.snapshot.restore import Prepared, load, relocate
@@ -55,6 +55,7 @@ from agentenv.storage import (
     create_upper,
 )
 from agentenv.vmm.errors import VMMError
+from agentenv.vmm.qemu import QemuVM
 
 log = logging.getLogger(__name__)
 
@@ -214,19 +215,11 @@ class NodeCreate(NodeBase):
             if warm is not None:
                 prep = warm
                 slot = prep.slot
-                warm_workdir, warm_name = prep.workdir, prep.name
-                push_slot(stack, self.pool, slot)
-                # Until it is renamed and moved: the entry's references and files.
-                stack.push("warm entry", lambda: self._drop_entry(warm_name, warm_workdir))
-                push_warm_link(stack, warm_workdir)
-                push_vm(stack, lambda: prep.vm if handle is None else handle.vm)
-                if prep.name != sandbox_id:
-                    # The entry was made before anyone knew the id; it takes the caller's.
-                    await rename_prepared(prep, sandbox_id, self.repo, self.layers)
-                # From here on it is an ordinary sandbox, in the sandboxes dir.
-                await relocate(prep, workdir)
-                stack.drop("warm entry")
-                crash_point("create:relocated")
+
+                def vm_now() -> QemuVM:
+                    return prep.vm if handle is None else handle.vm
+
+                await self._adopt_warm(prep, sandbox_id, workdir, stack, vm_now)
 
             await thread_whole(self.layers.ref, top, sandbox_id)
             if warm is None:
@@ -313,6 +306,31 @@ class NodeCreate(NodeBase):
         self._sandboxes[sandbox_id] = booted
         log.info("sandbox %s up in %.2fs at %s", sandbox_id, booted.boot_s, booted.address)
         return booted
+
+    async def _adopt_warm(
+        self,
+        prep: Prepared,
+        sandbox_id: str,
+        workdir: Path,
+        stack: Cleanup,
+        vm_now: Callable[[], QemuVM],
+    ) -> None:
+        """A warm entry taken by a create becomes the sandbox `sandbox_id`: its slot and
+        QEMU go onto the sandbox's `stack` (`vm_now` names the QEMU when the step runs), it
+        takes the id and moves to `workdir` (which must not exist)."""
+        warm_workdir, warm_name = prep.workdir, prep.name
+        push_slot(stack, self.pool, prep.slot)
+        # Until it is renamed and moved: the entry's references and files.
+        stack.push("warm entry", lambda: self._drop_entry(warm_name, warm_workdir))
+        push_warm_link(stack, warm_workdir)
+        push_vm(stack, vm_now)
+        if prep.name != sandbox_id:
+            # The entry was made before anyone knew the id; it takes the caller's.
+            await rename_prepared(prep, sandbox_id, self.repo, self.layers)
+        # From here on it is an ordinary sandbox, in the sandboxes dir.
+        await relocate(prep, workdir)
+        stack.drop("warm entry")
+        crash_point("create:relocated")
 
     async def _drop_entry(self, name: str, workdir: Path) -> None:
         """What a warm entry taken by a create still holds under its own name and path
@@ -415,8 +433,16 @@ class NodeCreate(NodeBase):
         async with self.admission.start(
             f"a create from snapshot {ref!r}", snap.memory_mb, wait_s=capacity_wait_s
         ):
+            warm = None
+            if snap.memory:
+                shape = snapshot_shape(ref, snap.vcpus, snap.memory_mb)
+                warm = self.warm.take(shape, snap.id, join_after=2)
+            if warm is not None:
+                # The entry's steps move onto the sandbox's stack in `_from_snapshot`.
+                self._warm_stacks.pop(warm.name, None)
+            sandbox_id = sandbox_id or (warm.name if warm is not None else new_sandbox_id())
             return await self._from_snapshot(
-                snap, ref, egress, sandbox_id or new_sandbox_id(), init, metadata
+                snap, ref, egress, sandbox_id, init, metadata, warm=warm
             )
 
     async def _from_snapshot(
@@ -427,16 +453,30 @@ class NodeCreate(NodeBase):
         sandbox_id: str,
         init: GuestInit,
         metadata: Mapping[str, str] | None,
+        warm: Prepared | None = None,
     ) -> SandboxHandle:
+        """A sandbox of the named snapshot `snap` (into `warm`, a warm entry of it taken by
+        the caller, if given)."""
         workdir = sandbox_files(self.settings, sandbox_id).workdir
         t0 = time.monotonic()
         stack = Cleanup(sandbox_id)
+        handle: SandboxHandle | None = None
         try:
-            await asyncio.to_thread(workdir.mkdir, 0o700, False, False)
+            if warm is None:
+                await asyncio.to_thread(workdir.mkdir, 0o700, False, False)
             push_workdir(stack, workdir)
             push_refs(stack, sandbox_id, self.layers, self.repo)
-            slot = await self.pool.acquire()
-            push_slot(stack, self.pool, slot)
+            if warm is not None:
+                prep = warm
+                slot = prep.slot
+
+                def vm_now() -> QemuVM:
+                    return prep.vm if handle is None else handle.vm
+
+                await self._adopt_warm(prep, sandbox_id, workdir, stack, vm_now)
+            else:
+                slot = await self.pool.acquire()
+                push_slot(stack, self.pool, slot)
             if not egress.open:
                 await self.pool.set_egress(slot, egress)
             await self._write_meta(
@@ -445,8 +485,9 @@ class NodeCreate(NodeBase):
             )  # fmt: skip
             if snap.memory:
                 handle = await self._restore(
-                    snap, sandbox_id, ref, workdir, slot, snap.top_layer, stack, init=init
-                )
+                    snap, sandbox_id, ref, workdir, slot, snap.top_layer, stack,
+                    prepared=warm, init=init,
+                )  # fmt: skip
             else:
                 handle = await self._boot_snapshot(snap, sandbox_id, ref, workdir, slot, stack)
                 await self._init_booted(handle, None, init)

@@ -2,7 +2,12 @@
 `-incoming defer`), so a create only loads the state and gives the guest its identity.
 
 Pools are per shape (template, cpu, memory) and only for shapes used recently: a shape joins
-when a create asks for it and leaves, its entries dropped, after `idle_s` without one. Each
+when a create asks for it and leaves, its entries dropped, after `idle_s` without one. A
+named snapshot is a shape too (`snapshot_shape`), joining at its second create within
+`idle_s`: RL episodes create from one task state over and over, a one-off create from a
+snapshot should not leave QEMUs waiting behind it. `max_entries` caps the entries of all
+shapes together (each is a QEMU and a network slot): at the cap, a shape below `low` takes
+an entry from the shape used longest ago, else it waits. Each
 entry is tied to the snapshot id it was prepared from; a rebuilt template snapshot makes older
 entries stale, and they are discarded instead of handed out. A periodic check also drops the
 entries of a shape whose template snapshot changed or went away, so nobody has to create
@@ -38,6 +43,15 @@ class Shape:
     memory_mb: int
 
 
+# A shape's `template` for creates from a named snapshot: the name (or id) they give, so a
+# name that moves to another snapshot makes the entries stale, as a rebuilt template does.
+SNAPSHOT_PREFIX = "snapshot:"
+
+
+def snapshot_shape(ref: str, cpu: int, memory_mb: int) -> Shape:
+    return Shape(SNAPSHOT_PREFIX + ref, cpu, memory_mb)
+
+
 @dataclass
 class _Entries:
     snapshot_id: str
@@ -61,10 +75,14 @@ class WarmPool:
         current: Callable[[Shape], Awaitable[str | None]] | None = None,
         idle_s: float = IDLE_S,
         check_s: float = CHECK_S,
+        max_entries: int | None = None,
     ) -> None:
         self.low, self.high, self.idle_s, self.check_s = low, high, idle_s, check_s
+        self.max_entries = max_entries
         self._make, self._drop, self._current = make, drop, current
         self._shapes: dict[Shape, _Entries] = {}
+        # Shapes asked for once that join at their next ask (`take(..., join_after=2)`).
+        self._asked: dict[Shape, float] = {}
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._drops: set[asyncio.Task[None]] = set()
@@ -83,14 +101,18 @@ class WarmPool:
         entries = self._shapes.get(shape)
         return list(entries.ready) if entries is not None else []
 
-    def take(self, shape: Shape, snapshot_id: str) -> Prepared | None:
+    def take(self, shape: Shape, snapshot_id: str, *, join_after: int = 1) -> Prepared | None:
         """A live entry prepared from `snapshot_id`, or None. Marks the shape as used (it
-        joins the pool if new) and wakes the refill; stale or dead entries are dropped."""
+        joins the pool if new: at once, or with `join_after=2` at its second ask within
+        `idle_s`) and wakes the refill; stale or dead entries are dropped."""
         if not self.enabled:
             return None
         entries = self._shapes.get(shape)
         now = time.monotonic()
         if entries is None:
+            if join_after > 1 and now - self._asked.pop(shape, -self.idle_s) > self.idle_s:
+                self._asked[shape] = now
+                return None
             entries = self._shapes[shape] = _Entries(snapshot_id, now)
         entries.used_at = now
         stale: list[Prepared] = []
@@ -134,6 +156,25 @@ class WarmPool:
     def shapes(self) -> list[Shape]:
         return list(self._shapes)
 
+    def _count(self) -> int:
+        return sum(len(e.ready) for e in self._shapes.values())
+
+    def _make_room(self, shape: Shape, entries: _Entries) -> bool:
+        """At the cap: an entry for `shape` if it is below `low`, taken from the shape used
+        longest ago (and not since `shape` was); False when there is none to take."""
+        if len(entries.ready) >= self.low:
+            return False
+        others = [
+            (e.used_at, str(s), s)
+            for s, e in self._shapes.items()
+            if s != shape and e.ready and e.used_at < entries.used_at
+        ]
+        if not others:
+            return False
+        victim = self._shapes[min(others)[2]]
+        self._discard(victim.ready.pop())
+        return True
+
     async def _refill_loop(self) -> None:
         while True:
             with contextlib.suppress(TimeoutError):
@@ -150,6 +191,8 @@ class WarmPool:
     async def _check(self) -> None:
         """Drop idle shapes, and entries whose template snapshot is no longer the one a
         create would restore."""
+        now = time.monotonic()
+        self._asked = {s: t for s, t in self._asked.items() if now - t <= self.idle_s}
         for shape, entries in list(self._shapes.items()):
             current: str | None = None
             idle = time.monotonic() - entries.used_at > self.idle_s
@@ -182,6 +225,9 @@ class WarmPool:
             if len(entries.ready) >= self.high:
                 entries.filling = False
             if not entries.filling:
+                continue
+            full = self.max_entries is not None and self._count() >= self.max_entries
+            if full and not self._make_room(shape, entries):
                 continue
             snapshot_id = entries.snapshot_id
             try:

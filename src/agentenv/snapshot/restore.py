@@ -26,7 +26,7 @@ from agentenv.snapshot.machine import (
 )
 from agentenv.snapshot.model import Snapshot
 from agentenv.snapshot.repository import SnapshotStore
-from agentenv.storage import LayerStore, create_upper
+from agentenv.storage import LayerStore, create_upper_sync
 from agentenv.vmm.errors import VMMError
 from agentenv.vmm.qemu import QemuVM
 from agentenv.vmm.qemu_argv import DEVICE_SET
@@ -99,7 +99,6 @@ async def prepare(
         tools_image=snap.tools_image,
         device_set=snap.device_set,
     )
-    await asyncio.to_thread(workdir.mkdir, 0o700, True, True)
     upper = workdir / ROOTFS
     prep: Prepared | None = None
     stack = Cleanup(name)
@@ -111,15 +110,19 @@ async def prepare(
     def upper_now() -> Path:
         return upper if prep is None else prep.upper
 
+    def hold_and_make_upper() -> None:
+        # One thread hop for the workdir, both references and the upper (each was one).
+        workdir.mkdir(0o700, True, True)
+        repo.ref(snap.id, name)
+        layers.ref(snap.top_layer, name)
+        create_upper_sync(layers.path(snap.top_layer), upper, disk_size_mb)
+
     stack.push("references", lambda: asyncio.to_thread(_unref, holder(), repo, layers))
     stack.push("upper", lambda: asyncio.to_thread(upper_now().unlink, True))
     try:
         # Whole: a cancel must not return before a reference its thread still takes, or
         # the stack would run first and the reference would outlive it.
-        await thread_whole(repo.ref, snap.id, name)
-        await thread_whole(layers.ref, snap.top_layer, name)
-        top = await asyncio.to_thread(layers.path, snap.top_layer)
-        await create_upper(top, upper, disk_size_mb)
+        await thread_whole(hold_and_make_upper)
         vm = new_vm(
             image,
             name=name,
