@@ -43,3 +43,6 @@ def configure(level: str, fmt: str) -> None:
     root.setLevel(level.upper())
     # One line per upstream request would drown the sandbox lifecycle lines.
     logging.getLogger("httpx").setLevel(logging.WARNING)
+    # qemu.qmp says at INFO that each QMP connection ended ("Task.Reader: end-of-file"): a
+    # line per QEMU that exits, which the sandbox's own lines already tell.
+    logging.getLogger("qemu.qmp").setLevel(logging.WARNING)
