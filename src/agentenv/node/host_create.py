@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import shutil
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,11 +19,7 @@ from agentenv.guest.envd.client import EnvdClient, EnvdError
 from agentenv.network import OPEN, Egress, Slot
 from agentenv.node.cleanup import (
     drop_reset_hold,
-    push_refs,
-    push_slot,
     push_vm,
-    push_warm_link,
-    push_workdir,
 )
 from agentenv.node.errors import (
     BootFailed,
@@ -33,7 +28,7 @@ from agentenv.node.errors import (
     SandboxError,
 )
 from agentenv.node.files import SandboxFiles, sandbox_files
-from agentenv.node.host_base import NodeBase
+from agentenv.node.host_warm import NodeWarm
 from agentenv.node.sandbox import (
     GROW_FS,
     GROW_TIMEOUT_S,
@@ -46,16 +41,12 @@ from agentenv.node.sandbox import (
 from agentenv.node.warm import Shape, snapshot_shape
 from agentenv.snapshot import Machine, MemoryMode, Snapshot, SnapshotError
 from agentenv.snapshot.machine import new_vm
-from agentenv.snapshot.restore import Prepared, load, relocate
-from agentenv.snapshot.restore import (
-    rename as rename_prepared,
-)
+from agentenv.snapshot.restore import Prepared, load
 from agentenv.storage import (
     DiskTooSmall,
     create_upper,
 )
 from agentenv.vmm.errors import VMMError
-from agentenv.vmm.qemu import QemuVM
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +61,7 @@ class BatchChild:
     metadata: Mapping[str, str] | None = None
 
 
-class NodeCreate(NodeBase):
+class NodeCreate(NodeWarm):
     """The create paths of a `host.Node`."""
 
     async def create(
@@ -208,23 +199,8 @@ class NodeCreate(NodeBase):
         stack = Cleanup(sandbox_id)
         handle: SandboxHandle | None = None
         try:
-            if warm is None:
-                await asyncio.to_thread(workdir.mkdir, 0o700, False, False)
-            push_workdir(stack, workdir)
-            push_refs(stack, sandbox_id, self.layers, self.repo)
-            if warm is not None:
-                prep = warm
-                slot = prep.slot
-
-                def vm_now() -> QemuVM:
-                    return prep.vm if handle is None else handle.vm
-
-                await self._adopt_warm(prep, sandbox_id, workdir, stack, vm_now)
-
+            slot = await self._acquire(sandbox_id, workdir, stack, warm, lambda: handle)
             await thread_whole(self.layers.ref, top, sandbox_id)
-            if warm is None:
-                slot = await self.pool.acquire()
-                push_slot(stack, self.pool, slot)
             if not egress.open:
                 # Before the guest runs (a warm entry's QEMU waits for its state).
                 await self.pool.set_egress(slot, egress)
@@ -306,40 +282,6 @@ class NodeCreate(NodeBase):
         self._sandboxes[sandbox_id] = booted
         log.info("sandbox %s up in %.2fs at %s", sandbox_id, booted.boot_s, booted.address)
         return booted
-
-    async def _adopt_warm(
-        self,
-        prep: Prepared,
-        sandbox_id: str,
-        workdir: Path,
-        stack: Cleanup,
-        vm_now: Callable[[], QemuVM],
-    ) -> None:
-        """A warm entry taken by a create becomes the sandbox `sandbox_id`: its slot and
-        QEMU go onto the sandbox's `stack` (`vm_now` names the QEMU when the step runs), it
-        takes the id and moves to `workdir` (which must not exist)."""
-        warm_workdir, warm_name = prep.workdir, prep.name
-        push_slot(stack, self.pool, prep.slot)
-        # Until it is renamed and moved: the entry's references and files.
-        stack.push("warm entry", lambda: self._drop_entry(warm_name, warm_workdir))
-        push_warm_link(stack, warm_workdir)
-        push_vm(stack, vm_now)
-        if prep.name != sandbox_id:
-            # The entry was made before anyone knew the id; it takes the caller's.
-            await rename_prepared(prep, sandbox_id, self.repo, self.layers)
-        # From here on it is an ordinary sandbox, in the sandboxes dir.
-        await relocate(prep, workdir)
-        stack.drop("warm entry")
-        crash_point("create:relocated")
-
-    async def _drop_entry(self, name: str, workdir: Path) -> None:
-        """What a warm entry taken by a create still holds under its own name and path
-        (nothing once it is renamed and moved: the references then are the sandbox's, and
-        the old path a symlink that `WARM_LINK` removes)."""
-        await asyncio.to_thread(self.layers.unref_holder, name)
-        await asyncio.to_thread(self.repo.unref_holder, name)
-        if not await asyncio.to_thread(workdir.is_symlink):
-            await asyncio.to_thread(shutil.rmtree, workdir, True)
 
     async def _restore(
         self,
@@ -462,21 +404,7 @@ class NodeCreate(NodeBase):
         stack = Cleanup(sandbox_id)
         handle: SandboxHandle | None = None
         try:
-            if warm is None:
-                await asyncio.to_thread(workdir.mkdir, 0o700, False, False)
-            push_workdir(stack, workdir)
-            push_refs(stack, sandbox_id, self.layers, self.repo)
-            if warm is not None:
-                prep = warm
-                slot = prep.slot
-
-                def vm_now() -> QemuVM:
-                    return prep.vm if handle is None else handle.vm
-
-                await self._adopt_warm(prep, sandbox_id, workdir, stack, vm_now)
-            else:
-                slot = await self.pool.acquire()
-                push_slot(stack, self.pool, slot)
+            slot = await self._acquire(sandbox_id, workdir, stack, warm, lambda: handle)
             if not egress.open:
                 await self.pool.set_egress(slot, egress)
             await self._write_meta(
