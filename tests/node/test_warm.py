@@ -20,6 +20,7 @@ from agentenv.contract.ids import new_sandbox_id
 from agentenv.guest.envd.client import EnvdClient, EnvdError
 from agentenv.node.errors import InvalidResources
 from agentenv.node.host import GuestInit, Node, SandboxHandle
+from agentenv.node.host_create import BatchChild
 from agentenv.node.warm import Shape, snapshot_shape
 from agentenv.template.catalog import TemplateCatalog
 from agentenv.vmm import registry as vm_registry
@@ -254,7 +255,15 @@ async def test_creates_from_a_named_snapshot_take_warm_entries_from_the_third_on
         third = await node.create("warm-task")
         assert third.origin == "warm" and second.origin == "restore"
         assert await sh(third, "cat /root/state") == "task-state"
-        for sb in (first, second, third):
+        # A fork of the snapshot: a child takes the entry that waits, the other restores.
+        await wait_ready(node, 1, shape)
+        children = [BatchChild(new_sandbox_id()) for _ in range(2)]
+        forked = await node.create_batch("warm-task", children)
+        assert forked is not None
+        kids = [h for h in forked if isinstance(h, SandboxHandle)]
+        assert sorted(h.origin for h in kids) == ["restore", "warm"], forked
+        assert [await sh(h, "cat /root/state") for h in kids] == ["task-state"] * 2
+        for sb in (first, second, third, *kids):
             await node.delete(sb.id)
         await wait_ready(node, 1, shape)
         doomed = [(p.vm.pid, p.workdir) for p in node.warm.ready(shape)]

@@ -141,13 +141,17 @@ class NodeCreate(NodeWarm):
         async with self.admission.start(
             what, snap.memory_mb, len(children), wait_s=capacity_wait_s
         ):
-            results = await asyncio.gather(
-                *(
-                    self._from_snapshot(snap, template, c.egress, c.sandbox_id, c.init, c.metadata)
-                    for c in children
-                ),
-                return_exceptions=True,
-            )
+
+            async def one(c: BatchChild) -> SandboxHandle:
+                # Children take what warm entries of the snapshot wait (each counts as a
+                # create of it); the others restore together. Taken when the child's task
+                # runs, not before: a task cancelled before it starts takes nothing.
+                warm = self._take_warm(snap, template)
+                return await self._from_snapshot(
+                    snap, template, c.egress, c.sandbox_id, c.init, c.metadata, warm=warm
+                )
+
+            results = await asyncio.gather(*(one(c) for c in children), return_exceptions=True)
         return list(results)
 
     def _check_new_id(self, sandbox_id: str) -> None:
@@ -375,17 +379,23 @@ class NodeCreate(NodeWarm):
         async with self.admission.start(
             f"a create from snapshot {ref!r}", snap.memory_mb, wait_s=capacity_wait_s
         ):
-            warm = None
-            if snap.memory:
-                shape = snapshot_shape(ref, snap.vcpus, snap.memory_mb)
-                warm = self.warm.take(shape, snap.id, join_after=2)
-            if warm is not None:
-                # The entry's steps move onto the sandbox's stack in `_from_snapshot`.
-                self._warm_stacks.pop(warm.name, None)
+            warm = self._take_warm(snap, ref)
             sandbox_id = sandbox_id or (warm.name if warm is not None else new_sandbox_id())
             return await self._from_snapshot(
                 snap, ref, egress, sandbox_id, init, metadata, warm=warm
             )
+
+    def _take_warm(self, snap: Snapshot, ref: str) -> Prepared | None:
+        """A waiting warm entry of the named snapshot `snap` (created from as `ref`), its
+        steps now the caller's to put on the sandbox's stack (`_from_snapshot` does); the
+        snapshot's shape joins the pool at its second ask."""
+        if not snap.memory:
+            return None
+        shape = snapshot_shape(ref, snap.vcpus, snap.memory_mb)
+        warm = self.warm.take(shape, snap.id, join_after=2)
+        if warm is not None:
+            self._warm_stacks.pop(warm.name, None)
+        return warm
 
     async def _from_snapshot(
         self,
