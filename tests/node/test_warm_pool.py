@@ -38,13 +38,13 @@ async def _fill(pool: WarmPool) -> None:
 
 async def test_a_snapshot_shape_joins_at_its_second_ask() -> None:
     pool, _ = _pool()
-    assert pool.take(SNAP, "s1", join_after=2) is None
+    assert pool.take(SNAP, "s1", repeated=True) is None
     assert pool.shapes() == []
-    assert pool.take(SNAP, "s1", join_after=2) is None
+    assert pool.take(SNAP, "s1", repeated=True) is None
     assert pool.shapes() == [SNAP]
     await _fill(pool)
     assert len(pool.ready(SNAP)) == 2
-    taken = pool.take(SNAP, "s1", join_after=2)
+    taken = pool.take(SNAP, "s1", repeated=True)
     assert taken is not None and taken.snap.id == "s1"
     # A template's shape joins at once.
     assert pool.take(TPL, "t1") is None and TPL in pool.shapes()
@@ -55,17 +55,17 @@ async def test_the_node_wide_cap_moves_entries_to_the_shape_in_use() -> None:
     pool.take(TPL, "t1")
     await _fill(pool)
     assert len(pool.ready(TPL)) == 2
-    pool.take(SNAP, "s1", join_after=2)
-    pool.take(SNAP, "s1", join_after=2)
+    pool.take(SNAP, "s1", repeated=True)
+    pool.take(SNAP, "s1", repeated=True)
     await _fill(pool)
     # One was free under the cap; at the cap a shape that has `low` entries waits.
     assert (len(pool.ready(TPL)), len(pool.ready(SNAP))) == (2, 1) and dropped == []
-    assert pool.take(SNAP, "s1", join_after=2) is not None
+    assert pool.take(SNAP, "s1", repeated=True) is not None
     await _fill(pool)
     assert (len(pool.ready(TPL)), len(pool.ready(SNAP))) == (2, 1) and dropped == []
     # Below `low` at the cap: the shape used longest ago gives one up.
     pool.max_entries = 2
-    assert pool.take(SNAP, "s1", join_after=2) is not None
+    assert pool.take(SNAP, "s1", repeated=True) is not None
     await _fill(pool)
     assert (len(pool.ready(TPL)), len(pool.ready(SNAP))) == (1, 1) and len(dropped) == 1
     # Never over the cap, however long it refills; the template's shape, used longer

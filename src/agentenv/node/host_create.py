@@ -392,7 +392,7 @@ class NodeCreate(NodeWarm):
         if not snap.memory:
             return None
         shape = snapshot_shape(ref, snap.vcpus, snap.memory_mb)
-        warm = self.warm.take(shape, snap.id, join_after=2)
+        warm = self.warm.take(shape, snap.id, repeated=True)
         if warm is not None:
             self._warm_stacks.pop(warm.name, None)
         return warm

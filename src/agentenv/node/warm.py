@@ -81,7 +81,7 @@ class WarmPool:
         self.max_entries = max_entries
         self._make, self._drop, self._current = make, drop, current
         self._shapes: dict[Shape, _Entries] = {}
-        # Shapes asked for once that join at their next ask (`take(..., join_after=2)`).
+        # Shapes asked for once that join at their next ask (`take(..., repeated=True)`).
         self._asked: dict[Shape, float] = {}
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -101,16 +101,16 @@ class WarmPool:
         entries = self._shapes.get(shape)
         return list(entries.ready) if entries is not None else []
 
-    def take(self, shape: Shape, snapshot_id: str, *, join_after: int = 1) -> Prepared | None:
+    def take(self, shape: Shape, snapshot_id: str, *, repeated: bool = False) -> Prepared | None:
         """A live entry prepared from `snapshot_id`, or None. Marks the shape as used (it
-        joins the pool if new: at once, or with `join_after=2` at its second ask within
+        joins the pool if new: at once, or with `repeated` at its second ask within
         `idle_s`) and wakes the refill; stale or dead entries are dropped."""
         if not self.enabled:
             return None
         entries = self._shapes.get(shape)
         now = time.monotonic()
         if entries is None:
-            if join_after > 1 and now - self._asked.pop(shape, -self.idle_s) > self.idle_s:
+            if repeated and now - self._asked.pop(shape, -self.idle_s) > self.idle_s:
                 self._asked[shape] = now
                 return None
             entries = self._shapes[shape] = _Entries(snapshot_id, now)

@@ -35,14 +35,13 @@ from agentenv.snapshot.errors import (
 from agentenv.snapshot.model import Snapshot
 from agentenv.storage import LayerStore
 from agentenv.storage.errors import LayerInUse, LayerNotFound
-from agentenv.storage.holds import Holds
+from agentenv.storage.holds import HOLDS_DIR, Holds
 from agentenv.template.catalog import validate_name
 from agentenv.template.errors import CatalogError
 
 MEMORY = "memory"
 STATE = "state"
 CATALOG = "catalog.json"
-HOLDS = ".holds"
 LAYER_HOLDER = "snapshot:"
 _STAGING_PREFIX = ".staging-"
 STALE_STAGING_S = 3600.0
@@ -110,7 +109,7 @@ class SnapshotRepository:
     def __init__(self, root: Path, layers: LayerStore) -> None:
         self.root = root
         self.layers = layers
-        self.holds = Holds(root / HOLDS)
+        self.holds = Holds(root / HOLDS_DIR)
 
     # -- catalog ----------------------------------------------------------------------------
 

@@ -35,6 +35,10 @@ def _holder(file_name: str) -> str:
     return unquote(file_name) if "%" in file_name else file_name
 
 
+# The directory a store keeps its holds in, under its root.
+HOLDS_DIR = ".holds"
+
+
 class Holds:
     """The holds under `root`, one directory per held target."""
 

@@ -20,12 +20,11 @@ from pathlib import Path
 
 from agentenv.storage import images
 from agentenv.storage.errors import LayerInUse, LayerNotFound, StorageError
-from agentenv.storage.holds import Holds
+from agentenv.storage.holds import HOLDS_DIR, Holds
 
 _SUFFIX = ".qcow2"
 # Before `Holds`: every hold in one table (read once, then turned into files).
 _REFS = "refs.json"
-HOLDS = ".holds"
 _LOCK = ".lock"
 
 
@@ -45,7 +44,7 @@ class LayerStore:
 
     def __init__(self, root: Path) -> None:
         self.root = root
-        self.holds = Holds(root / HOLDS)
+        self.holds = Holds(root / HOLDS_DIR)
 
     # -- locking and the holds ------------------------------------------------------------------
 

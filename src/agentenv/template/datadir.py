@@ -67,10 +67,10 @@ def ensure_seed(seed: Path) -> Path:
 def _copy_holds(seed_store: Path, store: Path) -> None:
     """A store's holds (`storage.holds`: empty files), or the table a seed written before
     them has (read and turned into files by the store on its first use)."""
-    from agentenv.storage.layers import HOLDS
+    from agentenv.storage.holds import HOLDS_DIR
 
-    if (seed_store / HOLDS).is_dir():
-        shutil.copytree(seed_store / HOLDS, store / HOLDS)
+    if (seed_store / HOLDS_DIR).is_dir():
+        shutil.copytree(seed_store / HOLDS_DIR, store / HOLDS_DIR)
     legacy = seed_store / "refs.json"
     if legacy.exists():
         shutil.copy2(legacy, store / legacy.name)
