@@ -18,6 +18,7 @@ from agentenv.network import (
     NoFreeSlot,
     SlotPool,
     cleanup_stale,
+    conntrack,
     create_slot,
     destroy_slot,
     slot_for,
@@ -240,9 +241,46 @@ async def test_pool_watermarks() -> None:
         assert pool.idle == 3 and s2.netns in sh("ip", "netns", "list")
         assert await conntrack_entries(s2) == 0
         assert "agentenv_egress" not in sh(*tables) and "agentenv_guard" in sh(*tables)
+
+        # After a guest of the open policy a few entries stay (a flush walks the host's
+        # whole table); a guest of another policy gets the slot without them.
+        pool.high = 8
+        s3 = await pool.acquire()
+        await knock(s3, 1)
+        await pool.release(s3)
+        assert await conntrack_entries(s3) >= 1
+        others = []  # the pool hands idle slots out in order
+        while (again := await pool.acquire()) != s3:
+            others.append(again)
+        await pool.set_egress(s3, Egress.of(internet=False))
+        assert await conntrack_entries(s3) == 0
+        for slot in (s3, *others):
+            await pool.release(slot)
+        # More than a kept slot may carry are forgotten at its release.
+        for _ in range(250):  # the refill the loop above started, up to 8
+            if pool.idle == 8:
+                break
+            await asyncio.sleep(0.02)
+        pool.high = 9  # room for it
+        s4 = await pool.acquire()
+        await knock(s4, conntrack.stale_allowed(s4.max_connections) + 1)
+        await pool.release(s4)
+        assert await conntrack_entries(s4) == 0
     finally:
         await pool.close()
     assert pool.idle == 0
+
+
+async def knock(slot: Slot, times: int) -> None:
+    """Leave `times` tracked connections in the slot's namespace: connection attempts to
+    its address from distinct ports (no guest answers, which does not matter to conntrack)."""
+
+    async def one() -> None:
+        with contextlib.suppress(OSError, TimeoutError):
+            async with asyncio.timeout(0.3):
+                await asyncio.open_connection(str(slot.slot_ip), 49983)
+
+    await asyncio.gather(*(one() for _ in range(times)))
 
 
 def test_pool_rejects_bad_watermarks() -> None:

@@ -16,6 +16,7 @@ from agentenv.network.slot import (
     apply_guard,
     create_slot,
     destroy_slot,
+    forget_connections,
     reset_slot,
     set_egress,
 )
@@ -25,8 +26,9 @@ class SlotPool:
     """Hands out slots; keeps between `low` and `high` idle slots ready when `high` > 0.
 
     `acquire()` takes an idle slot if one is ready, else builds one (~15 ms of CPU, ~50 ms).
-    `release()` returns a slot to the pool (`reset_slot`: ~1 ms) while fewer than `high` are
-    idle, and destroys it otherwise. `start()` builds `low` ahead.
+    `release()` returns a slot to the pool (`reset_slot`: ~0.5 ms, ~1.8 with a conntrack
+    flush) while fewer than `high` are idle, and destroys it otherwise. `start()` builds
+    `low` ahead.
     """
 
     def __init__(
@@ -54,6 +56,10 @@ class SlotPool:
         # Slots that may hold an egress table (a policy other than the open one was set):
         # a reuse removes it; the others have none to remove.
         self._restricted: set[int] = set()
+        # Idle or busy slots that still track connections a guest before the current one
+        # left (`reset_slot` keeps a few after an open guest): forgotten before a guest of
+        # another policy runs there.
+        self._stale: set[int] = set()
         self._refill: asyncio.Task[None] | None = None
         self._closed = False
 
@@ -74,7 +80,11 @@ class SlotPool:
     async def acquire(self) -> Slot:
         if self._closed:
             raise RuntimeError("slot pool is closed")
-        slot = self._idle.pop(0) if self._idle else await create_slot(self.plan, owner=self.owner)
+        if self._idle:
+            slot = self._idle.pop(0)
+        else:
+            slot = await create_slot(self.plan, owner=self.owner)
+            self._stale.discard(slot.index)  # of an earlier slot with this index
         self._busy[slot.index] = slot
         self._maybe_refill()
         try:
@@ -104,9 +114,12 @@ class SlotPool:
         await gateway.start()
         self._gateways[slot.index] = gateway
 
-    async def set_egress(self, slot: Slot, egress: Egress) -> None:
+    async def set_egress(self, slot: Slot, egress: Egress, *, running: bool = False) -> None:
         """Where the guest on a busy `slot` may open connections; at once, also while it runs
-        (connections it already has stay)."""
+        (connections it already has stay). Before its guest runs (not `running`), a policy
+        other than the open one also makes the slot forget what an earlier guest left
+        tracked; for a guest that runs, those count as its own (it had the same address
+        and the open policy until now)."""
         if not egress.open:
             self._restricted.add(slot.index)
         gateway = self._gateways.get(slot.index)
@@ -114,6 +127,11 @@ class SlotPool:
             await gateway.apply(egress)
         else:
             await set_egress(slot, egress)
+        if not egress.open and not running and slot.index in self._stale:
+            # After the policy holds: nothing the guest sends in between is judged by the
+            # open one.
+            await forget_connections(slot)
+            self._stale.discard(slot.index)
 
     def egress(self, slot: Slot) -> Egress | None:
         gateway = self._gateways.get(slot.index)
@@ -135,13 +153,16 @@ class SlotPool:
         # kill and a create. Anything with a policy starts afresh.
         if not kept or restricted or (gateway is not None and not gateway.reusable):
             await self._close_gateway(slot)
+        self._stale.discard(slot.index)
         if kept:
             try:
-                await reset_slot(slot, egress_open=not restricted)
+                stale = await reset_slot(slot, egress_open=not restricted)
             except Exception:
                 await self._close_gateway(slot)
                 await destroy_slot(slot, owner=self.owner)
                 raise
+            if stale:
+                self._stale.add(slot.index)
             self._idle.append(slot)
         else:
             await destroy_slot(slot, owner=self.owner)

@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
-import errno
 import fcntl
 import ipaddress
 import os
@@ -26,13 +25,13 @@ from collections.abc import AsyncIterator, Collection
 from dataclasses import dataclass
 from pathlib import Path
 
-from pyroute2 import AsyncConntrack, AsyncIPRoute, netns
-from pyroute2.netlink import NETLINK_NETFILTER, NETLINK_ROUTE
+from pyroute2 import AsyncIPRoute, netns
+from pyroute2.netlink import NETLINK_ROUTE
 from pyroute2.netlink.exceptions import NetlinkError
 
 from agentenv.config import DEFAULT_SLOT_CIDR, GATEWAY_MAC, NetworkPlan
 from agentenv.filelock import file_lock
-from agentenv.network import netns_socket, nft
+from agentenv.network import conntrack, netns_socket, nft
 from agentenv.network.egress import OPEN, Egress
 from agentenv.network.errors import NetworkError, NoFreeSlot
 from agentenv.network.netns_socket import add_netns, add_tap, netlink_fd, remove_netns
@@ -281,8 +280,7 @@ async def guard_counters(slot: Slot) -> dict[str, int]:
 
 async def conntrack_entries(slot: Slot) -> int:
     """Connections the slot's namespace tracks (dumped: the kernel's counter lags a flush)."""
-    async with AsyncConntrack(fileno=await netlink_fd(slot.netns, NETLINK_NETFILTER)) as ct:
-        return len([e async for e in await ct.dump_entries()])
+    return await conntrack.entries(slot.netns)
 
 
 async def set_egress(slot: Slot, egress: Egress) -> None:
@@ -303,10 +301,18 @@ async def apply_guard(slot: Slot) -> None:
         raise NetworkError(f"slot {slot.index}: netlink: {exc}") from exc
 
 
-async def reset_slot(slot: Slot, *, egress_open: bool = False) -> None:
-    """Forget the previous guest's connections and egress policy before a slot is reused: a
-    stale entry would send a new guest's replies through the old NAT mapping. The guard's
-    counters start from zero.
+async def reset_slot(slot: Slot, *, egress_open: bool = False) -> bool:
+    """Ready a slot for its next guest; returns whether it kept connections its last guest
+    left tracked (`forget_connections` then drops them before a guest of another policy
+    runs there). The guard's counters start from zero.
+
+    A guest under any policy but the open one had its connections judged by rules the next
+    guest may not have: they are forgotten, or a stale entry would let the next guest's
+    packets through as replies. After a guest of the open policy throughout
+    (`egress_open`) they are kept while few (`conntrack.stale_allowed`): an open guest
+    could open each of them itself, from the same address through the same NAT, and a
+    flush walks the host's whole table (~1.3 ms of CPU a kill). What the host's own
+    connections to the guest left (the proxy's, ended) is most of it.
 
     Nothing is rebuilt: replacing the guard's table (or deleting an egress table) unhooks a
     chain from the tap, and the kernel waits for an RCU grace period on every such commit
@@ -316,52 +322,40 @@ async def reset_slot(slot: Slot, *, egress_open: bool = False) -> None:
     policy is known to be the open one (no egress table), so there is none to remove."""
     if not egress_open:
         await set_egress(slot, OPEN)
+    keep_up_to = conntrack.stale_allowed(slot.max_connections) if egress_open else -1
 
-    def reset_in_namespace() -> None:
+    def reset_in_namespace() -> bool:
         if _tap_held(slot.tap):
             # A QEMU that would not die (the kernel holds it) still has the tap: the next
             # guest could not open it. The pool destroys the slot instead.
             raise NetworkError(f"slot {slot.index}: its tap is still held by a process")
         nft.nft_run(f"reset counters table netdev {nft.GUARD_TABLE}\n")
-        _flush_conntrack()
+        tracked = conntrack.tracked_here()
+        if tracked is not None and tracked <= keep_up_to:
+            return tracked > 0
+        conntrack.flush_here()
+        return False
 
-    # One hop into the namespace for both (each was a thread hop of its own, and pyroute2's
-    # flush ~0.6 ms of the server's CPU per kill; the raw message ~0.1).
+    # One hop into the namespace for all of it (each was a thread hop of its own, and
+    # pyroute2's flush ~0.6 ms of the server's CPU per kill; the raw message ~0.1).
     try:
         async with asyncio.timeout(nft.COMMAND_TIMEOUT_S):
-            await netns_socket.run_in(slot.netns, reset_in_namespace)
+            return await netns_socket.run_in(slot.netns, reset_in_namespace)
     except TimeoutError:
         raise NetworkError(f"slot {slot.index}: resetting its guard did not finish") from None
     except OSError as exc:
         raise NetworkError(f"slot {slot.index}: {exc}") from exc
 
 
-# <linux/netlink.h>, <linux/netfilter/nfnetlink.h>, <linux/netfilter/nfnetlink_conntrack.h>
-_NLM_F_REQUEST = 0x1
-_NLM_F_ACK = 0x4
-_NLMSG_ERROR = 0x2
-_CT_DELETE = (1 << 8) | 2  # NFNL_SUBSYS_CTNETLINK, IPCTNL_MSG_CT_DELETE
-_NLMSG_HEADER = struct.Struct("=IHHII")  # length, type, flags, sequence, port id
-_NFGENMSG = struct.Struct("=BBH")  # family, version (NFNETLINK_V0), resource id
-
-
-def _flush_conntrack() -> None:
-    """In the calling thread's namespace: forget every IPv4 connection it tracks. A
-    CT_DELETE with no attributes is the flush (what `conntrack -F` and pyroute2's `flush`
-    send); the kernel's ack carries its errno."""
-    request = _NLMSG_HEADER.pack(
-        _NLMSG_HEADER.size + _NFGENMSG.size, _CT_DELETE, _NLM_F_REQUEST | _NLM_F_ACK, 1, 0
-    ) + _NFGENMSG.pack(socket.AF_INET, 0, 0)
-    with socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_NETFILTER) as sock:
-        sock.settimeout(nft.COMMAND_TIMEOUT_S)
-        sock.send(request)
-        reply = sock.recv(4096)
-    if len(reply) < _NLMSG_HEADER.size + 4:
-        raise OSError(errno.EPROTO, f"conntrack flush: a short answer ({len(reply)} bytes)")
-    kind = _NLMSG_HEADER.unpack_from(reply)[1]
-    code = struct.unpack_from("=i", reply, _NLMSG_HEADER.size)[0]
-    if kind == _NLMSG_ERROR and code != 0:
-        raise OSError(-code, f"conntrack flush: {os.strerror(-code)}")
+async def forget_connections(slot: Slot) -> None:
+    """Forget every connection the slot's namespace tracks."""
+    try:
+        async with asyncio.timeout(nft.COMMAND_TIMEOUT_S):
+            await netns_socket.run_in(slot.netns, conntrack.flush_here)
+    except TimeoutError:
+        raise NetworkError(f"slot {slot.index}: the conntrack flush did not finish") from None
+    except OSError as exc:
+        raise NetworkError(f"slot {slot.index}: {exc}") from exc
 
 
 def _tap_held(tap: str) -> bool:

@@ -37,7 +37,7 @@ from agentenv.node.errors import (
     UnknownTemplate,
 )
 from agentenv.node.files import SandboxFiles, sandbox_files, snapshots_dir
-from agentenv.node.memory import MemoryManager, MemoryPolicy, host_memory
+from agentenv.node.memory import MemoryManager, MemoryPolicy, PssCache
 from agentenv.node.sandbox import (
     HEALTH_POLL_S,
     HEALTH_REQUEST_TIMEOUT_S,
@@ -91,6 +91,7 @@ class NodeBase:
             dns=DnsForwarder(settings.dns),
         )
         self._sandboxes: dict[str, SandboxHandle] = {}
+        self._pss = PssCache()
         # Sandboxes found dead or not adoptable at start: why (the control plane takes each
         # once, `NodeRuntime.lost_reason`).
         self.lost: dict[str, str] = {}
@@ -195,11 +196,12 @@ class NodeBase:
             return sb.vm.pid is not None and sb.vm.exit_code is None
         return self._paused_on_disk(sandbox_id)
 
-    def host_memory(self, sandbox_id: str) -> HostMemory | None:
-        """What the sandbox's QEMU holds on the host (PSS), None unless it runs."""
+    async def host_memory(self, sandbox_id: str) -> HostMemory | None:
+        """What the sandbox's QEMU holds on the host (PSS, up to `PSS_FRESH_S` old), None
+        unless it runs."""
         sb = self._sandboxes.get(sandbox_id)
         pid = None if sb is None or sb.paused else sb.vm.pid
-        return None if pid is None else host_memory(pid)
+        return None if pid is None else await self._pss.read(sandbox_id, pid)
 
     def paused_memory(self, sandbox_id: str) -> bool | None:
         """Whether a paused sandbox kept its memory (False: a filesystem-only pause, no RAM
@@ -436,7 +438,7 @@ class NodeBase:
             raise UnknownSandbox(f"sandbox {sandbox_id!r} does not exist")
         workdir = sandbox_files(self.settings, sandbox_id).workdir
         if sb is not None and not sb.paused:
-            await self.pool.set_egress(sb.slot, egress)
+            await self.pool.set_egress(sb.slot, egress, running=True)
             sb.egress = egress
 
         def rewrite() -> None:
