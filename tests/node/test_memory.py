@@ -249,7 +249,7 @@ async def test_clones_share_pages_balloon_and_leave_the_template_intact(
         for p in clones:
             assert p < MEM * MIB / 4
             assert p < cold_pss * 3 / 4
-        mem = node.host_memory(c1.id)
+        mem = await node.host_memory(c1.id)
         assert mem is not None and mem.pss_file > 0, "a clone maps the template file"
 
         snap_id = c1.machine.snapshot_id if c1.machine else None

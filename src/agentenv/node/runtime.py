@@ -468,7 +468,7 @@ class NodeRuntime(GuestCalls):
         self.node.memory.note_activity(sandbox_id)
 
     async def host_memory(self, sandbox_id: str) -> HostMemory | None:
-        return self.node.host_memory(sandbox_id)
+        return await self.node.host_memory(sandbox_id)
 
     async def snapshots(self) -> list[SnapshotInfo]:
         listed = await asyncio.to_thread(self.node.repo.list)
