@@ -5,10 +5,12 @@ from __future__ import annotations
 import pytest
 
 from agentenv.proxy.routing import (
+    _CONTROL_PATTERNS,
     CONTROL,
     BadRoute,
     Sandbox,
     SignedFiles,
+    is_control_route,
     normalise_path,
     route,
 )
@@ -119,3 +121,34 @@ def test_files_without_a_sandbox_is_signed_or_a_404() -> None:
 def test_domain_host_routing(method: str, path: str, host: str, expected: object) -> None:
     headers = hdrs(host=host, e2b_sandbox_id="iother")
     assert route(method, path, headers, domain="sbx.test") == expected
+
+
+# One path per control route pattern (a pattern added without one fails the first check).
+CONTROL_SAMPLES = (
+    "/sandboxes",
+    "/sandboxes/metrics",
+    "/sandboxes/abc",
+    "/sandboxes/abc/reset",
+    "/sandboxes/abc/logs",
+    "/sandboxes/abc/network",
+    "/v2/sandboxes",
+    "/v2/sandboxes/abc/connect",
+    "/v2/sandboxes/abc/logs",
+    "/snapshots",
+    "/snapshots/abc/fork",
+    "/v3/templates/t/builds",
+    "/secrets",
+    "/nodes",
+    "/nodes/n",
+    "/nodes/n/drain",
+    "/openapi.json",
+    "/docs",
+)
+
+
+def test_the_first_segment_check_agrees_with_every_control_pattern() -> None:
+    for _, rx in _CONTROL_PATTERNS:
+        assert any(rx.match(p) for p in CONTROL_SAMPLES), rx.pattern
+    assert all(is_control_route("GET", p) for p in CONTROL_SAMPLES)
+    for path in ("/process.Process/Start", "/files", "/health", "/sandboxesx", "/", ""):
+        assert not is_control_route("POST", path), path

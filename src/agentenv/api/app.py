@@ -139,7 +139,7 @@ class AgentenvApp:
         elif kind == "websocket":
             await self.proxy.websocket(scope, receive, send, target)
         else:
-            await self.proxy.http(scope, receive, send, target)
+            await self.proxy.http(scope, receive, send, target, headers)
 
     async def _control(self, scope: Scope, receive: Receive, send: Send) -> None:
         started = time.monotonic()

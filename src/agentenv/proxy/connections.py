@@ -60,6 +60,11 @@ class ProxyConnections:
         data gateway is reached through tunnels that node's gateway opens."""
         self._resolve = resolve
         self._metrics = metrics
+        # The children every proxied request counts in, looked up once (`labels()`
+        # validates its arguments and takes the metric's lock on each call).
+        self._requests_ok = metrics.proxy_requests.labels("ok")
+        self._bytes_up = metrics.proxy_bytes.labels("up")
+        self._bytes_down = metrics.proxy_bytes.labels("down")
         self._on_activity = on_activity
         self._gateway_of = gateway_of
         self._dialer = dialer

@@ -44,8 +44,19 @@ CONNECT_STREAM_B = CONNECT_STREAM.encode()
 class SandboxProxy(WebSocketRelay):
     """Forwards HTTP and WebSocket traffic to sandboxes (per-sandbox pools: `connections`)."""
 
-    async def http(self, scope: Scope, receive: Receive, send: Send, target: Sandbox) -> None:
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+    async def http(
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        target: Sandbox,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        """`headers`: the request's, names lowercased, if the caller has them already."""
+        if headers is None:
+            headers = {
+                k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]
+            }
         rec = await self._admit(target, headers, send)
         if rec is None:
             return
@@ -132,14 +143,14 @@ class SandboxProxy(WebSocketRelay):
         try:
             exchange = await opening
         except Unreachable as exc:
-            self._metrics.proxy_bytes.labels("up").inc(sent_up)
+            self._bytes_up.inc(sent_up)
             await self._no_answer(rec, target, send, cut, exc)
             return
         try:
             await self._answer(rec, target, exchange, cut, asgi, rest() if more else None, chunked)
         finally:
             exchange.release()
-            self._metrics.proxy_bytes.labels("up").inc(sent_up)
+            self._bytes_up.inc(sent_up)
 
     async def _no_answer(
         self, rec: SandboxRecord, target: Sandbox, send: Send, cut: Cut, exc: Exception
@@ -195,7 +206,7 @@ class SandboxProxy(WebSocketRelay):
         except (SandboxGone, Broken) as exc:
             await self._no_answer(rec, target, send, cut, exc)
             return
-        self._metrics.proxy_requests.labels("ok").inc()
+        self._requests_ok.inc()
         connect_stream = exchange.status == 200 and any(
             k.lower() == b"content-type" and v.startswith(CONNECT_STREAM_B)
             for k, v in exchange.headers
@@ -224,7 +235,7 @@ class SandboxProxy(WebSocketRelay):
                 exchange.abort()
 
         watch = asyncio.create_task(watch_disconnect())
-        down = self._metrics.proxy_bytes.labels("down")
+        down = self._bytes_down
         try:
             async for chunk in exchange.body():
                 down.inc(len(chunk))

@@ -54,6 +54,22 @@ _CONTROL_PATTERNS: tuple[tuple[frozenset[str], re.Pattern[str]], ...] = tuple(
         ("GET", "/docs"),
     )
 )
+# The first path segment of every pattern above: a path that starts otherwise (every envd
+# path) is no control route, found without trying each pattern.
+_CONTROL_HEADS = frozenset(
+    [
+        "sandboxes",
+        "v2",
+        "v3",
+        "snapshots",
+        "templates",
+        "volumes",
+        "secrets",
+        "nodes",
+        "openapi.json",
+        "docs",
+    ]
+)
 _SERVER_ONLY_PATHS = frozenset(("/health", "/metrics"))
 _HOST_RE = re.compile(r"^(\d{1,5})-([a-z0-9]+)\.")
 _DOMAIN_HOST_RE = re.compile(r"^(\d{1,5})-([a-z0-9]+)\.(.+?)(?::\d{1,5})?$")
@@ -96,6 +112,8 @@ def is_control_route(method: str, path: str) -> bool:
     # The method is not part of the match: a wrong method on a control path should get the
     # control plane's 405, and no data-plane path shares these prefixes.
     del method
+    if path[1:].partition("/")[0] not in _CONTROL_HEADS:
+        return False
     return any(rx.match(path) for _, rx in _CONTROL_PATTERNS)
 
 

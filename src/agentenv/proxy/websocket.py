@@ -161,10 +161,10 @@ class WebSocketRelay(ProxyConnections):
             try:
                 async for message in upstream:
                     if isinstance(message, bytes):
-                        self._metrics.proxy_bytes.labels("down").inc(len(message))
+                        self._bytes_down.inc(len(message))
                         await send({"type": "websocket.send", "bytes": message})
                     else:
-                        self._metrics.proxy_bytes.labels("down").inc(len(message))
+                        self._bytes_down.inc(len(message))
                         await send({"type": "websocket.send", "text": message})
             except ConnectionClosed:
                 pass
@@ -179,10 +179,10 @@ class WebSocketRelay(ProxyConnections):
                     await upstream.close(code=msg.get("code", 1000))
                     return
                 if msg.get("bytes") is not None:
-                    self._metrics.proxy_bytes.labels("up").inc(len(msg["bytes"]))
+                    self._bytes_up.inc(len(msg["bytes"]))
                     await upstream.send(msg["bytes"])
                 elif msg.get("text") is not None:
-                    self._metrics.proxy_bytes.labels("up").inc(len(msg["text"]))
+                    self._bytes_up.inc(len(msg["text"]))
                     await upstream.send(msg["text"])
 
         tasks = [asyncio.create_task(down()), asyncio.create_task(up())]
