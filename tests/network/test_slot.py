@@ -127,6 +127,34 @@ async def test_create_and_destroy_slot() -> None:
     assert await host_table_matches_slots()
 
 
+async def test_a_failed_veth_delete_still_removes_the_namespace(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A failure of the host-side netlink step that is not the kernel's answer (a closed
+    socket, a library error) must not leave the namespace: deleting it takes the veth pair
+    and the tap with it. A fault injected where a real netlink socket would not fail."""
+    slot = await create_slot(NetworkPlan())
+    host_ifindex = host_links()[slot.host_veth]
+
+    class Broken:
+        async def __aenter__(self) -> Broken:
+            raise RuntimeError("netlink session broke")
+
+        async def __aexit__(self, *exc: object) -> None:
+            return None
+
+    with monkeypatch.context() as m:
+        m.setattr("agentenv.network.slot.AsyncIPRoute", lambda *a, **k: Broken())
+        await destroy_slot(slot)
+    assert not made_here(slot.netns)
+    for _ in range(150):  # the kernel's namespace cleanup takes the pair a moment later
+        if host_ifindex not in host_links().values():
+            break
+        await asyncio.sleep(0.02)
+    await assert_released(slot, host_ifindex)
+    assert await host_table_matches_slots()
+
+
 async def test_two_slots_get_distinct_addresses_and_same_inside() -> None:
     plan = NetworkPlan()
     a = await create_slot(plan)

@@ -18,6 +18,7 @@ import contextlib
 import ctypes
 import fcntl
 import ipaddress
+import logging
 import os
 import socket
 import struct
@@ -36,6 +37,8 @@ from agentenv.network.egress import OPEN, Egress
 from agentenv.network.errors import NetworkError, NoFreeSlot
 from agentenv.network.netns_socket import add_netns, add_tap, netlink_fd, remove_netns
 from agentenv.vmm.confine import vm_ids
+
+log = logging.getLogger(__name__)
 
 NETNS_PREFIX = "ae-s"
 HOST_VETH_PREFIX = nft.HOST_PREFIX
@@ -376,15 +379,22 @@ _ETHTOOL_GLINK = 0x0000000A
 
 async def _teardown(slot: Slot) -> None:
     # Deleting the host end removes its peer; the namespace takes the tap with it.
-    with contextlib.suppress(NetlinkError):
+    try:
         async with AsyncIPRoute() as ipr:
             found = await ipr.link_lookup(ifname=slot.host_veth)
             if found:
                 await ipr.link("del", index=found[0])
+    except NetlinkError:
+        pass
+    except Exception as exc:
+        # The namespace still goes, and its end of the pair takes ours with it (once the
+        # kernel's namespace cleanup has run, shortly after): a failure here once left a
+        # namespace nobody removed until the next start.
+        log.warning("slot %d: deleting %s: %r", slot.index, slot.host_veth, exc)
     if slot.netns_path.exists():
         remove_netns(slot.netns)
     live_here.discard(slot.netns)
-    if not _host_veths():
+    if not [v for v in _host_veths() if v != slot.host_veth]:  # ours goes with the namespace
         await nft.remove_host_rules()
 
 
