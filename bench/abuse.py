@@ -406,7 +406,7 @@ def leftovers(home: Path, rid: str, netns: str | None) -> list[str]:
     held = netns is not None and (home / "run" / "slots" / netns).exists()
     if held and not any((r.spec or {}).get("netns") == netns for r in records):
         assert netns is not None
-        if not slots.pooled(netns):
+        if not slots.pooled(home, netns):
             found.append(f"slot {netns}")
     return found
 

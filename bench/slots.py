@@ -10,23 +10,24 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from agentenv.config import NetworkPlan
-from agentenv.network import slot_for
-from agentenv.network.slot import NETNS_PREFIX, conntrack_entries, guard_counters
+from agentenv.network import conntrack, slot_for
+from agentenv.network.slot import NETNS_PREFIX, conntrack_entries, guard_counters, is_pooled
 from agentenv.vmm import registry
 
 
-def pooled(netns: str) -> bool:
-    """The slot was reset for reuse (`network.slot.reset_slot`): its guard's counters are at
-    zero and its namespace tracks no connection (a released guest's, and the proxy's to its
-    envd, are flushed by the reset)."""
+def pooled(home: Path, netns: str) -> bool:
+    """The slot waits in its server's pool: its marker says so (`network.slot.mark_pooled`)
+    and it was reset (`network.slot.reset_slot`): its guard's counters are at zero and its
+    namespace tracks no more connections than a reset keeps."""
     index = netns.removeprefix(NETNS_PREFIX)
-    if not index.isdigit():
+    if not index.isdigit() or not is_pooled(home / "run" / "slots", netns):
         return False
     slot = slot_for(NetworkPlan(), int(index))
 
     async def reset() -> bool:
         counts = await guard_counters(slot)
-        return not any(counts.values()) and await conntrack_entries(slot) == 0
+        kept = conntrack.stale_allowed(slot.max_connections)
+        return not any(counts.values()) and await conntrack_entries(slot) <= kept
 
     try:
         return asyncio.run(reset())
@@ -48,5 +49,5 @@ def census(home: Path) -> SlotCensus:
     ours = existing & set(os.listdir(markers)) if markers.is_dir() else set()
     named = {(r.spec or {}).get("netns") for r in registry.load_all(home / "run" / "vms")}
     idle = sorted(ours - named)
-    stray = [n for n in idle if not pooled(n)]
+    stray = [n for n in idle if not pooled(home, n)]
     return SlotCensus(pooled=len(idle) - len(stray), stray=stray)

@@ -8,6 +8,7 @@ import ipaddress
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from pyroute2 import netns
@@ -24,7 +25,7 @@ from agentenv.network import (
     slot_for,
 )
 from agentenv.network.egress import Egress
-from agentenv.network.slot import Slot, conntrack_entries, host_lock, made_here
+from agentenv.network.slot import Slot, conntrack_entries, host_lock, is_pooled, made_here
 from agentenv.vmm.confine import vm_ids
 
 # Slots made in this process: the per-test leak check runs around these.
@@ -297,6 +298,23 @@ async def test_pool_watermarks() -> None:
     finally:
         await pool.close()
     assert pool.idle == 0
+
+
+async def test_a_pooled_slot_says_so_in_its_marker(tmp_path: Path) -> None:
+    """What a census from outside reads (bench/slots.py): pooled while it waits reset in the
+    pool, not while a guest holds it."""
+    pool = SlotPool(NetworkPlan(), low=0, high=1, owner=tmp_path)
+    try:
+        slot = await pool.acquire()
+        assert (tmp_path / slot.netns).exists() and not is_pooled(tmp_path, slot.netns)
+        await pool.release(slot)
+        assert is_pooled(tmp_path, slot.netns)
+        assert await pool.acquire() == slot
+        assert not is_pooled(tmp_path, slot.netns)
+        await pool.release(slot)
+    finally:
+        await pool.close()
+    assert not (tmp_path / slot.netns).exists()
 
 
 async def knock(slot: Slot, times: int) -> None:

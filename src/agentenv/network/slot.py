@@ -161,6 +161,26 @@ def _mark(owner: Path | None, slot: Slot, held: bool) -> None:
         marker.unlink(missing_ok=True)
 
 
+# What a slot's marker holds while the slot waits in its server's pool, reset for reuse (empty
+# while a guest holds it or it is being built).
+POOLED = b"pooled\n"
+
+
+def mark_pooled(owner: Path | None, slot: Slot, pooled: bool) -> None:
+    """Say in the slot's marker whether it waits in the pool: a census from outside (the
+    benches' leak checks, an operator) tells a pooled slot from one left behind by it (a
+    reset no longer always empties the slot's conntrack, which was the only sign)."""
+    if owner is not None:
+        (owner / slot.netns).write_bytes(POOLED if pooled else b"")
+
+
+def is_pooled(owner: Path, netns: str) -> bool:
+    try:
+        return (owner / netns).read_bytes() == POOLED
+    except OSError:
+        return False
+
+
 async def create_slot(
     plan: NetworkPlan, index: int | None = None, *, owner: Path | None = None
 ) -> Slot:
