@@ -170,8 +170,13 @@ def mark_pooled(owner: Path | None, slot: Slot, pooled: bool) -> None:
     """Say in the slot's marker whether it waits in the pool: a census from outside (the
     benches' leak checks, an operator) tells a pooled slot from one left behind by it (a
     reset no longer always empties the slot's conntrack, which was the only sign)."""
-    if owner is not None:
+    if owner is None:
+        return
+    try:
         (owner / slot.netns).write_bytes(POOLED if pooled else b"")
+    except OSError as exc:
+        # Only what the marker tells from outside is wrong then; the slot itself is fine.
+        log.warning("slot %d: marking it %s: %r", slot.index, "pooled" if pooled else "held", exc)
 
 
 def is_pooled(owner: Path, netns: str) -> bool:
