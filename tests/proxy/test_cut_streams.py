@@ -2,7 +2,8 @@
 proxy answers it: a Connect stream cut between frames ends with an `unavailable` error frame
 ("the connection to sandbox ... ended before the stream completed"), one cut mid-frame and
 any other body has its connection dropped, a WebSocket is dropped without a close frame. The
-official Python SDK raises its "killed" error; the JS SDK (node) its TimeoutError.
+official Python SDK raises its "killed" error; the JS SDK (node) its TimeoutError. A reset
+ends them saying so; a request that comes while the sandbox is between states waits for it.
 
 No VM: a loopback server stands in for envd (a `Start` stream that sends its start event and
 then stays open, and `/health`), the proxy serves through uvicorn next to a stub of the
@@ -287,6 +288,57 @@ async def test_a_reset_ends_the_open_stream_and_websocket_cleanly_saying_so(setu
         assert (caught.value.rcvd.code, caught.value.rcvd.reason) == (1012, RESET_WHY)
     finally:
         await ws.close()
+
+
+async def test_a_request_during_a_reset_waits_for_the_new_guest(setup: Setup) -> None:
+    """A request or WebSocket that comes while its sandbox is between states (a reset or
+    resume loading its guest) is held until the sandbox runs again and then forwarded: it is
+    not the 502 "was not found" the SDKs raise as a killed sandbox."""
+    rec = setup.records[SANDBOX_ID]
+    setup.records[SANDBOX_ID] = dataclasses.replace(rec, state=SandboxState.RESUMING)
+    held_s = 0.3
+
+    async def settle() -> None:
+        await asyncio.sleep(held_s)
+        setup.records[SANDBOX_ID] = rec
+
+    url = setup.url.replace("http://", "ws://") + "/"
+    async with asyncio.timeout(STEP_S), httpx.AsyncClient(base_url=setup.url) as client:
+        t0 = time.monotonic()
+        settling = asyncio.create_task(settle())
+        health, ws = await asyncio.gather(
+            client.get("/health", headers=CONNECT_HEADERS),
+            websockets.connect(url, close_timeout=1),
+        )
+        await settling
+        waited = time.monotonic() - t0
+        try:
+            assert await ws.recv() == "hello"
+        finally:
+            await ws.close()
+    assert health.status_code == 204, health.text
+    assert waited >= held_s
+
+
+async def test_a_sandbox_still_between_states_after_the_wait_is_a_503(setup: Setup) -> None:
+    """Past the wait a request gets a 503 saying which transition is under way, with
+    Retry-After (the sandbox is there; the client may try again), a WebSocket the same."""
+    rec = setup.records[SANDBOX_ID]
+    setup.records[SANDBOX_ID] = dataclasses.replace(rec, state=SandboxState.PAUSING)
+    setup.proxy._settle_wait_s = 0.2
+    url = setup.url.replace("http://", "ws://") + "/"
+    async with asyncio.timeout(STEP_S), httpx.AsyncClient(base_url=setup.url) as client:
+        health = await client.get("/health", headers=CONNECT_HEADERS)
+        with pytest.raises(websockets.InvalidStatus) as refused:
+            await websockets.connect(url)
+    assert health.status_code == 503
+    assert health.headers["retry-after"] == "1"
+    assert health.json() == {
+        "code": 503,
+        "message": f"sandbox {SANDBOX_ID} is still pausing after 0.2s "
+        "(a reset, pause or resume under way); retry",
+    }
+    assert refused.value.response.status_code == 503
 
 
 async def test_a_stream_cut_mid_frame_is_dropped(setup: Setup) -> None:

@@ -11,6 +11,7 @@ import contextlib
 import functools
 import logging
 import secrets
+import time
 from collections.abc import Awaitable, Callable, Iterator
 
 from agentenv.control.metrics import Metrics
@@ -20,7 +21,14 @@ from agentenv.http1 import READ_CHUNK, Dial, Unreachable, UpstreamPool
 from agentenv.ports import ENVD_PORT
 from agentenv.proxy.cuts import Cut
 from agentenv.proxy.routing import TRAFFIC_TOKEN_HEADER, Sandbox
-from agentenv.proxy.upstream import UPSTREAM_TLS, forwardable, refusal
+from agentenv.proxy.upstream import (
+    SETTLE_WAIT_S,
+    SETTLING,
+    UPSTREAM_TLS,
+    forwardable,
+    refusal,
+    unsettled,
+)
 from agentenv.proxy.wire import Send, send_json
 
 log = logging.getLogger("agentenv.proxy")
@@ -31,6 +39,9 @@ Resolver = Callable[[str], Awaitable[SandboxRecord | None]]
 ActivityHook = Callable[[SandboxRecord], None]
 # node id -> its data gateway (HOST:PORT), None to reach its guests' addresses directly.
 GatewayOf = Callable[[str], Awaitable[str | None]]
+# The store is read again after 20 ms, then at doubling intervals up to 250 ms.
+SETTLE_POLL_S = 0.02
+SETTLE_POLL_MAX_S = 0.25
 
 
 class _SandboxPools:
@@ -55,10 +66,13 @@ class ProxyConnections:
         *,
         gateway_of: GatewayOf | None = None,
         dialer: GatewayDialer | None = None,
+        settle_wait_s: float = SETTLE_WAIT_S,
     ) -> None:
         """With `gateway_of` and `dialer` (a cluster replica), a sandbox on a node that has a
-        data gateway is reached through tunnels that node's gateway opens."""
+        data gateway is reached through tunnels that node's gateway opens. `settle_wait_s`:
+        how long a request waits out its sandbox's transition (`SETTLING`)."""
         self._resolve = resolve
+        self._settle_wait_s = settle_wait_s
         self._metrics = metrics
         # The children every proxied request counts in, looked up once (`labels()`
         # validates its arguments and takes the metric's lock on each call).
@@ -160,10 +174,33 @@ class ProxyConnections:
 
         return tunnel
 
+    async def _settled(self, sandbox_id: str) -> tuple[SandboxRecord | None, bool]:
+        """The sandbox's record once it is in no transition (`SETTLING`); False with it when
+        it still was after the wait."""
+        rec = await self._resolve(sandbox_id)
+        if rec is None or rec.state not in SETTLING:
+            return rec, True
+        deadline = time.monotonic() + self._settle_wait_s
+        pause = SETTLE_POLL_S
+        while rec is not None and rec.state in SETTLING:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return rec, False
+            await asyncio.sleep(min(pause, left))
+            pause = min(2 * pause, SETTLE_POLL_MAX_S)
+            rec = await self._resolve(sandbox_id)
+        return rec, True
+
     async def _admit(
         self, target: Sandbox, headers: dict[str, str], send: Send
     ) -> SandboxRecord | None:
-        rec = await self._resolve(target.sandbox_id)
+        rec, settled = await self._settled(target.sandbox_id)
+        if not settled:
+            assert rec is not None
+            self._metrics.proxy_requests.labels("unsettled").inc()
+            body = unsettled(rec, self._settle_wait_s)
+            await send_json(send, 503, body, [(b"retry-after", b"1")])
+            return None
         if not forwardable(rec):
             await self.drop(target.sandbox_id)
             self._metrics.proxy_requests.labels("not_found").inc()

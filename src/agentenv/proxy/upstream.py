@@ -100,6 +100,15 @@ def raw_target_path(scope: Scope, path: str) -> str:
     return path
 
 
+# A sandbox between two states (a reset or a resume loading its guest, a pause writing it
+# out) is waited out, as E2B's API waits out a transition, and not refused: the refusal is the
+# 502 "was not found", which the SDKs raise as "killed or timed out" of a sandbox that lives
+# on. A reset or resume takes under a second on a quiet node, a pause of a large guest
+# seconds; past the wait the answer is a 503 with Retry-After.
+SETTLING = frozenset({SandboxState.RESUMING, SandboxState.PAUSING})
+SETTLE_WAIT_S = 30.0
+
+
 def not_found_body(sandbox_id: str, *, paused: bool = False) -> dict[str, Any]:
     # The SDK keys "sandbox not running" off the substring "was not found" in a 502.
     message = f"The sandbox {sandbox_id} was not found"
@@ -114,3 +123,12 @@ def forwardable(rec: SandboxRecord | None) -> bool:
 
 def refusal(sandbox_id: str, rec: SandboxRecord | None) -> dict[str, Any]:
     return not_found_body(sandbox_id, paused=rec is not None and rec.state is SandboxState.PAUSED)
+
+
+def unsettled(rec: SandboxRecord, waited_s: float) -> dict[str, Any]:
+    """The answer to a request whose sandbox was still in a transition after the wait."""
+    return {
+        "code": 503,
+        "message": f"sandbox {rec.id} is still {rec.state.value} after {waited_s:g}s "
+        "(a reset, pause or resume under way); retry",
+    }

@@ -28,6 +28,7 @@ from agentenv.proxy.upstream import (
     https_port,
     raw_target_path,
     refusal,
+    unsettled,
     upstream_host,
     valid_authority,
 )
@@ -42,7 +43,11 @@ class WebSocketRelay(ProxyConnections):
         first = await receive()
         if first["type"] != "websocket.connect":
             return
-        rec = await self._resolve(target.sandbox_id)
+        rec, settled = await self._settled(target.sandbox_id)
+        if not settled:
+            assert rec is not None
+            await _ws_reject(send, 503, unsettled(rec, self._settle_wait_s))
+            return
         if not forwardable(rec):
             await _ws_reject(send, 502, refusal(target.sandbox_id, rec))
             return
