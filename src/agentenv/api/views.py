@@ -49,6 +49,9 @@ def iso_micros(us: int) -> str:
 
 
 def listed_state(rec: SandboxRecord) -> str | None:
+    if rec.state is SandboxState.RESUMING and rec.reset_to is not None:
+        # A reset came from running, and its sandbox stays running to its clients.
+        return "running"
     return _LISTED_STATE.get(rec.state)
 
 
