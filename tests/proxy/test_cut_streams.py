@@ -105,12 +105,14 @@ async def _envd(scope: dict[str, Any], receive: Any, send: Any) -> None:
         await send({"type": "http.response.body", "body": end + _envelope(2, {})})
 
 
-async def _serve(app: Any) -> tuple[uvicorn.Server, asyncio.Task[None], int]:
+async def _serve(
+    app: Any, host: str = "127.0.0.1", port: int = 0
+) -> tuple[uvicorn.Server, asyncio.Task[None], int]:
     # The server's own WebSocket implementation (api/server.py).
     config = uvicorn.Config(
         app,
-        host="127.0.0.1",
-        port=0,
+        host=host,
+        port=port,
         log_level="warning",
         lifespan="off",
         ws="websockets-sansio",
@@ -386,6 +388,74 @@ async def test_sdk_command_on_a_killed_sandbox_raises_the_killed_error(setup: Se
         with pytest.raises(SandboxNotRunningException) as caught:
             await asyncio.to_thread(handle.wait)
     assert "sandbox was killed or reached its end of life" in str(caught.value)
+
+
+async def test_a_reset_ends_a_code_interpreter_execution_with_an_error_saying_so(
+    setup: Setup,
+) -> None:
+    """The code interpreter's `/execute` answer (port 49999, a line per message) cut by a
+    reset between two lines ends with an execution error line naming the reset: the SDK's
+    `run_code` returns the execution with that error (a dropped connection would be a bare
+    protocol error, as the sandbox still runs). A kill still drops it."""
+    from e2b_code_interpreter import Sandbox as CodeSandbox
+
+    started = asyncio.Event()
+
+    async def interpreter(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        while (await receive()).get("more_body"):
+            pass
+        hdrs = [(b"content-type", b"application/x-ndjson")]
+        await send({"type": "http.response.start", "status": 200, "headers": hdrs})
+        line = {"type": "stdout", "text": "started\n", "timestamp": "2026-12-06T00:00:00Z"}
+        await send({"type": "http.response.body", "body": json.dumps(line).encode() + b"\n",
+                    "more_body": True})  # fmt: skip
+        started.set()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(OPEN_S):
+                while (await receive())["type"] != "http.disconnect":
+                    pass
+
+    # The interpreter's own port on an address of its own (127/8 is all loopback here).
+    address = "127.83.41.7"
+    server, task, _ = await _serve(interpreter, host=address, port=49999)
+    setup.records[SANDBOX_ID] = dataclasses.replace(setup.records[SANDBOX_ID], address=address)
+    opts: dict[str, Any] = {
+        "api_key": "e2b_" + "0" * 40,
+        "api_url": setup.url,
+        "sandbox_url": setup.url,
+        "request_timeout": STEP_S,
+    }
+    try:
+        sbx = await asyncio.to_thread(CodeSandbox.connect, SANDBOX_ID, **opts)
+        code = "import time; time.sleep(60)"
+        running = asyncio.create_task(asyncio.to_thread(sbx.run_code, code))
+        async with asyncio.timeout(STEP_S):
+            await started.wait()
+            await asyncio.sleep(0.2)
+            await setup.reset()
+            execution = await running
+        assert execution.logs.stdout == ["started\n"]
+        assert execution.error is not None
+        assert (execution.error.name, execution.error.value) == ("SandboxReset", RESET_WHY)
+
+        headers = {"e2b-sandbox-id": SANDBOX_ID, "e2b-sandbox-port": "49999"}
+        started.clear()
+        async with (
+            httpx.AsyncClient(base_url=setup.url, timeout=STEP_S) as client,
+            client.stream("POST", "/execute", json={"code": "1"}, headers=headers) as resp,
+        ):
+            async with asyncio.timeout(STEP_S):
+                await started.wait()
+            await setup.kill()
+            with pytest.raises(httpx.RemoteProtocolError):
+                async with asyncio.timeout(STEP_S):
+                    async for _ in resp.aiter_raw():
+                        pass
+    finally:
+        server.should_exit = True
+        await task
 
 
 async def test_a_killed_sandbox_drops_an_open_websocket_without_a_close_frame(

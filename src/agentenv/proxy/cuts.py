@@ -1,7 +1,8 @@
 """How a relayed stream ends when its sandbox is cut (killed, paused, dead): Connect envelope
 tracking, so a cut between two frames ends with an `unavailable` end-of-stream frame as
-E2B's proxy answers, and the awaits that give way to a cut (`unless_cut`). Split from
-`forward.py`."""
+E2B's proxy answers; line tracking of the code interpreter's answers, so one cut by a reset
+between two lines ends with an execution error saying so; and the awaits that give way to a
+cut (`unless_cut`). Split from `forward.py`."""
 
 from __future__ import annotations
 
@@ -44,6 +45,33 @@ class EnvelopeTracker:
     @property
     def at_boundary(self) -> bool:
         return not self._prefix and self._remaining == 0
+
+
+class LineTracker:
+    """Whether a relayed stream of lines (the code interpreter's `/execute` answer,
+    `application/x-ndjson`: one JSON message per line) stands between two lines."""
+
+    def __init__(self) -> None:
+        self.at_boundary = True
+
+    def advance(self, data: bytes) -> None:
+        if data:
+            self.at_boundary = data.endswith(b"\n")
+
+
+# The code interpreter's streamed answer; its `error` line is what the SDKs turn into
+# `Execution.error` (name, value, traceback).
+NDJSON = "application/x-ndjson"
+INTERRUPTED_NAME = "SandboxReset"
+
+
+def interpreter_error_line(message: str) -> bytes:
+    """An execution error line as the code interpreter writes one, ending an execution a
+    reset cut: the SDK returns the execution with it as its error, where a dropped
+    connection would leave it a bare protocol error (the sandbox still runs, so the SDK
+    cannot call it killed)."""
+    line = {"type": "error", "name": INTERRUPTED_NAME, "value": message, "traceback": message}
+    return json.dumps(line).encode() + b"\n"
 
 
 def connect_end_stream_error(message: str) -> bytes:

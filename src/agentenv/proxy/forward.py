@@ -20,14 +20,17 @@ from agentenv.http1 import Broken, Exchange, Unreachable, request_head
 from agentenv.proxy.connections import log
 from agentenv.proxy.cuts import (
     CONNECT_STREAM,
+    NDJSON,
     ClientGone,
     Cut,
     EnvelopeTracker,
+    LineTracker,
     SandboxGone,
     connect_end_stream_error,
+    interpreter_error_line,
     unless_cut,
 )
-from agentenv.proxy.routing import ROUTING_HEADERS, Sandbox
+from agentenv.proxy.routing import CODE_INTERPRETER_PORT, ROUTING_HEADERS, Sandbox
 from agentenv.proxy.upstream import (
     HOP_BY_HOP,
     https_port,
@@ -39,6 +42,7 @@ from agentenv.proxy.websocket import WebSocketRelay
 from agentenv.proxy.wire import Receive, Scope, Send, abort_response, send_json
 
 CONNECT_STREAM_B = CONNECT_STREAM.encode()
+NDJSON_B = NDJSON.encode()
 
 
 class SandboxProxy(WebSocketRelay):
@@ -207,11 +211,7 @@ class SandboxProxy(WebSocketRelay):
             await self._no_answer(rec, target, send, cut, exc)
             return
         self._requests_ok.inc()
-        connect_stream = exchange.status == 200 and any(
-            k.lower() == b"content-type" and v.startswith(CONNECT_STREAM_B)
-            for k, v in exchange.headers
-        )
-        frames = EnvelopeTracker() if connect_stream else None
+        frames = _tracker(exchange, target.port)
         await send(
             {
                 "type": "http.response.start",
@@ -251,10 +251,12 @@ class SandboxProxy(WebSocketRelay):
             # resets its connections to a sandbox that stops: a Connect stream cut between
             # two frames is ended with an `unavailable` error frame (the SDKs probe
             # `/health`, get the 502 "was not found" of a sandbox no longer running, and
-            # raise their "killed" error); any other body, or a stream cut mid-frame, has
-            # the client's connection dropped with the body unfinished, never ended cleanly
-            # (a clean end would read as a complete body, or as a Connect stream that lost
-            # its end message: "Command ended without an end event").
+            # raise their "killed" error); a code interpreter execution cut between two
+            # lines by a reset ends with an error line saying so; any other body, or a
+            # stream cut mid-frame, has the client's connection dropped with the body
+            # unfinished, never ended cleanly (a clean end would read as a complete body,
+            # or as a Connect stream that lost its end message: "Command ended without an
+            # end event").
             log.info(
                 "sandbox %s port %d: response cut (%s)",
                 rec.id,
@@ -262,15 +264,35 @@ class SandboxProxy(WebSocketRelay):
                 "sandbox released" if cut.is_set() else repr(exc),
                 extra={"sandbox_id": rec.id},
             )
-            if frames is not None and frames.at_boundary:
-                message = (
+            end = None
+            if isinstance(frames, EnvelopeTracker) and frames.at_boundary:
+                end = connect_end_stream_error(
                     cut.why
                     or f"the connection to sandbox {rec.id} ended before the stream completed"
                 )
-                end = connect_end_stream_error(message)
+            elif isinstance(frames, LineTracker) and frames.at_boundary and cut.why:
+                # Only a reset: a killed sandbox's execution is dropped as E2B's proxy
+                # drops it (the SDK then finds the sandbox gone and says so).
+                end = interpreter_error_line(cut.why)
+            if end is not None:
                 with contextlib.suppress(Exception):
                     await send({"type": "http.response.body", "body": end, "more_body": False})
                 return
             abort_response()
         finally:
             watch.cancel()
+
+
+def _tracker(exchange: Exchange, port: int) -> EnvelopeTracker | LineTracker | None:
+    """What follows the answer's framing, for the streams a cut ends cleanly: a Connect
+    stream (envd's), the code interpreter's lines."""
+    if exchange.status != 200:
+        return None
+    for k, v in exchange.headers:
+        if k.lower() == b"content-type":
+            if v.startswith(CONNECT_STREAM_B):
+                return EnvelopeTracker()
+            if port == CODE_INTERPRETER_PORT and v.startswith(NDJSON_B):
+                return LineTracker()
+            return None
+    return None
