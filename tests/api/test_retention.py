@@ -11,6 +11,7 @@ from __future__ import annotations
 import secrets
 import time
 from collections.abc import Iterator
+from datetime import datetime
 
 import httpx
 import pytest
@@ -216,9 +217,11 @@ def test_a_grace_period_pauses_at_the_timeout_for_a_late_scorer_then_deletes(
     short_retention: ServerProcess, rapi: httpx.Client
 ) -> None:
     """`gracePeriod`: at its timeout the sandbox is paused with its memory, not killed; a
-    scorer that connects during the grace finds it as it was; once a timeout pause has
-    lasted the grace, it is deleted (the server's retention, 4 s here, would have been the
-    same: so the grace here is longer, and the check is that it outlives the retention)."""
+    scorer that reads it during the grace, through the SDK object it already holds (its
+    auto-resume is off), finds it as it was: the read resumes it until its grace would have
+    ended; once a timeout pause has lasted the grace, it is deleted (the server's retention,
+    4 s here, would have been the same: so the grace here is longer, and the check is that
+    it outlives the retention)."""
     grace = 7
     resp = rapi.post("/sandboxes", json={"templateID": "base", "timeout": 4, "gracePeriod": grace})
     assert resp.status_code == 201, resp.text
@@ -227,9 +230,10 @@ def test_a_grace_period_pauses_at_the_timeout_for_a_late_scorer_then_deletes(
         scorer = Sandbox.connect(sid, **_sdk(short_retention))  # type: ignore[arg-type]
         scorer.files.write(NOTE, "episode-1")
         _wait_state(rapi, sid, "paused")
-        # Connecting resumes it; what the episode left is there.
-        late = Sandbox.connect(sid, timeout=2, **_sdk(short_retention))  # type: ignore[arg-type]
-        assert late.files.read(NOTE) == "episode-1"
+        # A read resumes it; what the episode left is there.
+        assert scorer.files.read(NOTE) == "episode-1"
+        end_at = datetime.fromisoformat(rapi.get(f"/sandboxes/{sid}").json()["endAt"])
+        assert end_at.timestamp() <= time.time() + grace + 1
         _wait_state(rapi, sid, "paused")
         paused_at = time.monotonic()
         logs = rapi.get(f"/sandboxes/{sid}/logs").text

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import time
 from typing import Any
 
@@ -90,9 +91,15 @@ class AgentenvApp:
         if rec is None:
             return None
         # Traffic never resumes a filesystem-only pause (E2B): it would reboot the guest.
-        if rec.state is SandboxState.PAUSED and rec.auto_resume and rec.pause_mode != "filesystem":
+        if rec.state is SandboxState.PAUSED and rec.pause_mode != "filesystem":
+            # A sandbox in the grace after its timeout is there for a late scorer's reads:
+            # they resume it, whatever its auto-resume, until its grace would have ended.
+            grace = rec.grace_left(time.time())
+            if not (rec.auto_resume or grace):
+                return rec
+            seconds = None if rec.auto_resume else max(1, math.ceil(grace))
             try:
-                rec, _ = await self.manager.connect(sandbox_id, None)
+                rec, _ = await self.manager.connect(sandbox_id, seconds)
             except Exception as exc:
                 log.warning("sandbox %s auto-resume failed: %r", sandbox_id, exc)
                 return None

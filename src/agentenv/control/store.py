@@ -109,6 +109,12 @@ class SandboxRecord:
     def allow_public_traffic(self) -> bool:
         return bool(self.network.get("allowPublicTraffic", True))
 
+    def grace_left(self, now: float) -> float:
+        """Seconds left of the grace period a timeout pause put it in (0: not in one)."""
+        if self.state is not SandboxState.PAUSED or self.grace_until < self.end_at:
+            return 0.0
+        return max(0.0, self.grace_until - now)
+
 
 @dataclass(frozen=True)
 class ApiKey:
