@@ -151,8 +151,13 @@ class SandboxReaper(SandboxLifecycle):
             try:
                 # A grace period keeps the memory: the scorer that connects finds the guest
                 # as it was.
+                if grace:
+                    # Set before the pause too, so the scorer's reads that wait out the pause
+                    # (the proxy waits for `pausing` to end) find it in its grace at once.
+                    await self.store.update(sandbox_id, grace_until=time.time() + grace)
                 await self.pause(sandbox_id, memory=memory or bool(grace), strict=False)
                 if grace:
+                    # The grace counts from the end of the pause.
                     await self.store.update(sandbox_id, grace_until=time.time() + grace)
                 await self.store.log(
                     sandbox_id,
@@ -164,6 +169,13 @@ class SandboxReaper(SandboxLifecycle):
             except NotSupported as exc:
                 await self.store.log(sandbox_id, f"auto-pause unavailable ({exc}); killing", "warn")
             except (Conflict, SandboxNotFound):
+                if grace:
+                    # No timeout pause happened (a kill or the client's own pause came
+                    # first): nothing is in a grace.
+                    try:
+                        await self.store.update(sandbox_id, grace_until=0.0)
+                    except Exception as exc:
+                        log.warning("sandbox %s: clearing its grace failed: %r", sandbox_id, exc)
                 return
         with contextlib.suppress(SandboxNotFound):
             await self.kill(sandbox_id, reason="killed on timeout")
