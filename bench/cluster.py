@@ -477,10 +477,18 @@ def main() -> int:
         print(table(report))
     else:
         print("partial results:", json.dumps(report, indent=2))
+    return conclude(report, failures, before, args.json)
+
+
+def conclude(
+    report: dict[str, Any], failures: list[str], before: HostState, json_path: Path | None
+) -> int:
+    """A cluster bench's end (this one's and the benches built on its harness): what the run
+    left on the host is a failure too; the report as JSON; the exit status."""
     failures += before.grown_since(HostState.now())
     report["failures"] = failures
-    if args.json is not None:
-        args.json.write_text(json.dumps(report, indent=2))
+    if json_path is not None:
+        json_path.write_text(json.dumps(report, indent=2))
     if failures:
         print("\nFAILED:", *failures, sep="\n  ", file=sys.stderr)
         return 1

@@ -22,8 +22,6 @@ left. Ratios, not timed assertions.
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import json
 import os
 import secrets
 import sys
@@ -36,22 +34,16 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from clusterlib import bench_cluster  # first: it puts tests/ on the import path
 from e2b import Sandbox
 
-_spec = importlib.util.spec_from_file_location(
-    "bench_cluster", Path(__file__).resolve().parent / "cluster.py"
-)
-assert _spec is not None and _spec.loader is not None
-bench_cluster = importlib.util.module_from_spec(_spec)
-sys.modules["bench_cluster"] = bench_cluster  # its dataclasses look their module up
-_spec.loader.exec_module(bench_cluster)
+# isort: split
+from cluster.etcd_cluster import EtcdCluster
+from cluster_procs import NodeProcess, cluster_env, replica
+from resolver import TestResolver
 
-from cluster.etcd_cluster import EtcdCluster  # noqa: E402
-from cluster_procs import NodeProcess, cluster_env, replica  # noqa: E402
-from resolver import TestResolver  # noqa: E402
-
-from agentenv.ports import ENVD_PORT  # noqa: E402
-from agentenv.template.datadir import prepare_home  # noqa: E402
+from agentenv.ports import ENVD_PORT
+from agentenv.template.datadir import prepare_home
 
 HostState = bench_cluster.HostState
 Cluster = bench_cluster.Cluster
@@ -263,15 +255,8 @@ def main() -> int:
             failures += cluster.stop()
             if left := cluster.node_qemus():
                 failures.append(f"QEMUs left in the nodes' data dirs: {left}")
-    failures += before.grown_since(HostState.now())
-    report["failures"] = failures
     report["host"] = {"cores": os.cpu_count()}
-    if args.json is not None:
-        args.json.write_text(json.dumps(report, indent=2))
-    if failures:
-        print("\nFAILED:", *failures, sep="\n  ", file=sys.stderr)
-        return 1
-    return 0
+    return bench_cluster.conclude(report, failures, before, args.json)
 
 
 if __name__ == "__main__":

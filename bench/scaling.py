@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.util
 import json
 import math
 import secrets
@@ -45,22 +44,16 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from clusterlib import bench_cluster  # first: it puts tests/ on the import path
 from e2b import Sandbox
 
-_spec = importlib.util.spec_from_file_location(
-    "bench_cluster", Path(__file__).resolve().parent / "cluster.py"
-)
-assert _spec is not None and _spec.loader is not None
-bench_cluster = importlib.util.module_from_spec(_spec)
-sys.modules["bench_cluster"] = bench_cluster  # its dataclasses look their module up
-_spec.loader.exec_module(bench_cluster)
+# isort: split
+from cluster.etcd_cluster import EtcdCluster
+from cluster_procs import cluster_env, replica
+from hostcost import helpers, own_ms
+from resolver import TestResolver
 
-from cluster.etcd_cluster import EtcdCluster  # noqa: E402
-from cluster_procs import cluster_env, replica  # noqa: E402
-from hostcost import helpers, own_ms  # noqa: E402
-from resolver import TestResolver  # noqa: E402
-
-from agentenv.template.datadir import prepare_home  # noqa: E402
+from agentenv.template.datadir import prepare_home
 
 Cluster = bench_cluster.Cluster
 HostState = bench_cluster.HostState
@@ -234,14 +227,7 @@ def main() -> int:
     if report["phases"]:
         report["ceiling"] = ceiling(report["phases"][-1], args.cores)
         print(table(report))
-    failures += before.grown_since(HostState.now())
-    report["failures"] = failures
-    if args.json is not None:
-        args.json.write_text(json.dumps(report, indent=2))
-    if failures:
-        print("\nFAILED:", *failures, sep="\n  ", file=sys.stderr)
-        return 1
-    return 0
+    return int(bench_cluster.conclude(report, failures, before, args.json))
 
 
 if __name__ == "__main__":
