@@ -234,6 +234,8 @@ def test_a_grace_period_pauses_at_the_timeout_for_a_late_scorer_then_deletes(
         assert scorer.files.read(NOTE) == "episode-1"
         end_at = datetime.fromisoformat(rapi.get(f"/sandboxes/{sid}").json()["endAt"])
         assert end_at.timestamp() <= time.time() + grace + 1
+        # Its next timeout pauses it for the grace again (sooner here than the grace left).
+        scorer.set_timeout(1)
         _wait_state(rapi, sid, "paused")
         paused_at = time.monotonic()
         logs = rapi.get(f"/sandboxes/{sid}/logs").text
