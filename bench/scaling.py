@@ -104,12 +104,10 @@ def phase(
 
     # The phase's first lifecycles: each agent's first use of the template (a new agent's
     # conversion of it) is not what the rows are for.
-    bench_cluster.bounded_pool(one, list(range(max(workers, len(opts)))), workers)
+    _all_done(bench_cluster.bounded_pool(one, list(range(max(workers, len(opts)))), workers))
     c, t2 = sample(pids), time.monotonic()
-    done = bench_cluster.bounded_pool(one, list(range(n)), workers)
+    _all_done(bench_cluster.bounded_pool(one, list(range(n)), workers))
     d, t3 = sample(pids), time.monotonic()
-    if errors := [repr(exc) for _r, exc in done if exc is not None]:
-        raise RuntimeError(f"{len(errors)} of {n} lifecycles failed: {errors[:3]}")
     wall = t3 - t2
     per_pid = {pid: max(0.0, (d[pid] - c[pid]) - idle_rate[pid] * wall) / n for pid in c}
     row: dict[str, Any] = {
@@ -124,6 +122,12 @@ def phase(
         row[f"{role}_each_ms"] = [round(per_pid[p], 2) for p in group]
     row["total_ms"] = round(row["replicas_ms"] + row["agents_ms"] + row["etcd_ms"], 2)
     return row
+
+
+def _all_done(results: list[tuple[Any, BaseException | None]]) -> None:
+    """A lifecycle that failed (the warm-up's too) ends the run: the rows would be wrong."""
+    if errors := [repr(exc) for _r, exc in results if exc is not None]:
+        raise RuntimeError(f"{len(errors)} of {len(results)} lifecycles failed: {errors[:3]}")
 
 
 def ceiling(row: dict[str, Any], cores: int) -> dict[str, Any]:
