@@ -5,7 +5,8 @@ The per-test leak check runs around tests that touch host resources in this proc
 this test process exist before the test and fails the test if new ones are still there
 afterwards: QEMU processes, network namespaces, slot links, mounts, sandbox cgroups and files
 under the sandboxes dir. The run-end check (`pytest_sessionfinish`) judges what subprocess
-servers and agents left, by owner.
+servers and agents left, by owner. Every test also fails if it removed a big file on an
+event loop (`loopguard`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from loopguard import guard_unlinks
 from resolver import TestResolver
 
 from agentenv.config import Settings
@@ -136,6 +138,14 @@ def _touches_host(item: pytest.Item, fixturenames: list[str]) -> bool:
         or item.get_closest_marker("host") is not None
         or "agentenv_home" in fixturenames
     )
+
+
+@pytest.fixture(autouse=True)
+def no_big_unlink_on_a_loop(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    with guard_unlinks(monkeypatch) as seen:
+        yield
+    if seen:
+        pytest.fail(f"big files removed on an event loop (use a thread): {seen}", pytrace=False)
 
 
 @pytest.fixture(autouse=True)

@@ -16,6 +16,7 @@ request has a timeout (connect, read, write and pool; manifests also an overall 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import os
 from collections.abc import Callable
@@ -287,7 +288,7 @@ class RegistryClient:
                     await asyncio.to_thread(cache.touch, [f"blob:{desc.digest}"])
                     return final
                 # A cached blob never changes size; one that did is not to be trusted.
-                final.unlink()
+                await asyncio.to_thread(final.unlink)
             async with self._downloads:
                 await self._download(ref, desc, progress)
             await asyncio.to_thread(cache.record, f"blob:{desc.digest}", "blob", desc.size)
@@ -303,8 +304,10 @@ class RegistryClient:
         except asyncio.CancelledError:
             # The pull gave up (another layer failed, or the build was cancelled) at any await
             # of the attempts (a stream, a retry's pause, the hash of a complete file): a
-            # partial file nobody is coming back for would only hold disk space.
-            partial.unlink(missing_ok=True)
+            # partial file nobody is coming back for would only hold disk space. Shielded: a
+            # second cancel while it runs leaves the thread to finish the removal.
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.shield(asyncio.to_thread(partial.unlink, True))
             raise
 
     async def _download_attempts(
@@ -322,7 +325,7 @@ class RegistryClient:
             try:
                 await self._stream_to(ref, desc, partial, what, progress)
             except SizeMismatch:
-                partial.unlink(missing_ok=True)
+                await asyncio.to_thread(partial.unlink, True)
                 raise
             except (httpx.TransportError, TimeoutError, _Retry) as exc:
                 # A cut connection: what arrived stays in .partial for the next attempt.
@@ -335,15 +338,15 @@ class RegistryClient:
             except OSError as exc:
                 # Our side failed (a full disk, most likely): nothing of it is worth resuming,
                 # and a kept partial file would hold on to the space.
-                partial.unlink(missing_ok=True)
+                await asyncio.to_thread(partial.unlink, True)
                 raise OciError(f"{what}: writing {partial} failed: {exc}") from exc
             got = partial.stat().st_size
             if got != desc.size:
-                partial.unlink(missing_ok=True)
+                await asyncio.to_thread(partial.unlink, True)
                 raise SizeMismatch(f"{what}: received {got} bytes, the manifest says {desc.size}")
             actual = await asyncio.to_thread(_sha256_file, partial)
             if actual != desc.digest:
-                partial.unlink(missing_ok=True)
+                await asyncio.to_thread(partial.unlink, True)
                 if resumed and not restarted:
                     # The part kept from an earlier attempt may be what is wrong: once more
                     # from the first byte before blaming the registry.

@@ -266,4 +266,4 @@ async def _convert_stream(machine: Machine, image: GuestImage, staging: Path, di
             state=staging / STATE,
         )
     finally:
-        (staging / STREAM).unlink(missing_ok=True)
+        await asyncio.to_thread((staging / STREAM).unlink, True)
