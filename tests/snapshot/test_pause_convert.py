@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,8 @@ from agentenv.guest.envd.client import EnvdClient
 from agentenv.node.host import Node, SandboxHandle
 from agentenv.snapshot.errors import SnapshotError
 from agentenv.snapshot.pause import STREAM, convert_stream, paused_state
+from agentenv.vmm import qemu_migration
+from agentenv.vmm.qemu_base import QemuBase
 
 pytestmark = pytest.mark.vm
 
@@ -53,13 +56,34 @@ def leftovers(workdir: Path) -> list[str]:
     )
 
 
+def count_asks(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Every `query-migrate` any VM is asked from here on."""
+    asked: list[str] = []
+    execute = QemuBase._execute
+
+    async def counting(self: QemuBase, cmd: str, args: dict[str, object] | None = None) -> object:
+        if cmd == "query-migrate":
+            asked.append(self.name)
+        return await execute(self, cmd, args)
+
+    monkeypatch.setattr(QemuBase, "_execute", counting)
+    return asked
+
+
 async def test_the_resume_after_a_conversion_loads_device_state_only(
-    settings: Settings, base_template: Any
+    settings: Settings, base_template: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     async with Node(settings) as node:
         sb = await with_state(node)
         workdir = node.settings.sandboxes_dir / sb.id
+        # The stream's save is waited for by QEMU's MIGRATION events, not by asking: a few
+        # asks per change of status, one per MIGRATION_ASK_S between (asking every 2 ms was
+        # hundreds of QMP round trips per pause).
+        asked = count_asks(monkeypatch)
+        started = time.monotonic()
         await node.pause(sb.id)
+        took = time.monotonic() - started
+        assert 0 < len(asked) <= 4 + took / qemu_migration.MIGRATION_ASK_S, (len(asked), took)
         await node.conversions.wait(sb.id)
         assert kind_of(workdir) == "state"
         assert not (workdir / STREAM).exists() and leftovers(workdir) == []
