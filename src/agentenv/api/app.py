@@ -72,6 +72,7 @@ class AgentenvApp:
 
     async def startup(self) -> None:
         if not self._started:
+            await self.manager.store.open()
             await self.manager.start()
             await self.control.state.builds.start()
             self._started = True

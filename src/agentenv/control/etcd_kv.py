@@ -67,6 +67,9 @@ class EtcdKv:
     def __init__(self, etcd: Etcd) -> None:
         self.etcd = etcd
 
+    async def open(self) -> None:
+        """Nothing to begin: the client connects on its first call."""
+
     async def close(self) -> None:
         await self.etcd.close()
 

@@ -17,6 +17,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from agentenv.control.sqlite_checkpoint import WalCheckpointer
 from agentenv.control.store import (
     ACTIVE_STATES,
     BUILD_METADATA,
@@ -133,6 +134,9 @@ class SqliteStore:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.execute("PRAGMA busy_timeout=5000")
+        # Checkpoints fsync: `checkpoints` makes them on a thread of its own, not a commit.
+        self._db.execute("PRAGMA wal_autocheckpoint=0")
+        self.checkpoints = WalCheckpointer(path)
         self._db.executescript(_SCHEMA)
         self._migrate()
 
@@ -165,7 +169,11 @@ class SqliteStore:
             if name != "seq" and name not in _COLUMNS:
                 self._db.execute(f"ALTER TABLE sandboxes DROP COLUMN {name}")
 
+    async def open(self) -> None:
+        self.checkpoints.start()
+
     async def close(self) -> None:
+        await self.checkpoints.close()
         self._db.close()
 
     # -- sandboxes -------------------------------------------------------------------------

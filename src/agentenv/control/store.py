@@ -149,6 +149,10 @@ class Store(Protocol):
     writers (tasks, or replicas on a shared store) moving one sandbox from the same state,
     exactly one `transition` returns True."""
 
+    async def open(self) -> None:
+        """Begin the store's own background work on the running loop (SQLite: its WAL
+        checkpoints); `close` ends it."""
+
     async def close(self) -> None: ...
 
     # Sandboxes. `insert` sets `rec.seq`: increasing in insertion order (the list order).

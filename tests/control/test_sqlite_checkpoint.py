@@ -1,0 +1,83 @@
+"""The single-node store's WAL checkpoints: made by `WalCheckpointer` on a thread of its own,
+never by a commit on the event loop (docs/control-plane.md)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from pathlib import Path
+
+import pytest
+
+from agentenv.control.sqlite_checkpoint import WalCheckpointer
+from agentenv.control.sqlite_store import SqliteStore
+from agentenv.control.store import SandboxRecord, SandboxState
+
+
+def rec(i: int) -> SandboxRecord:
+    return SandboxRecord(
+        id=f"sbx{i}",
+        template="base",
+        alias="base",
+        state=SandboxState.RUNNING,
+        started_at=1.0,
+        end_at=2.0,
+        cpu=1,
+        memory_mb=512,
+        disk_mb=1024,
+        envd_version="0.6.4",
+    )
+
+
+async def test_commits_do_not_checkpoint_and_the_checkpointer_does_on_its_thread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "agentenv.db"
+    store = SqliteStore(path)
+    rounds: list[tuple[str, tuple[int, int, int]]] = []
+    checkpoint = WalCheckpointer._checkpoint
+
+    def recorded(self: WalCheckpointer) -> tuple[int, int, int]:
+        got = checkpoint(self)
+        rounds.append((threading.current_thread().name, got))
+        return got
+
+    monkeypatch.setattr(WalCheckpointer, "_checkpoint", recorded)
+    try:
+        # Twice SQLite's default of a checkpoint per 1000 pages of WAL, and no commit made
+        # one: the WAL holds all of it.
+        for i in range(700):
+            await store.insert(rec(i))
+            await store.log(f"sbx{i}", "x" * 4000)
+        page = store._db.execute("PRAGMA page_size").fetchone()[0]
+        assert (tmp_path / "agentenv.db-wal").stat().st_size > 2000 * page
+        assert rounds == []
+        store.checkpoints.interval_s = 0.05
+        await store.open()
+        for _ in range(200):
+            if rounds:
+                break
+            await asyncio.sleep(0.05)
+        name, (busy, frames, done) = rounds[0]
+        assert name.startswith("sqlite-checkpoint")
+        assert busy == 0 and frames > 2000 and done == frames
+        assert (await store.get("sbx699")) is not None
+    finally:
+        await store.close()
+    assert {name for name, _ in rounds} == {rounds[0][0]}
+    await store.close()  # a second close is a no-op
+
+
+async def test_a_store_closed_unopened_still_checkpoints_what_it_wrote(tmp_path: Path) -> None:
+    path = tmp_path / "agentenv.db"
+    store = SqliteStore(path)
+    for i in range(50):
+        await store.insert(rec(i))
+    assert store.checkpoints.rounds == 0
+    await store.close()
+    assert store.checkpoints.rounds == 1
+    reopened = SqliteStore(path)
+    try:
+        assert len(await reopened.select()) == 50
+    finally:
+        await reopened.close()
