@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
@@ -22,6 +23,7 @@ from agentenv.contract.errors import (
     Conflict,
     CreateFailed,
     NotSupported,
+    OperationFailed,
     SandboxLost,
     SandboxNotFound,
     TemplateNotFound,
@@ -254,6 +256,29 @@ async def test_pause_and_resume_keep_the_guest_running_where_it_was(
     node = _node_runtime(mgr).node
     assert node.list() == []
     assert not (node.settings.sandboxes_dir / rec.id).exists()
+
+
+@pytest.mark.vm
+async def test_a_pause_whose_vm_dies_says_so_and_the_sandbox_is_lost(
+    mgr: SandboxManager,
+) -> None:
+    rec = await mgr.create(CreateSpec("base", timeout=60))
+    pid = _qemu_pid(mgr, rec)
+    # RAM worth saving, so the pause's stream is still being written when QEMU dies.
+    async with EnvdClient(rec.envd_url, access_token=rec.envd_token) as guest:
+        fill = await guest.run("head -c 40000000 /dev/urandom > /tmp/fill", user="root")
+        assert fill.exit_code == 0
+    pause = asyncio.create_task(mgr.pause(rec.id))
+    for _ in range(2000):
+        if (await mgr.get(rec.id)).state is SandboxState.PAUSING:
+            break
+        await asyncio.sleep(0.005)
+    os.kill(pid, signal.SIGKILL)
+    # Not "internal error: SandboxError": what failed, and why.
+    with pytest.raises(OperationFailed, match=f"sandbox {rec.id} was not paused: .+"):
+        await pause
+    assert await _wait_states(mgr, {rec.id: SandboxState.GONE}) == {rec.id: SandboxState.GONE}
+    assert _released(mgr, pid)
 
 
 @pytest.mark.vm

@@ -53,6 +53,13 @@ class CreateFailed(OrchestratorError):
     status = 500
 
 
+class OperationFailed(OrchestratorError):
+    """An operation on an existing sandbox (pause, resume, snapshot, fork) failed for a reason
+    of the host's; the message says which operation and why."""
+
+    status = 500
+
+
 class Unavailable(OrchestratorError):
     """No capacity for this now (a node limit or a full start queue); nothing was made."""
 

@@ -14,8 +14,20 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agentenv.contract.egress import Egress
-from agentenv.contract.errors import SandboxLost, SandboxNotFound
-from agentenv.contract.runtime import HostMemory, Runtime, SandboxSpec, TemplateSource
+from agentenv.contract.errors import (
+    NotSupported,
+    OperationFailed,
+    OrchestratorError,
+    SandboxLost,
+    SandboxNotFound,
+)
+from agentenv.contract.runtime import (
+    HostMemory,
+    Runtime,
+    SandboxSpec,
+    TemplateSource,
+    Unsupported,
+)
 from agentenv.control.metrics import Metrics
 from agentenv.control.ownership import (
     DEFAULT_SWEEP_GRACE_S,
@@ -60,6 +72,17 @@ def egress_of(rec: SandboxRecord) -> Egress:
         deny_out=rec.network.get("denyOut", []),
         dns_servers=rec.network.get("dnsServers"),
     )
+
+
+def failure(exc: BaseException, what: str) -> BaseException:
+    """What the API answers for `exc`, raised by the runtime while doing `what` ("sandbox x
+    was not paused"): the contract's errors as they are, `Unsupported` as 501, any other
+    error a 500 that says `what` and why (not "internal error"); cancellation passes."""
+    if isinstance(exc, OrchestratorError) or not isinstance(exc, Exception):
+        return exc
+    if isinstance(exc, Unsupported):
+        return NotSupported(str(exc))
+    return OperationFailed(f"{what}: {exc}")
 
 
 @dataclass

@@ -15,7 +15,6 @@ from agentenv.contract.errors import (
     Conflict,
     CreateFailed,
     InsufficientStorage,
-    NotSupported,
     TemplateNotFound,
     Unavailable,
 )
@@ -26,9 +25,14 @@ from agentenv.contract.runtime import (
     SnapshotInfo,
     TagUnavailable,
     TemplateUnavailable,
-    Unsupported,
 )
-from agentenv.control.sandbox_base import DEFAULT_TIMEOUT_S, CreateSpec, SandboxBase, _pause_mode
+from agentenv.control.sandbox_base import (
+    DEFAULT_TIMEOUT_S,
+    CreateSpec,
+    SandboxBase,
+    _pause_mode,
+    failure,
+)
 from agentenv.control.store import BUILD_METADATA, DEFAULT_TEAM, SandboxRecord, SandboxState
 
 log = logging.getLogger("agentenv.sandboxes")
@@ -255,8 +259,11 @@ class SandboxCreation(SandboxBase):
                     info = await self.runtime.snapshot(rid, name, rec.envd_token)
                 else:
                     info = await self.runtime.snapshot(rid, name, rec.envd_token, memory=False)
-            except Unsupported as exc:
-                raise NotSupported(str(exc)) from exc
+            except Exception as exc:
+                mapped = failure(exc, f"sandbox {sandbox_id} was not snapshotted")
+                if mapped is exc:
+                    raise
+                raise mapped from exc
             # The guest may have moved to another QEMU (same slot, same address).
             await self.store.log(sandbox_id, f"snapshot {info.snapshot_id} {info.names}")
         return info
@@ -291,9 +298,10 @@ class SandboxCreation(SandboxBase):
                 except BaseException as exc:
                     for rec in recs:
                         await self._teardown_failed_create(rec, None, exc)
-                    if isinstance(exc, Unsupported):
-                        raise NotSupported(str(exc)) from exc
-                    raise
+                    mapped = failure(exc, f"sandbox {sandbox_id} was not forked")
+                    if mapped is exc:
+                        raise
+                    raise mapped from exc
                 how = "" if src.state is SandboxState.RUNNING else " while paused"
                 await self.store.log(sandbox_id, f"forked {len(placements)} sandbox(es){how}")
         return await self._start_forks(recs, placements)

@@ -8,18 +8,18 @@ from dataclasses import replace
 
 from agentenv.contract.errors import (
     Conflict,
-    NotSupported,
     SandboxLost,
     SandboxNotFound,
     Unavailable,
 )
-from agentenv.contract.runtime import Lost, Unsupported
+from agentenv.contract.runtime import Lost
 from agentenv.control.sandbox_base import (
     DEFAULT_TIMEOUT_S,
     LOST,
     SandboxBase,
     _pause_mode,
     egress_of,
+    failure,
 )
 from agentenv.control.store import BUILD_METADATA, SandboxRecord, SandboxState
 from agentenv.faults import crash_point
@@ -160,9 +160,10 @@ class SandboxLifecycle(SandboxBase):
             await self.store.transition(
                 rec.id, SandboxState.RESUMING, SandboxState.PAUSED, pause_mode=mode
             )
-            if isinstance(exc, Unsupported):
-                raise NotSupported(str(exc)) from exc
-            raise
+            mapped = failure(exc, f"sandbox {rec.id} was not resumed")
+            if mapped is exc:
+                raise
+            raise mapped from exc
         await self.store.transition(
             rec.id,
             SandboxState.RESUMING,
@@ -220,9 +221,10 @@ class SandboxLifecycle(SandboxBase):
                     )
             except BaseException as exc:
                 await self.store.transition(sandbox_id, SandboxState.PAUSING, SandboxState.RUNNING)
-                if isinstance(exc, Unsupported):
-                    raise NotSupported(str(exc)) from exc
-                raise
+                mapped = failure(exc, f"sandbox {sandbox_id} was not paused")
+                if mapped is exc:
+                    raise
+                raise mapped from exc
             # A paused sandbox's timeout stops (a resume starts a new one), and its retention
             # counts from now, not from a deadline it never reached.
             await self.store.transition(
