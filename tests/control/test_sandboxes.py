@@ -275,7 +275,7 @@ async def test_a_pause_whose_vm_dies_says_so_and_the_sandbox_is_lost(
         await asyncio.sleep(0.005)
     os.kill(pid, signal.SIGKILL)
     # Not "internal error: SandboxError": what failed, and why.
-    with pytest.raises(OperationFailed, match=f"sandbox {rec.id} was not paused: .+"):
+    with pytest.raises(OperationFailed, match=f"sandbox {rec.id} was not paused: .+QEMU exited"):
         await pause
     assert await _wait_states(mgr, {rec.id: SandboxState.GONE}) == {rec.id: SandboxState.GONE}
     assert _released(mgr, pid)

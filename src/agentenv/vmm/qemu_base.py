@@ -7,6 +7,7 @@ own methods over it; `qemu.QemuVM` puts them together."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import fields, is_dataclass
@@ -30,6 +31,9 @@ SOCK_FALLBACK_DIR = Path("/run/agentenv-qmp")
 # No QMP command of ours takes long (migrations run in the background and are polled); one
 # that does not answer in this time means a stuck QEMU.
 QMP_COMMAND_TIMEOUT_S = 30.0
+# After a failed QMP command, how long to wait for news of QEMU's end (its pidfd) before
+# blaming the command: the socket closes as the process dies, its reaping comes just after.
+ENDED_WAIT_S = 0.5
 
 
 class QuietQMPClient(QMPClient):
@@ -200,6 +204,15 @@ class QemuBase:
                 f"{self.name}: QMP {cmd} did not answer in {QMP_COMMAND_TIMEOUT_S:.0f}s"
             ) from None
         except Exception as exc:
+            # A QEMU that died drops its QMP socket: say that, not the client's state.
+            if self.pid is not None:
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(ENDED_WAIT_S):
+                        await self._ended.wait()
+            if self._ended.is_set():
+                raise VMMError(
+                    f"{self.name}: QEMU exited (status {self._exit_code}) during QMP {cmd}"
+                ) from exc
             raise VMMError(f"{self.name}: QMP {cmd} failed: {exc}") from exc
 
 
