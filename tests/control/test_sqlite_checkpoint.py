@@ -11,22 +11,13 @@ import pytest
 
 from agentenv.control.sqlite_checkpoint import WalCheckpointer
 from agentenv.control.sqlite_store import SqliteStore
-from agentenv.control.store import SandboxRecord, SandboxState
+from agentenv.control.store import SandboxRecord
+
+from .test_store import _record
 
 
 def rec(i: int) -> SandboxRecord:
-    return SandboxRecord(
-        id=f"sbx{i}",
-        template="base",
-        alias="base",
-        state=SandboxState.RUNNING,
-        started_at=1.0,
-        end_at=2.0,
-        cpu=1,
-        memory_mb=512,
-        disk_mb=1024,
-        envd_version="0.6.4",
-    )
+    return _record(f"sbx{i}")
 
 
 async def test_commits_do_not_checkpoint_and_the_checkpointer_does_on_its_thread(

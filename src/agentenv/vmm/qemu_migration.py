@@ -8,7 +8,7 @@ import asyncio
 import contextlib
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 from qemu.qmp import EventListener
@@ -53,13 +53,20 @@ class QemuMigration(QemuBase):
             },
         )
 
-    @contextlib.contextmanager
-    def _migration_events(self) -> Iterator[EventListener]:
-        """MIGRATION events from here on: opened before the command that starts one, so
-        none is missed."""
+    @contextlib.asynccontextmanager
+    async def _migrating(self, cmd: str, fdname: str) -> AsyncIterator[EventListener]:
+        """Start `cmd` (`migrate` or `migrate-incoming`) on the descriptor passed as
+        `fdname`; yields its MIGRATION events, listened for from before it starts so none
+        is missed. A refused start gives the descriptor back."""
         if self._qmp is None:
             raise VMMError(f"{self.name} is not running")
         with self._qmp.listener("MIGRATION") as heard:
+            try:
+                await self._execute(cmd, {"uri": f"fd:{fdname}"})
+            except VMMError:
+                with contextlib.suppress(VMMError):
+                    await self._execute("closefd", {"fdname": fdname})
+                raise
             yield heard
 
     async def _wait_migration(self, what: str, heard: EventListener) -> None:
@@ -121,13 +128,7 @@ class QemuMigration(QemuBase):
             fdname = await self._pass_fd(fd)
         finally:
             os.close(fd)
-        with self._migration_events() as heard:
-            try:
-                await self._execute("migrate", {"uri": f"fd:{fdname}"})
-            except VMMError:
-                with contextlib.suppress(VMMError):
-                    await self._execute("closefd", {"fdname": fdname})
-                raise
+        async with self._migrating("migrate", fdname) as heard:
             await self._wait_out(path, what, heard)
 
     async def _wait_out(self, path: Path, what: str, heard: EventListener) -> None:
@@ -156,13 +157,7 @@ class QemuMigration(QemuBase):
             fdname = await self._pass_fd(fd)
         finally:
             os.close(fd)
-        with self._migration_events() as heard:
-            try:
-                await self._execute("migrate-incoming", {"uri": f"fd:{fdname}"})
-            except VMMError:
-                with contextlib.suppress(VMMError):
-                    await self._execute("closefd", {"fdname": fdname})
-                raise
+        async with self._migrating("migrate-incoming", fdname) as heard:
             await self._wait_incoming(what, heard)
         if run:
             await self._execute("cont")
