@@ -29,6 +29,11 @@ from agentenv.config import Settings
 from agentenv.template.datadir import SEED_ENV
 from agentenv.vmm import cgroup
 
+# This process loads gRPC (the etcd client) and also forks children onto PTYs (envd's process
+# table under test): with gRPC's fork handlers on, they log into the child's terminal, which
+# the child's output then starts with. Read when gRPC is first imported, after this module.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+
 # What this run's resources were when it started (`pytest_sessionstart`, controller only).
 _BEFORE = pytest.StashKey[tuple[set[str], bool]]()
 
