@@ -24,7 +24,7 @@ MIGRATE_BANDWIDTH = 16 * 1024**3
 FULL_BELOW_BYTES = 16 * 1024 * 1024
 # A migration wakes its waiter with a MIGRATION event at each change of status; without one
 # for this long the waiter asks anyway (an event lost is a slower wait, not a stuck one).
-# Polling every 2 ms instead cost a pause of a 512 MiB guest ~250 QMP round trips.
+# Asking every 2 ms instead made 198 QMP round trips of one 0.76 s pause (256 MiB guest).
 MIGRATION_ASK_S = 0.25
 
 
