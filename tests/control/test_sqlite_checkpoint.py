@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from pathlib import Path
 
 import pytest
 
+from agentenv.control import sqlite_checkpoint
 from agentenv.control.sqlite_checkpoint import WalCheckpointer
 from agentenv.control.sqlite_store import SqliteStore
 from agentenv.control.store import SandboxRecord
@@ -72,3 +74,25 @@ async def test_a_store_closed_unopened_still_checkpoints_what_it_wrote(tmp_path:
         assert len(await reopened.select()) == 50
     finally:
         await reopened.close()
+
+
+async def test_close_does_not_wait_past_its_deadline_for_a_stuck_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A checkpoint stuck in fsync (a hung disk: nothing real here makes one on demand).
+    release = threading.Event()
+
+    def stuck(self: WalCheckpointer) -> tuple[int, int, int]:
+        release.wait(30)
+        return (0, 0, 0)
+
+    monkeypatch.setattr(WalCheckpointer, "_checkpoint", stuck)
+    monkeypatch.setattr(sqlite_checkpoint, "CLOSE_TIMEOUT_S", 0.2)
+    store = SqliteStore(tmp_path / "agentenv.db")
+    await store.insert(rec(1))
+    started = time.monotonic()
+    try:
+        await store.close()
+        assert time.monotonic() - started < 5
+    finally:
+        release.set()

@@ -24,6 +24,9 @@ log = logging.getLogger(__name__)
 INTERVAL_S = 1.0
 # A checkpoint waits this long for a lock before giving up until the next round.
 BUSY_TIMEOUT_MS = 1000
+# `close` waits this long for the last checkpoint (an fsync of a stuck disk has no bound of
+# its own); what it leaves in the WAL, SQLite's next open recovers.
+CLOSE_TIMEOUT_S = 10.0
 
 
 class WalCheckpointer:
@@ -77,10 +80,18 @@ class WalCheckpointer:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-        with contextlib.suppress(sqlite3.Error):
-            await self.checkpoint()
         loop = asyncio.get_running_loop()
-        await loop.run_in_executor(self._thread, self._close_db)
+        try:
+            async with asyncio.timeout(CLOSE_TIMEOUT_S):
+                with contextlib.suppress(sqlite3.Error):
+                    await self.checkpoint()
+                await loop.run_in_executor(self._thread, self._close_db)
+        except TimeoutError:
+            log.warning(
+                "the last checkpoint of %s did not end in %.0fs; the next open recovers its WAL",
+                self.path,
+                CLOSE_TIMEOUT_S,
+            )
         self._thread.shutdown(wait=False)
 
     def _close_db(self) -> None:
