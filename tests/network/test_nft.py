@@ -49,3 +49,30 @@ async def test_apply_in_netns_with_sysctls_and_counters(netns: str) -> None:
 async def test_missing_netns_is_a_network_error() -> None:
     with pytest.raises(NetworkError, match="No such file"):
         await nft.apply("ae-nfttest-absent", RULES)
+
+
+def test_a_transaction_refused_with_eintr_is_run_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The kernel's EINTR for a batch cannot be made on demand; the batch it aborted can be
+    # replayed whole, and any other refusal is not.
+    calls: list[str] = []
+    answers = ["nft: Error: Could not process rule: Interrupted system call", None]
+
+    def once(text: str, json_output: bool) -> str:
+        calls.append(text)
+        answer = answers.pop(0) if answers else "nft: Error: Could not process rule: No such file"
+        if answer is not None:
+            raise NetworkError(answer)
+        return "done"
+
+    monkeypatch.setattr(nft, "_run_once", once)
+    assert nft.nft_run("flush ruleset") == "done"
+    assert calls == ["flush ruleset"] * 2
+    calls.clear()
+    with pytest.raises(NetworkError, match="No such file"):
+        nft.nft_run("flush ruleset")
+    assert len(calls) == 1
+    calls.clear()
+    answers[:] = ["nft: Error: Could not process rule: Interrupted system call"] * 5
+    with pytest.raises(NetworkError, match="Interrupted"):
+        nft.nft_run("flush ruleset")
+    assert len(calls) == nft._EINTR_ATTEMPTS
