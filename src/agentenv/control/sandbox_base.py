@@ -11,7 +11,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 from agentenv.contract.egress import Egress
 from agentenv.contract.errors import (
@@ -74,15 +74,16 @@ def egress_of(rec: SandboxRecord) -> Egress:
     )
 
 
-def failure(exc: BaseException, what: str) -> BaseException:
-    """What the API answers for `exc`, raised by the runtime while doing `what` ("sandbox x
-    was not paused"): the contract's errors as they are, `Unsupported` as 501, any other
-    error a 500 that says `what` and why (not "internal error"); cancellation passes."""
+def raise_failure(exc: BaseException, what: str) -> NoReturn:
+    """Raise what the API answers for `exc`, raised by the runtime while doing `what`
+    ("sandbox x was not paused"): the contract's errors as they are, `Unsupported` as 501,
+    any other error a 500 that says `what` and why (not "internal error"); cancellation
+    passes."""
     if isinstance(exc, OrchestratorError) or not isinstance(exc, Exception):
-        return exc
+        raise exc
     if isinstance(exc, Unsupported):
-        return NotSupported(str(exc))
-    return OperationFailed(f"{what}: {exc}")
+        raise NotSupported(str(exc)) from exc
+    raise OperationFailed(f"{what}: {exc}") from exc
 
 
 @dataclass

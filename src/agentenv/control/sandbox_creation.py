@@ -31,7 +31,7 @@ from agentenv.control.sandbox_base import (
     CreateSpec,
     SandboxBase,
     _pause_mode,
-    failure,
+    raise_failure,
 )
 from agentenv.control.store import BUILD_METADATA, DEFAULT_TEAM, SandboxRecord, SandboxState
 
@@ -260,10 +260,7 @@ class SandboxCreation(SandboxBase):
                 else:
                     info = await self.runtime.snapshot(rid, name, rec.envd_token, memory=False)
             except Exception as exc:
-                mapped = failure(exc, f"sandbox {sandbox_id} was not snapshotted")
-                if mapped is exc:
-                    raise
-                raise mapped from exc
+                raise_failure(exc, f"sandbox {sandbox_id} was not snapshotted")
             # The guest may have moved to another QEMU (same slot, same address).
             await self.store.log(sandbox_id, f"snapshot {info.snapshot_id} {info.names}")
         return info
@@ -298,10 +295,7 @@ class SandboxCreation(SandboxBase):
                 except BaseException as exc:
                     for rec in recs:
                         await self._teardown_failed_create(rec, None, exc)
-                    mapped = failure(exc, f"sandbox {sandbox_id} was not forked")
-                    if mapped is exc:
-                        raise
-                    raise mapped from exc
+                    raise_failure(exc, f"sandbox {sandbox_id} was not forked")
                 how = "" if src.state is SandboxState.RUNNING else " while paused"
                 await self.store.log(sandbox_id, f"forked {len(placements)} sandbox(es){how}")
         return await self._start_forks(recs, placements)

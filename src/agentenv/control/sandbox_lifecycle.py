@@ -19,7 +19,7 @@ from agentenv.control.sandbox_base import (
     SandboxBase,
     _pause_mode,
     egress_of,
-    failure,
+    raise_failure,
 )
 from agentenv.control.store import BUILD_METADATA, SandboxRecord, SandboxState
 from agentenv.faults import crash_point
@@ -160,10 +160,7 @@ class SandboxLifecycle(SandboxBase):
             await self.store.transition(
                 rec.id, SandboxState.RESUMING, SandboxState.PAUSED, pause_mode=mode
             )
-            mapped = failure(exc, f"sandbox {rec.id} was not resumed")
-            if mapped is exc:
-                raise
-            raise mapped from exc
+            raise_failure(exc, f"sandbox {rec.id} was not resumed")
         await self.store.transition(
             rec.id,
             SandboxState.RESUMING,
@@ -221,10 +218,7 @@ class SandboxLifecycle(SandboxBase):
                     )
             except BaseException as exc:
                 await self.store.transition(sandbox_id, SandboxState.PAUSING, SandboxState.RUNNING)
-                mapped = failure(exc, f"sandbox {sandbox_id} was not paused")
-                if mapped is exc:
-                    raise
-                raise mapped from exc
+                raise_failure(exc, f"sandbox {sandbox_id} was not paused")
             # A paused sandbox's timeout stops (a resume starts a new one), and its retention
             # counts from now, not from a deadline it never reached.
             await self.store.transition(

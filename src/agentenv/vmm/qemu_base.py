@@ -14,7 +14,7 @@ from dataclasses import fields, is_dataclass
 from pathlib import Path
 from typing import Any, Self
 
-from qemu.qmp import Message, QMPClient
+from qemu.qmp import ExecuteError, Message, QMPClient
 
 from agentenv.files import SandboxFiles
 from agentenv.vmm import confine as vm_confine
@@ -204,8 +204,9 @@ class QemuBase:
                 f"{self.name}: QMP {cmd} did not answer in {QMP_COMMAND_TIMEOUT_S:.0f}s"
             ) from None
         except Exception as exc:
-            # A QEMU that died drops its QMP socket: say that, not the client's state.
-            if self.pid is not None:
+            # A QEMU that died drops its QMP socket: say that, not the client's state. One
+            # that answered with an error is alive: no wait.
+            if self.pid is not None and not isinstance(exc, ExecuteError):
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(ENDED_WAIT_S):
                         await self._ended.wait()
