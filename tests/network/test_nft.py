@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -20,13 +20,13 @@ table netdev probe {
 
 
 @pytest.fixture
-def netns() -> Iterator[str]:
+async def netns() -> AsyncIterator[str]:
     name = f"ae-nfttest-{os.getpid()}"
-    netns_socket.add_netns(name)
+    await netns_socket.add_netns(name)
     try:
         yield name
     finally:
-        netns_socket.remove_netns(name)
+        await netns_socket.remove_netns(name)
 
 
 async def test_apply_in_netns_with_sysctls_and_counters(netns: str) -> None:

@@ -8,6 +8,7 @@ import ipaddress
 import json
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -138,14 +139,14 @@ async def test_a_failed_veth_delete_still_removes_the_namespace(
     host_ifindex = host_links()[slot.host_veth]
 
     class Broken:
-        async def __aenter__(self) -> Broken:
+        def __enter__(self) -> Broken:
             raise RuntimeError("netlink session broke")
 
-        async def __aexit__(self, *exc: object) -> None:
+        def __exit__(self, *exc: object) -> None:
             return None
 
     with monkeypatch.context() as m:
-        m.setattr("agentenv.network.slot.AsyncIPRoute", lambda *a, **k: Broken())
+        m.setattr("agentenv.network.slot.IPRoute", lambda *a, **k: Broken())
         await destroy_slot(slot)
     assert not made_here(slot.netns)
     for _ in range(150):  # the kernel's namespace cleanup takes the pair a moment later
@@ -154,6 +155,31 @@ async def test_a_failed_veth_delete_still_removes_the_namespace(
         await asyncio.sleep(0.02)
     await assert_released(slot, host_ifindex)
     assert await host_table_matches_slots()
+
+
+async def test_the_loop_runs_while_a_slot_is_removed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernel removes a veth inside the netlink request (tens of ms, RCU grace periods
+    under the rtnl lock), so the server's loop must not make that request. The delete is
+    held until the loop has run a callback, which it cannot do if the delete runs on it
+    (pyroute2's blocking socket also refuses to run on a thread whose loop runs)."""
+    from agentenv.network import slot as slot_mod
+
+    slot = await create_slot(NetworkPlan())
+    host_ifindex = host_links()[slot.host_veth]
+    loop = asyncio.get_running_loop()
+    real = slot_mod._delete_host_veth
+    ran = threading.Event()
+    seen: list[bool] = []
+
+    def held_delete(name: str) -> None:
+        real(name)
+        loop.call_soon_threadsafe(ran.set)
+        seen.append(ran.wait(timeout=5))
+
+    monkeypatch.setattr(slot_mod, "_delete_host_veth", held_delete)
+    await destroy_slot(slot)
+    assert seen == [True]
+    await assert_released(slot, host_ifindex)
 
 
 async def test_two_slots_get_distinct_addresses_and_same_inside() -> None:

@@ -105,14 +105,16 @@ def _remove_netns(name: str) -> None:
     path.unlink(missing_ok=True)
 
 
-def add_netns(name: str) -> None:
-    """Create the named network namespace (`ip netns add`); `FileExistsError` if taken."""
-    _executor.submit(_add_netns, name).result()
+async def add_netns(name: str) -> None:
+    """Create the named network namespace (`ip netns add`); `FileExistsError` if taken.
+    The loop awaits the thread: `unshare` takes milliseconds, and the thread may be busy
+    with another slot's work."""
+    await asyncio.get_running_loop().run_in_executor(_executor, _add_netns, name)
 
 
-def remove_netns(name: str) -> None:
+async def remove_netns(name: str) -> None:
     """Remove the named network namespace (`ip netns delete`); gone already is fine."""
-    _executor.submit(_remove_netns, name).result()
+    await asyncio.get_running_loop().run_in_executor(_executor, _remove_netns, name)
 
 
 def _run_in(name: str, work: Callable[[], T]) -> T:
