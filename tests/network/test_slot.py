@@ -182,6 +182,43 @@ async def test_the_loop_runs_while_a_slot_is_removed(monkeypatch: pytest.MonkeyP
     await assert_released(slot, host_ifindex)
 
 
+async def test_the_host_table_is_replaced_only_when_it_lists_otherwise(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A new slot leaves the host table alone while it lists as this process applied it
+    (replacing it waits out RCU grace periods under the host lock), and replaces it when it
+    does not: here, a rule added by hand that matches nothing."""
+    from agentenv.network import nft
+
+    applied: list[str] = []
+    real = nft.nft_run
+    host = {nft.host_ruleset(slots_only=owned) for owned in (False, True)}
+
+    def counting(text: str, *, json_output: bool = False) -> str:
+        if text in host:
+            applied.append(text)
+        return real(text, json_output=json_output)
+
+    monkeypatch.setattr(nft, "nft_run", counting)
+    plan = NetworkPlan()
+    slots = [await create_slot(plan)]
+    try:
+        applied.clear()
+        slots.append(await create_slot(plan))
+        assert applied == []
+        stray = 'iifname "ae-hzz" counter'
+        async with host_lock("test: a stray host rule"):
+            sh("nft", "add", "rule", "inet", "agentenv", "input", *stray.split())
+        assert stray in sh("nft", "list", "table", "inet", "agentenv")
+        slots.append(await create_slot(plan))
+        assert len(applied) == 1
+        assert stray not in sh("nft", "list", "table", "inet", "agentenv")
+    finally:
+        for slot in slots:
+            await destroy_slot(slot)
+    assert await host_table_matches_slots()
+
+
 async def test_two_slots_get_distinct_addresses_and_same_inside() -> None:
     plan = NetworkPlan()
     a = await create_slot(plan)

@@ -389,11 +389,47 @@ def _enable_forwarding() -> bool:
     return True
 
 
+# What each host ruleset this process applied lists as, handles left out. A slot's build
+# replaces the host table only when it is missing or lists otherwise (another version's
+# rules, a change by hand): replacing it unhooks its chains, and the kernel waits out an RCU
+# grace period for that (9-17 ms here), in builds the host lock serializes host-wide.
+_host_listed: dict[str, str] = {}
+
+
+def _host_listing() -> str | None:
+    """The host table as nft lists it (JSON, without handles), or None if it is not there."""
+    try:
+        out = nft_run(f"list table inet {TABLE}", json_output=True)
+    except NetworkError:
+        return None
+    items = []
+    for item in json.loads(out)["nftables"]:
+        for kind, body in item.items():
+            if kind != "metainfo":
+                items.append({"kind": kind, **{k: v for k, v in body.items() if k != "handle"}})
+    return json.dumps(items, sort_keys=True)
+
+
+def _ensure_host_table() -> None:
+    ruleset = host_ruleset(slots_only=_enable_forwarding())
+    known = _host_listed.get(ruleset)
+    if known is not None and _host_listing() == known:
+        return
+    nft_run(ruleset)
+    listing = _host_listing()
+    if listing is not None:
+        _host_listed[ruleset] = listing
+
+
 async def apply_host_rules() -> None:
-    """The host-wide table (`host_ruleset`), applied in-process in the host's namespace: it is
-    re-applied as each slot is built (one transaction, idempotent), so it spawns nothing."""
-    owned = await asyncio.to_thread(_enable_forwarding)
-    await _host_nft(host_ruleset(slots_only=owned))
+    """The host-wide table (`host_ruleset`), in-process in the host's namespace: made or
+    replaced (one transaction) as a slot is built, unless it lists as this process applied
+    it. Callers hold the host lock (`slot.host_lock`)."""
+    try:
+        async with asyncio.timeout(COMMAND_TIMEOUT_S):
+            await asyncio.to_thread(_ensure_host_table)
+    except TimeoutError:
+        raise NetworkError(f"host: nft did not finish in {COMMAND_TIMEOUT_S:.0f}s") from None
 
 
 async def host_table_exists() -> bool:
