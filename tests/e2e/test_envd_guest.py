@@ -28,6 +28,7 @@ from agentenv.guest.envd.gen.filesystem.filesystem_connect import FilesystemClie
 from agentenv.guest.envd.gen.process import process_pb as pb
 from agentenv.guest.envd.gen.process.process_connect import ProcessClient
 from agentenv.node.host import Node, SandboxHandle
+from agentenv.snapshot.warmup import start_failures
 
 pytestmark = pytest.mark.vm
 
@@ -233,6 +234,17 @@ async def test_envd_in_guest(sandbox: SandboxHandle, tmp_path: Path) -> None:
         # where `~` is and who owns what is made), so the default user lists /root.
         listed = await files.list_dir(fpb.ListDirRequest(path="/root"), headers=basic("user"))
         assert all(e.path.startswith("/root/") for e in listed.entries)
+
+    # What a template's build reads before its capture: nothing recorded (the base template
+    # has no start hooks), then a hook's failure as the guest init records it, with its log.
+    assert await start_failures(url) is None
+    async with EnvdClient(url, timeout=120) as client:
+        await client.write_file("/run/agentenv/start-10-svc.log", b"one\ntwo\n", "root")
+        await client.write_file("/run/agentenv/start-failed", b"10-svc: exit 1 after 3s\n", "root")
+        try:
+            assert await start_failures(url) == "10-svc: exit 1 after 3s (its log ends: one | two)"
+        finally:
+            await client.run("rm /run/agentenv/start-failed", user="root")
 
     # Secure mode, last: from here on every call needs the token.
     async with EnvdClient(url, timeout=120) as client:

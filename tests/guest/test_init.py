@@ -73,10 +73,26 @@ def test_start_hooks_run_in_order_with_logs_and_a_shared_budget(
     assert "start hook 20-second: exit 3" in console
     assert "start hook 30-slow: timed out" in console
     assert "start hook 40-late: skipped" in console
+    # What a template's build reads before its capture: every hook that did not end well.
+    failed = (logs / guest_init.START_FAILED.name).read_text().splitlines()
+    assert [line.split(":")[0] for line in failed] == ["20-second", "30-slow", "40-late"]
+    assert failed[0].startswith("20-second: exit 3 after ")
 
 
 def test_start_hooks_without_a_directory_do_nothing(tmp_path: Path) -> None:
     run_start_hooks(tmp_path / "absent", budget_s=1.0)  # must not raise
+
+
+def test_start_hooks_that_all_end_well_leave_no_failure_record(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    hooks, logs = tmp_path / "start.d", tmp_path / "logs"
+    hooks.mkdir()
+    monkeypatch.setattr(guest_init, "LOG_DIR", logs)
+    _hook(hooks, "10-fine", "true")
+    run_start_hooks(hooks, budget_s=5.0)
+    assert (logs / "start-10-fine.log").exists()
+    assert not (logs / guest_init.START_FAILED.name).exists()
 
 
 def test_init_refuses_to_run_outside_pid_1() -> None:

@@ -37,6 +37,9 @@ MARKER = "agentenv: envd started"
 # running. One budget for all of them; a hook past it is left running and envd starts anyway.
 START_DIR = Path("/etc/agentenv/start.d")
 START_BUDGET_S = 90.0
+# One line per hook that did not end well ("name: outcome"), absent when all did: a template's
+# build reads it before its capture, so a snapshot never holds a service its hook gave up on.
+START_FAILED = LOG_DIR / "start-failed"
 
 MS_NOSUID = 0x2
 MS_NODEV = 0x4
@@ -265,10 +268,12 @@ def run_start_hooks(directory: Path = START_DIR, budget_s: float = START_BUDGET_
         return
     deadline = time.monotonic() + budget_s
     LOG_DIR.mkdir(parents=True, exist_ok=True)
+    failed: list[str] = []
     for hook in hooks:
         left = deadline - time.monotonic()
         if left <= 0:
             log(f"start hook {hook.name}: skipped, the {budget_s:.0f}s budget is spent")
+            failed.append(f"{hook.name}: skipped, the {budget_s:.0f}s budget was spent")
             continue
         started = time.monotonic()
         try:
@@ -288,7 +293,12 @@ def run_start_hooks(directory: Path = START_DIR, budget_s: float = START_BUDGET_
             outcome = "timed out"
         except OSError as exc:
             outcome = f"failed: {exc}"
-        log(f"start hook {hook.name}: {outcome} in {time.monotonic() - started:.1f}s")
+        took = time.monotonic() - started
+        log(f"start hook {hook.name}: {outcome} in {took:.1f}s")
+        if outcome != "ok":
+            failed.append(f"{hook.name}: {outcome} after {took:.0f}s")
+    if failed:
+        (LOG_DIR / START_FAILED.name).write_text("".join(f"{line}\n" for line in failed))
 
 
 class Supervisor:

@@ -22,11 +22,11 @@ from agentenv.filelock import file_lock
 from agentenv.files import ROOTFS, snapshots_dir
 from agentenv.network import create_slot, destroy_slot
 from agentenv.snapshot.capture import capture
-from agentenv.snapshot.errors import SnapshotNotFound
+from agentenv.snapshot.errors import CaptureFailed, SnapshotNotFound
 from agentenv.snapshot.machine import GuestImage, boot
 from agentenv.snapshot.model import Snapshot
 from agentenv.snapshot.repository import SnapshotRepository
-from agentenv.snapshot.warmup import warm_up
+from agentenv.snapshot.warmup import start_failures, warm_up
 from agentenv.storage import LayerStore, create_upper
 from agentenv.template.catalog import TemplateCatalog
 
@@ -156,6 +156,9 @@ async def _build(
         vm = machine.vm
         try:
             crash_point("template:booted")
+            failures = await start_failures(machine.envd_url)
+            if failures is not None:
+                raise CaptureFailed(f"template {alias}: not captured: start hook {failures}")
             await warm_up(machine.envd_url, user)
             cap = await capture(
                 machine,

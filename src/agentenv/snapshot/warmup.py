@@ -21,6 +21,7 @@ import logging
 from collections.abc import Awaitable, Callable
 
 from agentenv.guest.envd.client import EnvdClient, EnvdError
+from agentenv.guest.init import LOG_DIR, START_FAILED
 
 log = logging.getLogger(__name__)
 
@@ -55,3 +56,27 @@ async def warm_up(envd_url: str, user: str | None = None) -> list[str]:
     for why in failed:
         log.info("template warm-up as %r: %s", as_user, why)
     return failed
+
+
+async def start_failures(envd_url: str) -> str | None:
+    """The template's start hooks that did not end well at its boot, as the guest init
+    recorded them (`guest.init.START_FAILED`), each with the last lines of its log; None when
+    all did. A capture then would hold a service its hook gave up waiting for (seen: dockerd
+    still starting after the hook's budget, on a loaded host), in every clone."""
+    async with EnvdClient(envd_url, timeout=STEP_TIMEOUT_S) as envd:
+        try:
+            record = (await envd.read_file(str(START_FAILED), "root")).decode(errors="replace")
+        except EnvdError as exc:
+            if exc.code in ("404", "not_found"):
+                return None
+            raise
+        parts = []
+        for line in record.splitlines():
+            name = line.split(":", 1)[0]
+            try:
+                tail = await envd.read_file(str(LOG_DIR / f"start-{name}.log"), "root")
+            except EnvdError:
+                tail = b""
+            last = tail.decode(errors="replace").strip().splitlines()[-5:]
+            parts.append(f"{line}" + (f" (its log ends: {' | '.join(last)})" if last else ""))
+        return "; ".join(parts)
