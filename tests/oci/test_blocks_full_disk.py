@@ -5,12 +5,16 @@ and `umount` succeed, so without the `syncfs` check the layer would have holes."
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import errno
 import hashlib
+import os
 import subprocess
 from pathlib import Path
 
 import pytest
 
+from agentenv.oci import blocks
 from agentenv.oci.blocks import ChainBuilder
 from agentenv.oci.cache import ImageCache
 from agentenv.oci.errors import OciError
@@ -59,3 +63,41 @@ async def test_full_scratch_disk_fails_the_layer(tmp_path: Path) -> None:
     # With room, the same layer builds.
     (layer,) = await ChainBuilder(cache).ensure([(blob, diff_id)])
     assert layer.used_bytes >= 60 * MIB
+
+
+async def test_a_layer_gone_read_only_on_a_full_disk_names_the_disk(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under load the kernel may write back before the extraction ends: ext4 then turns the
+    layer read-only and the extraction's next write gets EROFS, before `syncfs` could report
+    the lost write. The error is the same: the layer's write failed, and the full disk is named.
+    (The extraction is replaced: when the kernel writes back is not the test's to choose.)"""
+    data, diff_id, _ = Layer().dir("d").file("d/small", b"x" * 4096).blob()
+    cache = ImageCache(tmp_path / "oci", LayerStore(tmp_path / "layers"))
+    cache.ensure_dirs()
+    blob = cache.blob_path("sha256:" + hashlib.sha256(data).hexdigest())
+    blob.write_bytes(data)
+    scratch = cache.root / "tmp"
+    scratch.mkdir()
+
+    def fill_then_read_only(mnt: Path, *args: object, **kw: object) -> None:
+        with (scratch / "filler").open("wb", buffering=0) as out, contextlib.suppress(OSError):
+            while True:
+                out.write(b"\0" * MIB)
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(mnt / "d" / "small"))
+
+    monkeypatch.setattr(blocks, "apply_layer", fill_then_read_only)
+    mounted = await asyncio.to_thread(
+        _sh, ["mount", "-t", "tmpfs", "-o", "size=48m", "tmpfs", str(scratch)]
+    )
+    assert mounted.returncode == 0, mounted.stderr
+    try:
+        named = r"writing the filesystem failed: Read-only file system; .*oci/tmp is full"
+        with pytest.raises(OciError, match=named):
+            await ChainBuilder(cache).ensure([(blob, diff_id)])
+        assert _loops_into(tmp_path) == []
+    finally:
+        (scratch / "filler").unlink(missing_ok=True)
+        done = await asyncio.to_thread(_sh, ["umount", str(scratch)])
+    assert done.returncode == 0, done.stderr
+    assert list(cache.chains.iterdir()) == [] and LayerStore(tmp_path / "layers").digests() == []

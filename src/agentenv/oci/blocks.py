@@ -418,6 +418,11 @@ class ChainBuilder:
             self.cache.record(f"chain:{chain_id}", "chain", stored)
             return layer
         except (OciError, OSError, StorageError) as exc:
+            if isinstance(exc, OSError) and exc.errno == errno.EROFS:
+                # ext4 turns the layer read-only once the loop device under it lost a write
+                # (a full host disk): the same failure `_check_written` reports at the end,
+                # met earlier when the kernel wrote back before the extraction finished.
+                exc = OciError(f"{what}: writing the filesystem failed: {exc.strerror}")
             # Asked before the scratch files go, while a full disk is still full.
             named = with_space_hint(exc, [self.tmp, self.cache.layers.root])
             if named is not None:
