@@ -52,6 +52,10 @@ services:
   web:
     image: {IMAGE}
     command: ["httpd", "-f", "-p", "8080", "-h", "/www"]
+    # httpd is the container's PID 1 and has no SIGTERM handler: the kernel ignores the
+    # signal, so the stop that ends `up --abort-on-container-exit` would wait out Docker's
+    # 10 s grace period before its SIGKILL.
+    stop_grace_period: 1s
   client:
     image: {IMAGE}
     depends_on: [web]
