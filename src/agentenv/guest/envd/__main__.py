@@ -64,10 +64,11 @@ def main(argv: list[str] | None = None) -> None:
     import uvicorn
 
     from .app import Envd
+    from .server import Server
     from .state import EnvdState
 
     app = Envd(EnvdState(default_user=args.default_user, guest=args.guest))
-    uvicorn.run(
+    config = uvicorn.Config(
         app,
         host=args.host,
         port=args.port,
@@ -82,6 +83,7 @@ def main(argv: list[str] | None = None) -> None:
         # Streams of background processes would hold a graceful shutdown open forever.
         timeout_graceful_shutdown=3,
     )
+    Server(config).run()
 
 
 if __name__ == "__main__":

@@ -1,0 +1,41 @@
+"""envd's HTTP server: uvicorn's, waking once a second instead of ten times.
+
+uvicorn's main loop sleeps 0.1 s between housekeeping ticks: it refreshes the Date header
+every tenth one and looks at `should_exit` on each. In a guest under TCG every wakeup of the
+Python loop runs in emulation: those ticks were most of what an idle sandbox costs its host.
+Its QEMU's CPU, 3 idle sandboxes, 30 s (2026-12-07): 28 and 54-58 ms per second with them,
+9-11 ms with this loop. Here the loop ticks once a second (the Date header stays as fresh),
+and a signal ends the wait at once, so a shutdown does not wait for the next tick.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from types import FrameType
+
+import uvicorn
+
+TICK_S = 1.0
+# `Server.on_tick` refreshes the Date header when its counter is a multiple of this.
+_TICKS_PER_DATE = 10
+
+
+class Server(uvicorn.Server):
+    _loop: asyncio.AbstractEventLoop | None = None
+    _wake: asyncio.Event | None = None
+
+    async def main_loop(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._wake = asyncio.Event()
+        counter = 0
+        while not await self.on_tick(counter):
+            counter = (counter + _TICKS_PER_DATE) % 864_000
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), TICK_S)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        super().handle_exit(sig, frame)
+        # Called by the signal handler on the loop's thread: the self-pipe wakes the loop.
+        if self._loop is not None and self._wake is not None:
+            self._loop.call_soon_threadsafe(self._wake.set)
