@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -42,11 +43,36 @@ def test_write_load_remove_round_trip(tmp_path: Path) -> None:
     (tmp_path / "half.tmp").write_text("{")
     (tmp_path / "junk.json").write_text("not json")
     assert registry.load_all(tmp_path) == [rec]
+    # A reader leaves a write in progress alone; the owner's sweep at its start removes it.
+    assert (tmp_path / "half.tmp").exists()
+    assert registry.load_all(tmp_path, sweep=True) == [rec]
     assert not (tmp_path / "half.tmp").exists()
     registry.remove(tmp_path, "a", pid=8)  # another process's record: kept
     assert registry.load_all(tmp_path) == [rec]
     registry.remove(tmp_path, "a", pid=7)
     assert registry.load_all(tmp_path) == []
+
+
+def test_a_reader_polling_the_records_does_not_break_a_write(tmp_path: Path) -> None:
+    """A test (or any tool) that polls the records while the server writes one: every write
+    lands. Readers once removed `.tmp` files, and a write whose file went failed its rename
+    (a converter did not start: `No such file or directory: '…-cv.tmp' -> '…-cv.json'`)."""
+    stop = threading.Event()
+
+    def poll() -> None:
+        while not stop.is_set():
+            registry.load_all(tmp_path)
+
+    reader = threading.Thread(target=poll)
+    reader.start()
+    try:
+        for i in range(2000):
+            rec = VMRecord(name="w-cv", workdir="/w", qmp_socket="/w/q.sock", pid=i)
+            registry.write(tmp_path, rec)
+    finally:
+        stop.set()
+        reader.join()
+    assert registry.load_all(tmp_path)[0].pid == 1999
 
 
 def test_live_pid_by_pid_and_start_time(fake_vm: tuple[subprocess.Popen[bytes], str]) -> None:

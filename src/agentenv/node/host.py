@@ -127,7 +127,7 @@ class Node(NodeReset):
         keep: set[int] = set()
         # Records nobody adopts, by VM name (a sandbox's is its id), with their live pid.
         left: dict[str, tuple[vm_registry.VMRecord, int | None]] = {}
-        for rec in await asyncio.to_thread(vm_registry.load_all, s.vms_dir):
+        for rec in await asyncio.to_thread(vm_registry.load_all, s.vms_dir, sweep=True):
             pid = await asyncio.to_thread(vm_registry.live_pid, rec)
             if pid is not None and self._is_sandbox(rec) and not self._paused_on_disk(rec.name):
                 try:

@@ -65,15 +65,18 @@ def remove(directory: Path, name: str, pid: int | None = None) -> None:
     path.unlink(missing_ok=True)
 
 
-def load_all(directory: Path) -> list[VMRecord]:
-    """Every record in `directory`; unreadable ones (a crash mid-write leaves only `.tmp`
-    files, which are removed) are skipped."""
+def load_all(directory: Path, *, sweep: bool = False) -> list[VMRecord]:
+    """Every record in `directory`; unreadable ones are skipped. A `.tmp` file is a write in
+    progress or what a crash mid-write left. Only the data dir's owner at its start, with no
+    writer left, removes them (``sweep``): a reader that did would break the rename of a
+    write in progress (a test polling the records did, and a converter failed to start)."""
     out: list[VMRecord] = []
     if not directory.is_dir():
         return out
     for path in sorted(directory.iterdir()):
         if path.suffix == ".tmp":
-            path.unlink(missing_ok=True)
+            if sweep:
+                path.unlink(missing_ok=True)
             continue
         if path.suffix != SUFFIX:
             continue
