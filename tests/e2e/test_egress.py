@@ -22,6 +22,7 @@ import pytest
 from agentenv.config import Settings
 from agentenv.guest.envd.client import EnvdClient
 from agentenv.network import Egress, nft
+from agentenv.network.slot import host_lock
 from agentenv.node.host import Node, SandboxHandle
 
 pytestmark = pytest.mark.vm
@@ -190,8 +191,17 @@ async def sh(sb: SandboxHandle, cmd: str) -> tuple[int, str]:
     return res[0], res[1]
 
 
+def host_forwarding_setting() -> str:
+    """IPv4 forwarding as the host had it before any agentenv slot. A slot of this node or of
+    another process (the suite's other worker) may already have turned it on: the mark says so.
+    Read under the host lock, which slots take to change either."""
+    current = nft.IP_FORWARD.read_text().strip()
+    return "0" if nft.FORWARD_MARK.exists() else current
+
+
 async def test_guest_reaches_beyond_the_node_but_not_the_node(node: Node, tmp_path: Path) -> None:
-    forwarding_before = nft.IP_FORWARD.read_text().strip()
+    async with host_lock():
+        forwarding_before = host_forwarding_setting()
     with internet(tmp_path):
         sb = await node.create("base", memory_mb=384)
         try:
@@ -227,9 +237,10 @@ async def test_guest_reaches_beyond_the_node_but_not_the_node(node: Node, tmp_pa
     # With the last slot on the host gone, host forwarding is back to what it was; while
     # another process's slot lives on (the suite's other worker, another server), it stays
     # on, as that slot needs it.
-    others = [n for n in os.listdir("/sys/class/net") if n.startswith(nft.HOST_PREFIX)]
-    want = "1" if others else forwarding_before
-    assert nft.IP_FORWARD.read_text().strip() == want, others
+    async with host_lock():
+        others = [n for n in os.listdir("/sys/class/net") if n.startswith(nft.HOST_PREFIX)]
+        forwarding = nft.IP_FORWARD.read_text().strip()
+    assert forwarding == ("1" if others else forwarding_before), others
 
 
 CONNECT_TIMED = (
