@@ -509,100 +509,132 @@ def datetime_ts(text: str) -> float:
     return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
 
 
-# Where each operation ends up after a crash at that point, as the restarted server finds it.
-# `pause:recorded` and `resume:loaded` (both end paused) are checked by
-# `test_sigkill_at_each_crash_point_frees_its_stack`, which also checks what each frees.
+# Where each operation ends up after a crash at that point, as the restarted server finds it,
+# in the order the chain below runs them. `pause:recorded` and `resume:loaded` (both end
+# paused) are checked by `test_sigkill_at_each_crash_point_frees_its_stack`, which also checks
+# what each frees.
+#
+# The server that recovers from one case's crash checks that case, then runs the next case up
+# to its crash point. So what a case's check does must not pass the next case's point: the
+# check resumes the sandbox if it is paused (a memory pause resumes through `resume:*`, a
+# filesystem one through `coldboot:*`), and then repeats the operation: a fork (`capture:*`,
+# `fork:*`), a capture, or else a pause and a resume (`pause:*`, `resume:*`).
 CRASH_CASES = {
-    "pause:saved": "running",
-    "resume:running": "running",
-    "capture:sealed": "running",
-    "fork:captured": "running",
     # Forked while paused (#24): the parent stays paused whatever the children got to.
     "fork:child": "paused",
-    "fspause:stopped": "running",
-    "fspause:recorded": "paused",
-    "coldboot:booting": "paused",
+    "pause:saved": "running",
     "coldboot:running": "running",
+    "fspause:stopped": "running",
+    "coldboot:booting": "paused",
+    "fspause:recorded": "paused",
+    "capture:sealed": "running",
+    "fork:captured": "running",
+    "resume:running": "running",
 }
 # Crash points whose restarted server must find a filesystem-only pause: no RAM kept.
 FILESYSTEM_PAUSED = {"fspause:recorded", "coldboot:booting"}
 
 
-@pytest.mark.parametrize("point", sorted(CRASH_CASES))
-def test_sigkill_mid_operation_rolls_forward_or_back(
-    home: Path, restore_env: None, point: str
-) -> None:
-    assert point in POINTS
-    srv = _start(home, AGENTENV_CRASH_AT=point)
-    try:
-        sbx = Sandbox.create(timeout=TIMEOUT_S)
-        sbx.files.write("/home/user/f.txt", point)
-        rid = _runtime_id(sbx)
-        op = point.split(":")[0]
-        body: dict[str, Any] = {"count": 2} if op == "fork" else {}
-        if op == "resume" or point == "fork:child":
-            sbx.beta_pause()
-        elif point == "coldboot:booting":
-            # A memory pause resumed without its memory: the record turns into a disk one
-            # before the boot. The file is synced (an unsynced write may be lost, as E2B).
-            sbx.commands.run("sync")
-            sbx.beta_pause()
-            body = {"memory": False}
-        elif op == "coldboot":
-            sbx.pause(mode="filesystem")
-        elif op == "fspause":
-            body = {"memory": False}
-        with _api(srv) as api:
-            path = {
-                "pause": f"/sandboxes/{sbx.sandbox_id}/pause",
-                "fspause": f"/sandboxes/{sbx.sandbox_id}/pause",
-                "resume": f"/sandboxes/{sbx.sandbox_id}/resume",
-                "coldboot": f"/sandboxes/{sbx.sandbox_id}/resume",
-                "capture": f"/sandboxes/{sbx.sandbox_id}/snapshots",
-                "fork": f"/sandboxes/{sbx.sandbox_id}/fork",
-            }[op]
-            with pytest.raises(httpx.TransportError):
-                api.post(path, json=body)
-        _await_crash(srv)
-        srv = _start(home, srv.port)
+def _crash_mid(srv: ServerProcess, point: str) -> tuple[Sandbox, str]:
+    """A sandbox made on `srv` (armed at `point`), taken to the operation the point is in;
+    the request for that operation kills the server. The sandbox and its runtime id."""
+    sbx = Sandbox.create(timeout=TIMEOUT_S)
+    sbx.files.write("/home/user/f.txt", point)
+    rid = _runtime_id(sbx)
+    op = point.split(":")[0]
+    body: dict[str, Any] = {"count": 2} if op == "fork" else {}
+    if op == "resume" or point == "fork:child":
+        sbx.beta_pause()
+    elif point == "coldboot:booting":
+        # A memory pause resumed without its memory: the record turns into a disk one
+        # before the boot. The file is synced (an unsynced write may be lost, as E2B).
+        sbx.commands.run("sync")
+        sbx.beta_pause()
+        body = {"memory": False}
+    elif op == "coldboot":
+        sbx.pause(mode="filesystem")
+    elif op == "fspause":
+        body = {"memory": False}
+    path = {
+        "pause": "pause",
+        "fspause": "pause",
+        "resume": "resume",
+        "coldboot": "resume",
+        "capture": "snapshots",
+        "fork": "fork",
+    }[op]
+    with _api(srv) as api, pytest.raises(httpx.TransportError):
+        api.post(f"/sandboxes/{sbx.sandbox_id}/{path}", json=body)
+    _await_crash(srv)
+    return sbx, rid
+
+
+def _check_recovered(srv: ServerProcess, point: str, sbx: Sandbox, rid: str) -> None:
+    """The restarted server found the operation cut short at `point` rolled forward or back,
+    the sandbox's files intact, and the operation works again."""
+    home = srv.home
+    op = point.split(":")[0]
+    if op == "fork":
+        # The cut-short fork's hold on its capture went with the restart.
+        held = SnapshotRepository(home / "snapshots", LayerStore(home / "layers")).all_holders()
+        assert not [h for h in held if h.startswith("fork")], (point, held)
+    with _api(srv) as api:
+        resp = api.get(f"/sandboxes/{sbx.sandbox_id}")
+        assert resp.status_code == 200, (point, resp.text, srv.log_tail(30))
+        assert resp.json()["state"] == CRASH_CASES[point], (point, resp.text)
+        if point in FILESYSTEM_PAUSED:
+            assert resp.json()["pauseMode"] == "filesystem", (point, resp.text)
+            workdir = home / "sandboxes" / rid
+            assert json.loads((workdir / "paused.json").read_text())["kind"] == "disk", point
+            assert not (workdir / "memory").exists(), (point, "the dropped RAM is still on disk")
+        listed = api.get("/v2/sandboxes").json()
+        assert [s["sandboxID"] for s in listed] == [sbx.sandbox_id], (point, "children remain")
+    again = Sandbox.connect(sbx.sandbox_id)
+    assert again.files.read("/home/user/f.txt") == point
+    again.files.write("/home/user/g.txt", "after")
+    assert again.commands.run("cat /home/user/g.txt").stdout == "after"
+    # The operation works now.
+    with _api(srv) as api:
         if op == "fork":
-            # The cut-short fork's hold on its capture went with the restart.
-            held = SnapshotRepository(home / "snapshots", LayerStore(home / "layers")).all_holders()
-            assert not [h for h in held if h.startswith("fork")], held
-        with _api(srv) as api:
-            resp = api.get(f"/sandboxes/{sbx.sandbox_id}")
-            assert resp.status_code == 200, (resp.text, srv.log_tail(30))
-            assert resp.json()["state"] == CRASH_CASES[point], resp.text
-            if point in FILESYSTEM_PAUSED:
-                assert resp.json()["pauseMode"] == "filesystem", resp.text
-                workdir = home / "sandboxes" / rid
-                assert json.loads((workdir / "paused.json").read_text())["kind"] == "disk"
-                assert not (workdir / "memory").exists(), "the dropped RAM is still on disk"
-            listed = api.get("/v2/sandboxes").json()
-            assert [s["sandboxID"] for s in listed] == [sbx.sandbox_id], "fork children remain"
-        again = Sandbox.connect(sbx.sandbox_id)
-        assert again.files.read("/home/user/f.txt") == point
-        again.files.write("/home/user/g.txt", "after")
-        assert again.commands.run("cat /home/user/g.txt").stdout == "after"
-        # The operation works now.
-        with _api(srv) as api:
-            if op == "fork":
-                resp = api.post(f"/sandboxes/{sbx.sandbox_id}/fork", json={"count": 1})
-                assert resp.status_code == 201, resp.text
-                for child in resp.json():
-                    assert api.delete(f"/sandboxes/{child['sandbox']['sandboxID']}").is_success
-            elif op == "capture":
-                resp = api.post(f"/sandboxes/{sbx.sandbox_id}/snapshots", json={})
-                assert resp.status_code == 201, resp.text
-            else:
-                again.beta_pause()
-                assert Sandbox.connect(sbx.sandbox_id).files.read("/home/user/g.txt") == "after"
-        again.kill()
-        assert not [
-            line
-            for line in srv.log_tail(400).splitlines()
-            if "Traceback" in line or " ERROR agentenv" in line
-        ]
+            resp = api.post(f"/sandboxes/{sbx.sandbox_id}/fork", json={"count": 1})
+            assert resp.status_code == 201, (point, resp.text)
+            for child in resp.json():
+                assert api.delete(f"/sandboxes/{child['sandbox']['sandboxID']}").is_success
+        elif op == "capture":
+            resp = api.post(f"/sandboxes/{sbx.sandbox_id}/snapshots", json={})
+            assert resp.status_code == 201, (point, resp.text)
+        else:
+            again.beta_pause()
+            assert Sandbox.connect(sbx.sandbox_id).files.read("/home/user/g.txt") == "after"
+    again.kill()
+
+
+def _log_size(srv: ServerProcess) -> int:
+    return srv.log_path.stat().st_size if srv.log_path.exists() else 0
+
+
+def _errors_logged(srv: ServerProcess, since: int) -> list[str]:
+    with srv.log_path.open("rb") as log:
+        log.seek(since)
+        text = log.read().decode(errors="replace")
+    return [line for line in text.splitlines() if "Traceback" in line or " ERROR agentenv" in line]
+
+
+def test_sigkill_mid_operation_rolls_forward_or_back(home: Path, restore_env: None) -> None:
+    """A SIGKILL at each point of `CRASH_CASES`, one server start per case: the server that
+    recovers from one case's crash checks it (state, files, the operation once more, no error
+    logged) and is the next case's to crash."""
+    points = list(CRASH_CASES)
+    assert set(points) <= POINTS
+    srv = _start(home, AGENTENV_CRASH_AT=points[0])
+    try:
+        for i, point in enumerate(points):
+            sbx, rid = _crash_mid(srv, point)
+            nxt = {"AGENTENV_CRASH_AT": points[i + 1]} if i + 1 < len(points) else {}
+            since = _log_size(srv)
+            srv = _start(home, srv.port, **nxt)
+            _check_recovered(srv, point, sbx, rid)
+            assert not _errors_logged(srv, since), (point, _errors_logged(srv, since))
     finally:
         _finish(srv)
 
