@@ -30,6 +30,8 @@ from e2b_code_interpreter import Sandbox
 from e2b_code_interpreter.charts import ChartType
 from e2b_code_interpreter.models import Context, Execution, parse_output
 
+from ..wakeups import wakeups_per_s
+
 PACKAGE_PARENT = Path(__file__).parents[3] / "src" / "agentenv" / "guest"
 TOKEN = "token-123"
 SANDBOX_ENVS = {"SANDBOX_VAR": "from-envd", "SHARED": "sandbox-value"}
@@ -115,7 +117,7 @@ def wait_health(proc: subprocess.Popen[bytes], url: str, want: int) -> httpx.Res
 
 
 @pytest.fixture(scope="module")
-def base_url(workdir: Path) -> Iterator[str]:
+def server(workdir: Path) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
     envd = ThreadingHTTPServer(("127.0.0.1", 0), FakeEnvd)
     threading.Thread(target=envd.serve_forever, daemon=True).start()
     home = workdir / "home"
@@ -125,9 +127,27 @@ def base_url(workdir: Path) -> Iterator[str]:
     try:
         with serve(workdir, "server", args) as (proc, url):
             wait_health(proc, url, 200)
-            yield url
+            yield proc, url
     finally:
         envd.shutdown()
+
+
+@pytest.fixture(scope="module")
+def base_url(server: tuple[subprocess.Popen[bytes], str]) -> str:
+    return server[1]
+
+
+def test_an_idle_server_wakes_about_once_a_second(
+    server: tuple[subprocess.Popen[bytes], str],
+) -> None:
+    """Its loop is `quiet_server`'s: under TCG each wakeup of an idle sandbox's server costs
+    its host CPU. Its default python kernel is another process, not counted."""
+    proc, url = server
+    assert httpx.get(f"{url}/health", timeout=10).status_code == 200
+    time.sleep(0.5)
+    woke = wakeups_per_s(proc.pid)
+    # With uvicorn's own loop: >10/s.
+    assert woke < 4, f"{woke:.1f} wakeups/s"
 
 
 def test_warm_up_leaves_no_trace(base_url: str, workdir: Path) -> None:

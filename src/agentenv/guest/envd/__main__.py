@@ -63,8 +63,8 @@ def main(argv: list[str] | None = None) -> None:
     _skip_connectrpc_version_lookup()
     import uvicorn
 
+    from ..quiet_server import Server
     from .app import Envd
-    from .server import Server
     from .state import EnvdState
 
     app = Envd(EnvdState(default_user=args.default_user, guest=args.guest))

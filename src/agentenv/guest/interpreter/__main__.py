@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
+import sys
 
 import uvicorn
+from uvicorn.config import STARTUP_FAILURE
 
 from .app import build_app
 from .kernel import Settings
+from .quiet_server import Server
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -37,7 +41,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     languages = [lang.strip() for lang in args.default_languages.split(",") if lang.strip()]
     app = build_app(settings, languages)
-    uvicorn.run(
+    config = uvicorn.Config(
         app,
         host=args.host,
         port=args.port,
@@ -45,6 +49,12 @@ def main(argv: list[str] | None = None) -> None:
         access_log=False,
         timeout_keep_alive=640,
     )
+    # As uvicorn.run, with the loop that wakes once a second (`quiet_server`).
+    server = Server(config)
+    with contextlib.suppress(KeyboardInterrupt):
+        server.run()
+    if not server.started:
+        sys.exit(STARTUP_FAILURE)
 
 
 if __name__ == "__main__":

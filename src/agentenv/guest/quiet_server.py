@@ -1,4 +1,5 @@
-"""envd's HTTP server: uvicorn's, waking once a second instead of ten times.
+"""The guest's HTTP servers (envd; the code interpreter): uvicorn's, waking once a second
+instead of ten times.
 
 uvicorn's main loop sleeps 0.1 s between housekeeping ticks: it refreshes the Date header
 every tenth one and looks at `should_exit` on each. In a guest under TCG every wakeup of the
@@ -6,6 +7,10 @@ Python loop runs in emulation: those ticks were most of what an idle sandbox cos
 Its QEMU's CPU, 3 idle sandboxes, 30 s (2026-12-07): 28 and 54-58 ms per second with them,
 9-11 ms with this loop. Here the loop ticks once a second (the Date header stays as fresh),
 and a signal ends the wait at once, so a shutdown does not wait for the next tick.
+
+The code interpreter imports nothing from `agentenv` (its template copies its package alone
+and runs it on the guest's own Python), so `guest/interpreter/quiet_server.py` is a symlink
+to this file: one source, copied into that template with the package's other modules.
 """
 
 from __future__ import annotations

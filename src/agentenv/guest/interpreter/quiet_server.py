@@ -1,0 +1,1 @@
+../quiet_server.py
