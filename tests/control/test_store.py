@@ -9,6 +9,7 @@ import json
 import sqlite3
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from cluster.etcd_cluster import EtcdCluster
@@ -417,3 +418,53 @@ async def test_etcd_store_calls_carry_on_after_the_leader_is_killed(
         await a.close()
         await b.close()
         etcd_cluster.ensure_running()
+
+
+async def test_etcd_writes_start_from_the_row_last_seen_and_never_answer_from_it(
+    etcd_pair: tuple[EtcdStore, EtcdStore], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A write of a row this replica read or wrote is one transaction, not a read and then
+    one. When another replica changed the row since, the stale copy decides nothing: the
+    write sees the row as etcd holds it."""
+    a, b = etcd_pair
+    txns = 0
+
+    def counting(store: EtcdStore) -> None:
+        real = store.etcd.txn
+
+        async def txn(*args: Any, **kwargs: Any) -> Any:
+            nonlocal txns
+            txns += 1
+            return await real(*args, **kwargs)
+
+        monkeypatch.setattr(store.etcd, "txn", txn)
+
+    counting(a)
+    counting(b)
+    try:
+        await a.insert(_record("iseen"))
+        txns = 0
+        assert await a.transition("iseen", R, P)
+        assert await a.transition("iseen", P, R, end_at=5.0)
+        await a.update("iseen", end_at=6.0)
+        assert txns == 3, txns
+
+        got = await b.get("iseen")
+        assert got is not None and got.state is R
+        assert await a.transition("iseen", R, P)
+        # b last saw it running: that does not make b's transition from running succeed,
+        # nor one from paused fail.
+        assert not await b.transition("iseen", R, SandboxState.KILLING)
+        assert await b.transition("iseen", P, R)
+        # a's copy is stale now: its update lands on b's row, not over it.
+        await a.update("iseen", end_at=9.0)
+        got = await b.get("iseen")
+        assert got is not None and (got.state, got.end_at) == (R, 9.0)
+        assert not await a.claim("iseen", R, "other", "a")
+        assert await a.transition("iseen", R, G)
+        assert not await b.transition("iseen", R, P)
+        got = await b.get("iseen")
+        assert got is not None and got.state is G
+    finally:
+        await a.close()
+        await b.close()

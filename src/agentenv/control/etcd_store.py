@@ -37,6 +37,7 @@ import dataclasses
 import json
 import secrets
 import time
+from collections import OrderedDict
 from collections.abc import Iterable
 from typing import Any
 
@@ -75,6 +76,8 @@ _TRIM_EVERY = 50
 # Operations per transaction etcd accepts by default (`--max-txn-ops`).
 _MAX_TXN_OPS = 128
 _FIELDS = {f.name for f in dataclasses.fields(SandboxRecord)} - {"seq"}
+# Rows `EtcdStore` remembers as last seen (a few hundred bytes each).
+_SEEN_ROWS = 4096
 
 
 def _record(row: dict[str, Any]) -> SandboxRecord:
@@ -115,6 +118,13 @@ class EtcdStore(EtcdTenancy, EtcdKeys):
         self._log_n = 0
         self._log_writes: dict[str, int] = {}
         self._default_team_ready = False
+        # The last version of each row this replica read or wrote, newest last: a write's
+        # compare-and-set starts from it instead of reading the row first (one transaction
+        # instead of two). It may be stale (another replica wrote since): the compare then
+        # fails and its failure branch hands back the row as it is. No answer comes from it
+        # alone: a row that does not match what a write expects is read again before the
+        # write says no.
+        self._seen: OrderedDict[str, _Row] = OrderedDict()
 
     # -- keys --------------------------------------------------------------------------------
 
@@ -142,12 +152,22 @@ class EtcdStore(EtcdTenancy, EtcdKeys):
                 return _Row(kv.key, kv, self._decode(kv))
         return None
 
+    def _remember(self, sandbox_id: str, row: _Row | None) -> _Row | None:
+        if row is None:
+            self._seen.pop(sandbox_id, None)
+            return None
+        self._seen[sandbox_id] = row
+        self._seen.move_to_end(sandbox_id)
+        if len(self._seen) > _SEEN_ROWS:
+            self._seen.popitem(last=False)
+        return row
+
     async def _read(self, sandbox_id: str) -> _Row | None:
         if not _part_ok(sandbox_id):
             return None
         live, gone = self._live(sandbox_id), self._gone(sandbox_id)
         result = await self.etcd.txn([], [get_op(live), get_op(gone)])
-        return self._row_of(result.ranges)
+        return self._remember(sandbox_id, self._row_of(result.ranges))
 
     async def _scan(self, *, gone: bool) -> list[dict[str, Any]]:
         """Live rows, and with `gone` the gone ones too, in insertion (`seq`) order."""
@@ -171,7 +191,7 @@ class EtcdStore(EtcdTenancy, EtcdKeys):
             [put_op(key, _dumps(row)), get_op(key)],
             [get_op(live), get_op(gone)],
         )
-        found = self._row_of(result.ranges)
+        found = self._remember(rec.id, self._row_of(result.ranges))
         if found is None or found.data.get("_w") != mark:
             raise DuplicateKey(f"sandbox {rec.id} exists already")
         rec.seq = int(found.data["seq"])
@@ -193,12 +213,21 @@ class EtcdStore(EtcdTenancy, EtcdKeys):
         unknown = set(changes) - _FIELDS - {"state"}
         if unknown:
             raise ValueError(f"unknown sandbox fields: {', '.join(sorted(unknown))}")
-        row = await self._read(sandbox_id)
+        row = self._seen.get(sandbox_id) if _part_ok(sandbox_id) else None
+        fresh = row is None
+        if row is None:
+            row = await self._read(sandbox_id)
         for _ in range(MAX_CAS_ATTEMPTS):
-            if row is None or (expected is not None and row.state not in expected):
-                return False
-            if match and any(row.data.get(k) != v for k, v in match.items()):
-                return False
+            if (
+                row is None
+                or (expected is not None and row.state not in expected)
+                or (match and any(row.data.get(k) != v for k, v in match.items()))
+            ):
+                if fresh:
+                    return False
+                # What this replica last saw says no; what etcd holds now decides.
+                row, fresh = await self._read(sandbox_id), True
+                continue
             # Keys of older schemas (fields a record no longer has) are read past by
             # `_record` and dropped by the next write.
             data = {k: v for k, v in row.data.items() if k in _FIELDS or k == "seq"}
@@ -212,12 +241,12 @@ class EtcdStore(EtcdTenancy, EtcdKeys):
                 ops.insert(0, delete_op(row.key))
             result = await self.etcd.txn(
                 [modified_at(row.key, row.kv.mod_revision)],
-                ops,
+                [*ops, get_op(target)],
                 [get_op(self._live(sandbox_id)), get_op(self._gone(sandbox_id))],
             )
+            row, fresh = self._remember(sandbox_id, self._row_of(result.ranges)), True
             if result.succeeded:
                 return True
-            row = self._row_of(result.ranges)
             if row is not None and row.data.get("_w") == mark:
                 return True  # an earlier attempt of this very write won; its answer was lost
         raise StoreConflict(f"sandbox {sandbox_id}: {MAX_CAS_ATTEMPTS} writes lost in a row")
