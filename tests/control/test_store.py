@@ -468,3 +468,40 @@ async def test_etcd_writes_start_from_the_row_last_seen_and_never_answer_from_it
     finally:
         await a.close()
         await b.close()
+
+
+async def _until(check: Any, what: str) -> None:
+    for _ in range(200):
+        if check():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"not within 2 s: {what}")
+
+
+async def test_etcd_recent_rows_follow_every_replica_and_own_writes_at_once(
+    etcd_pair: tuple[EtcdStore, EtcdStore],
+) -> None:
+    """A replica that opened its store knows the live rows without reading them: its own
+    writes at once, another replica's through its watch; a row that went is not known."""
+    a, b = etcd_pair
+    await a.insert(_record("iearly"))
+    await b.open()
+    try:
+        # Rows from before the watch come from its first listing.
+        await _until(lambda: b.recent("iearly") is not None, "the listed row")
+        await a.insert(_record("iwatch"))
+        await _until(lambda: b.recent("iwatch") is not None, "the other replica's insert")
+        assert await a.transition("iwatch", R, P)
+        await _until(lambda: getattr(b.recent("iwatch"), "state", None) is P, "its pause")
+        # Its own write: known as it returns, no waiting on the watch.
+        assert await b.transition("iwatch", P, R, end_at=7.0)
+        rec = b.recent("iwatch")
+        assert rec is not None and (rec.state, rec.end_at) == (R, 7.0)
+        assert await a.transition("iwatch", R, G)
+        await _until(lambda: b.recent("iwatch") is None, "its deletion")
+        assert b.recent("inever") is None
+    finally:
+        await b.close()
+        await a.close()
+    # Closed, it knows nothing current (the watch is not following any more).
+    assert b.recent("iearly") is None

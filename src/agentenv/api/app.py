@@ -88,7 +88,12 @@ class AgentenvApp:
             await self.manager.store.close()
 
     async def _resolve(self, sandbox_id: str) -> SandboxRecord | None:
-        rec = await self.manager.store.get(sandbox_id)
+        # A running row as this replica knows it is enough to forward on: had another
+        # replica just paused or killed it, the forward fails as it would have a moment
+        # earlier. Any other state is read from the store, as it decides what comes next.
+        rec = self.manager.store.recent(sandbox_id)
+        if rec is None or rec.state is not SandboxState.RUNNING:
+            rec = await self.manager.store.get(sandbox_id)
         if rec is None:
             return None
         # Traffic never resumes a filesystem-only pause (E2B): it would reboot the guest.

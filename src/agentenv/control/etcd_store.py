@@ -37,7 +37,6 @@ import dataclasses
 import json
 import secrets
 import time
-from collections import OrderedDict
 from collections.abc import Iterable
 from typing import Any
 
@@ -60,6 +59,7 @@ from agentenv.control.etcd_kv import (
     _is_build,
     _part_ok,
 )
+from agentenv.control.etcd_rows import Row, RowView, decode
 from agentenv.control.etcd_tenancy import EtcdTenancy
 from agentenv.control.store import (
     DEFAULT_TEAM,
@@ -76,8 +76,6 @@ _TRIM_EVERY = 50
 # Operations per transaction etcd accepts by default (`--max-txn-ops`).
 _MAX_TXN_OPS = 128
 _FIELDS = {f.name for f in dataclasses.fields(SandboxRecord)} - {"seq"}
-# Rows `EtcdStore` remembers as last seen (a few hundred bytes each).
-_SEEN_ROWS = 4096
 
 
 def _record(row: dict[str, Any]) -> SandboxRecord:
@@ -93,19 +91,6 @@ def _row_value(value: Any) -> Any:
     return value.value if isinstance(value, SandboxState) else value
 
 
-@dataclasses.dataclass
-class _Row:
-    """A sandbox row as read: where it is, at which revision, and its fields (with `seq`)."""
-
-    key: bytes
-    kv: KeyValue
-    data: dict[str, Any]
-
-    @property
-    def state(self) -> SandboxState:
-        return SandboxState(self.data["state"])
-
-
 class EtcdStore(EtcdTenancy, EtcdKeys):
     """The `Store` protocol on etcd: sandbox rows and their logs here, teams and admission in
     `EtcdTenancy`, API and idempotency keys in `EtcdKeys`. One instance per event loop (its
@@ -118,13 +103,11 @@ class EtcdStore(EtcdTenancy, EtcdKeys):
         self._log_n = 0
         self._log_writes: dict[str, int] = {}
         self._default_team_ready = False
-        # The last version of each row this replica read or wrote, newest last: a write's
-        # compare-and-set starts from it instead of reading the row first (one transaction
-        # instead of two). It may be stale (another replica wrote since): the compare then
-        # fails and its failure branch hands back the row as it is. No answer comes from it
-        # alone: a row that does not match what a write expects is read again before the
-        # write says no.
-        self._seen: OrderedDict[str, _Row] = OrderedDict()
+        # The rows as this replica last saw them (`etcd_rows`): a write's compare-and-set
+        # starts from there instead of reading the row first, and the proxy forwards on a
+        # running row from there. Kept by the store's own reads and writes, and once `open`
+        # has run, by a watch on the live rows.
+        self.rows = RowView(etcd, etcd.dir("sandboxes"), self._id_of_key)
 
     # -- keys --------------------------------------------------------------------------------
 
@@ -139,30 +122,33 @@ class EtcdStore(EtcdTenancy, EtcdKeys):
 
     # -- sandbox rows ------------------------------------------------------------------------
 
-    @staticmethod
-    def _decode(kv: KeyValue) -> dict[str, Any]:
-        data: dict[str, Any] = json.loads(kv.value)
-        data.setdefault("seq", kv.create_revision)
-        return data
+    def _id_of_key(self, key: bytes) -> str:
+        return key.rsplit(b"/", 1)[-1].decode()
 
-    def _row_of(self, ranges: list[list[KeyValue]]) -> _Row | None:
+    def _row_of(self, ranges: list[list[KeyValue]]) -> Row | None:
         for found in ranges:
             if found:
                 kv = found[0]
-                return _Row(kv.key, kv, self._decode(kv))
+                return Row(kv.key, kv, decode(kv))
         return None
 
-    def _remember(self, sandbox_id: str, row: _Row | None) -> _Row | None:
+    def _remember(self, sandbox_id: str, row: Row | None) -> Row | None:
         if row is None:
-            self._seen.pop(sandbox_id, None)
-            return None
-        self._seen[sandbox_id] = row
-        self._seen.move_to_end(sandbox_id)
-        if len(self._seen) > _SEEN_ROWS:
-            self._seen.popitem(last=False)
+            self.rows.forget(sandbox_id)
+        else:
+            self.rows.learn(sandbox_id, row.kv)
         return row
 
-    async def _read(self, sandbox_id: str) -> _Row | None:
+    async def open(self) -> None:
+        """Starts following the live rows (`recent`)."""
+        await super().open()
+        self.rows.start()
+
+    async def close(self) -> None:
+        await self.rows.stop()
+        await super().close()
+
+    async def _read(self, sandbox_id: str) -> Row | None:
         if not _part_ok(sandbox_id):
             return None
         live, gone = self._live(sandbox_id), self._gone(sandbox_id)
@@ -172,10 +158,10 @@ class EtcdStore(EtcdTenancy, EtcdKeys):
     async def _scan(self, *, gone: bool) -> list[dict[str, Any]]:
         """Live rows, and with `gone` the gone ones too, in insertion (`seq`) order."""
         kvs, _ = await self.etcd.get_prefix(self.etcd.dir("sandboxes"))
-        rows = [self._decode(kv) for kv in kvs]
+        rows = [decode(kv) for kv in kvs]
         if gone:
             more, _ = await self.etcd.get_prefix(self.etcd.dir("gone-sandboxes"))
-            rows += [self._decode(kv) for kv in more]
+            rows += [decode(kv) for kv in more]
         rows.sort(key=lambda r: int(r["seq"]))
         return rows
 
@@ -200,6 +186,10 @@ class EtcdStore(EtcdTenancy, EtcdKeys):
         row = await self._read(sandbox_id)
         return None if row is None else _record(row.data)
 
+    def recent(self, sandbox_id: str) -> SandboxRecord | None:
+        row = self.rows.current(sandbox_id) if _part_ok(sandbox_id) else None
+        return None if row is None else _record(row.data)
+
     async def _rewrite(
         self,
         sandbox_id: str,
@@ -213,14 +203,14 @@ class EtcdStore(EtcdTenancy, EtcdKeys):
         unknown = set(changes) - _FIELDS - {"state"}
         if unknown:
             raise ValueError(f"unknown sandbox fields: {', '.join(sorted(unknown))}")
-        row = self._seen.get(sandbox_id) if _part_ok(sandbox_id) else None
+        row = self.rows.latest(sandbox_id) if _part_ok(sandbox_id) else None
         fresh = row is None
         if row is None:
             row = await self._read(sandbox_id)
         for _ in range(MAX_CAS_ATTEMPTS):
             if (
                 row is None
-                or (expected is not None and row.state not in expected)
+                or (expected is not None and SandboxState(row.state) not in expected)
                 or (match and any(row.data.get(k) != v for k, v in match.items()))
             ):
                 if fresh:

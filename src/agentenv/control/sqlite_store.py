@@ -191,6 +191,10 @@ class SqliteStore:
         row = self._db.execute("SELECT * FROM sandboxes WHERE id = ?", (sandbox_id,)).fetchone()
         return _from_row(row) if row else None
 
+    def recent(self, sandbox_id: str) -> SandboxRecord | None:
+        # The file is this server's alone and `get` is a local read: no view is kept.
+        return None
+
     async def transition(
         self,
         sandbox_id: str,

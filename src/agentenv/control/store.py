@@ -158,6 +158,10 @@ class Store(Protocol):
     # Sandboxes. `insert` sets `rec.seq`: increasing in insertion order (the list order).
     async def insert(self, rec: SandboxRecord) -> None: ...
     async def get(self, sandbox_id: str) -> SandboxRecord | None: ...
+    # The row as this process knows it without reading the store, None when it does not:
+    # its own writes at once, other replicas' as they reach it (milliseconds). For the
+    # proxy's per-request lookup; anything that decides reads `get`.
+    def recent(self, sandbox_id: str) -> SandboxRecord | None: ...
     async def transition(
         self,
         sandbox_id: str,

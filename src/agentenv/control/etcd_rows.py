@@ -1,0 +1,157 @@
+"""What one control-plane replica knows of the sandbox rows in etcd without asking it.
+
+Every request the proxy carries names a sandbox, and the proxy needs its row (where it runs,
+its state, its tokens): reading it from etcd each time cost a transaction per request, on the
+replica (gRPC, protobuf) and on etcd (a linearizable read goes through the leader). This
+view keeps the live rows (`sandboxes/`) as a watch on that prefix delivers them, plus every
+row this replica reads or writes itself, at once. Each entry carries the etcd revision it is
+from and only a newer one replaces it, so a late watch event never undoes a newer read.
+
+What it is for, and what not:
+- `current`: the row as this replica knows it while the watch is in step (a change another
+  replica made arrives a few milliseconds later). The proxy forwards on a running row from
+  here and reads etcd for any other state; None means "not known here": read etcd.
+- `latest`: the starting point of a compare-and-set (`EtcdStore._rewrite`), whose compare
+  decides; never an answer on its own.
+Values are kept as etcd's bytes and decoded on use: a replica may know thousands of rows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from agentenv.cluster.etcd import Etcd, KeyValue, WatchCompacted
+
+log = logging.getLogger(__name__)
+
+# Rows remembered (etcd's bytes, ~1 KB each); past this the least recently used go, and a
+# row not known here is read from etcd.
+MAX_ROWS = 16384
+# After a broken watch (etcd unreachable past its deadline, a compacted revision): the pause
+# before listing the rows again.
+RESYNC_PAUSE_S = 1.0
+
+
+@dataclass
+class Row:
+    """A sandbox row as read: where it is, at which revision, and its fields (with `seq`)."""
+
+    key: bytes
+    kv: KeyValue
+    data: dict[str, Any]
+
+    @property
+    def state(self) -> str:
+        return str(self.data["state"])
+
+
+def decode(kv: KeyValue) -> dict[str, Any]:
+    data: dict[str, Any] = json.loads(kv.value)
+    data.setdefault("seq", kv.create_revision)
+    return data
+
+
+@dataclass
+class _Known:
+    revision: int
+    # The row's key-value, or None: its live key was deleted at `revision` (it went).
+    kv: KeyValue | None
+
+
+class RowView:
+    """Live sandbox rows under `prefix` (the store's `sandboxes/` directory), kept by a watch
+    (`start`) and by the store's own reads and writes (`learn`)."""
+
+    def __init__(self, etcd: Etcd, prefix: bytes, id_of: Callable[[bytes], str]) -> None:
+        self._etcd = etcd
+        self._prefix = prefix
+        self._id_of = id_of
+        self._known: OrderedDict[str, _Known] = OrderedDict()
+        self._in_step = False
+        self._task: asyncio.Task[None] | None = None
+
+    # -- what the store learns itself ----------------------------------------------------------
+
+    def learn(self, sandbox_id: str, kv: KeyValue | None, revision: int = 0) -> None:
+        """A row read or written at `kv.mod_revision` (live or gone key); None with the
+        revision its live key was deleted at. Older than what is known: ignored."""
+        rev = kv.mod_revision if kv is not None else revision
+        known = self._known.get(sandbox_id)
+        if known is not None and known.revision > rev:
+            return
+        self._known[sandbox_id] = _Known(rev, kv)
+        self._known.move_to_end(sandbox_id)
+        if len(self._known) > MAX_ROWS:
+            self._known.popitem(last=False)
+
+    def forget(self, sandbox_id: str) -> None:
+        self._known.pop(sandbox_id, None)
+
+    def latest(self, sandbox_id: str) -> Row | None:
+        """The newest version of the row known here, whether or not the watch is in step."""
+        known = self._known.get(sandbox_id)
+        if known is None or known.kv is None:
+            return None
+        return Row(known.kv.key, known.kv, decode(known.kv))
+
+    def current(self, sandbox_id: str) -> Row | None:
+        """The live row as known here while the watch is in step; None when not known."""
+        if not self._in_step:
+            return None
+        row = self.latest(sandbox_id)
+        return row if row is not None and row.key.startswith(self._prefix) else None
+
+    # -- the watch -----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._follow(), name="etcd sandbox rows")
+
+    async def stop(self) -> None:
+        task, self._task = self._task, None
+        self._in_step = False
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    async def _follow(self) -> None:
+        while True:
+            watch = None
+            try:
+                kvs, revision = await self._etcd.get_prefix(self._prefix)
+                listed = {self._id_of(kv.key) for kv in kvs}
+                for kv in kvs:
+                    self.learn(self._id_of(kv.key), kv)
+                # Rows known live that the listing no longer has went before `revision`.
+                for sandbox_id, known in list(self._known.items()):
+                    live = known.kv is not None and known.kv.key.startswith(self._prefix)
+                    if live and sandbox_id not in listed:
+                        self.learn(sandbox_id, None, revision)
+                watch = self._etcd.watch_prefix(self._prefix, revision + 1)
+                self._in_step = True
+                async for event in watch:
+                    sandbox_id = self._id_of(event.kv.key)
+                    if event.kind == "put":
+                        self.learn(sandbox_id, event.kv)
+                    else:
+                        self.learn(sandbox_id, None, event.kv.mod_revision)
+                raise RuntimeError("the watch ended")
+            except asyncio.CancelledError:
+                raise
+            except (Exception, WatchCompacted) as exc:
+                self._in_step = False
+                log.info("sandbox rows: watch out of step (%s); listing them again", exc)
+            finally:
+                self._in_step = False
+                if watch is not None:
+                    with contextlib.suppress(Exception):
+                        await watch.stop()
+            await asyncio.sleep(RESYNC_PAUSE_S)

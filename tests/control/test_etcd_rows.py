@@ -1,0 +1,59 @@
+"""What a replica knows of the sandbox rows (`control/etcd_rows.RowView`): only a newer
+revision replaces what it knows, a deletion is known as one, and nothing is `current` while
+the watch is not in step. The watch itself on a real etcd: tests/control/test_store.py."""
+
+from __future__ import annotations
+
+import json
+
+from agentenv.cluster.etcd import KeyValue
+from agentenv.control.etcd_rows import RowView
+
+PREFIX = b"/p/sandboxes/"
+
+
+def _kv(sandbox_id: str, state: str, revision: int, where: bytes = PREFIX) -> KeyValue:
+    value = json.dumps({"id": sandbox_id, "state": state}).encode()
+    return KeyValue(where + sandbox_id.encode(), value, 1, revision, 0)
+
+
+def _view() -> RowView:
+    view = RowView(None, PREFIX, lambda key: key.rsplit(b"/", 1)[-1].decode())  # type: ignore[arg-type]
+    view._in_step = True  # as once its watch runs
+    return view
+
+
+def test_only_a_newer_revision_replaces_a_row() -> None:
+    view = _view()
+    view.learn("i1", _kv("i1", "running", 10))
+    view.learn("i1", _kv("i1", "paused", 8))  # a late watch event
+    row = view.current("i1")
+    assert row is not None and (row.state, row.kv.mod_revision) == ("running", 10)
+    assert row.data["seq"] == 1  # the create revision, as the store numbers rows
+    view.learn("i1", _kv("i1", "paused", 11))
+    row = view.current("i1")
+    assert row is not None and row.state == "paused"
+
+
+def test_a_deleted_live_row_is_not_current_and_stays_deleted() -> None:
+    view = _view()
+    view.learn("i1", _kv("i1", "running", 10))
+    view.learn("i1", None, 12)  # the live key went at 12 (moved to gone-sandboxes/)
+    assert view.current("i1") is None and view.latest("i1") is None
+    view.learn("i1", _kv("i1", "running", 11))  # an event from before the delete, late
+    assert view.current("i1") is None
+    # A gone row read at the move's revision: known (a write starts from it), never current.
+    view.learn("i1", _kv("i1", "gone", 12, b"/p/gone-sandboxes/"))
+    latest = view.latest("i1")
+    assert latest is not None and latest.state == "gone" and view.current("i1") is None
+
+
+def test_out_of_step_nothing_is_current() -> None:
+    view = _view()
+    view.learn("i1", _kv("i1", "running", 10))
+    view._in_step = False
+    assert view.current("i1") is None
+    latest = view.latest("i1")
+    assert latest is not None and latest.state == "running"
+    view.forget("i1")
+    assert view.latest("i1") is None
