@@ -5,6 +5,7 @@ the watch is not in step. The watch itself on a real etcd: tests/control/test_st
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 from agentenv.cluster.etcd import KeyValue
 from agentenv.control.etcd_rows import RowView
@@ -19,7 +20,8 @@ def _kv(sandbox_id: str, state: str, revision: int, where: bytes = PREFIX) -> Ke
 
 def _view() -> RowView:
     view = RowView(None, PREFIX, lambda key: key.rsplit(b"/", 1)[-1].decode())  # type: ignore[arg-type]
-    view._in_step = True  # as once its watch runs
+    # As once its watch runs: the rows listed, the stream open.
+    view._in_step, view._watch = True, SimpleNamespace(streaming=True)  # type: ignore[assignment]
     return view
 
 
@@ -51,7 +53,9 @@ def test_a_deleted_live_row_is_not_current_and_stays_deleted() -> None:
 def test_out_of_step_nothing_is_current() -> None:
     view = _view()
     view.learn("i1", _kv("i1", "running", 10))
-    view._in_step = False
+    view._watch.streaming = False  # type: ignore[union-attr,misc]  # broken, opening again
+    assert view.current("i1") is None
+    view._watch, view._in_step = None, False  # listing again
     assert view.current("i1") is None
     latest = view.latest("i1")
     assert latest is not None and latest.state == "running"

@@ -438,6 +438,12 @@ class PrefixWatch:
             return WatchEvent("delete" if raw.kind == "DELETE" else "put", kv)
         raise StopAsyncIteration
 
+    @property
+    def streaming(self) -> bool:
+        """Whether a stream is open: False from a break until it is open again, while the
+        events since are not delivered yet."""
+        return self._events is not None and not self._stopped
+
     def _where(self) -> str:
         return self._member.endpoint if self._member is not None else "?"
 

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from agentenv.cluster.etcd import Etcd, KeyValue, WatchCompacted
+from agentenv.cluster.etcd import Etcd, KeyValue, PrefixWatch, WatchCompacted
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +75,7 @@ class RowView:
         self._id_of = id_of
         self._known: OrderedDict[str, _Known] = OrderedDict()
         self._in_step = False
+        self._watch: PrefixWatch | None = None
         self._task: asyncio.Task[None] | None = None
 
     # -- what the store learns itself ----------------------------------------------------------
@@ -102,8 +103,9 @@ class RowView:
         return Row(known.kv.key, known.kv, decode(known.kv))
 
     def current(self, sandbox_id: str) -> Row | None:
-        """The live row as known here while the watch is in step; None when not known."""
-        if not self._in_step:
+        """The live row as known here while the watch is in step (listed, and its stream
+        open: not while a broken one is opened again); None when not known."""
+        if not self._in_step or self._watch is None or not self._watch.streaming:
             return None
         row = self.latest(sandbox_id)
         return row if row is not None and row.key.startswith(self._prefix) else None
@@ -135,7 +137,7 @@ class RowView:
                     live = known.kv is not None and known.kv.key.startswith(self._prefix)
                     if live and sandbox_id not in listed:
                         self.learn(sandbox_id, None, revision)
-                watch = self._etcd.watch_prefix(self._prefix, revision + 1)
+                watch = self._watch = self._etcd.watch_prefix(self._prefix, revision + 1)
                 self._in_step = True
                 async for event in watch:
                     sandbox_id = self._id_of(event.kv.key)
@@ -150,7 +152,7 @@ class RowView:
                 self._in_step = False
                 log.info("sandbox rows: watch out of step (%s); listing them again", exc)
             finally:
-                self._in_step = False
+                self._in_step, self._watch = False, None
                 if watch is not None:
                     with contextlib.suppress(Exception):
                         await watch.stop()
