@@ -7,7 +7,10 @@ from __future__ import annotations
 import json
 from types import SimpleNamespace
 
+import pytest
+
 from agentenv.cluster.etcd import KeyValue
+from agentenv.control import etcd_rows
 from agentenv.control.etcd_rows import RowView
 
 PREFIX = b"/p/sandboxes/"
@@ -61,3 +64,19 @@ def test_out_of_step_nothing_is_current() -> None:
     assert latest is not None and latest.state == "running"
     view.forget("i1")
     assert view.latest("i1") is None
+
+
+def test_live_rows_only_while_every_live_row_is_known(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(etcd_rows, "MAX_ROWS", 3)
+    view = _view()
+    view._complete = True  # as after a listing that fit
+    view.learn("i1", _kv("i1", "running", 10))
+    view.learn("i2", _kv("i2", "paused", 11))
+    view.learn("i3", _kv("i3", "gone", 12, b"/p/gone-sandboxes/"))
+    rows = view.live_rows()
+    assert rows is not None and sorted(r["id"] for r in rows) == ["i1", "i2"]
+    view.learn("i4", _kv("i4", "running", 13))  # room: i1 goes, a live row
+    assert view.live_rows() is None
+    view._watch.streaming = False  # type: ignore[union-attr,misc]
+    view._complete = True
+    assert view.live_rows() is None

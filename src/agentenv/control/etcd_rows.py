@@ -75,6 +75,8 @@ class RowView:
         self._id_of = id_of
         self._known: OrderedDict[str, _Known] = OrderedDict()
         self._in_step = False
+        # Every live row is known (none dropped for room since the last listing).
+        self._complete = False
         self._watch: PrefixWatch | None = None
         self._task: asyncio.Task[None] | None = None
 
@@ -90,7 +92,14 @@ class RowView:
         self._known[sandbox_id] = _Known(rev, kv)
         self._known.move_to_end(sandbox_id)
         if len(self._known) > MAX_ROWS:
-            self._known.popitem(last=False)
+            _, dropped = self._known.popitem(last=False)
+            if self._is_live(dropped):
+                # A live row is no longer known here: the view holds only some of them
+                # until the next listing.
+                self._complete = False
+
+    def _is_live(self, known: _Known) -> bool:
+        return known.kv is not None and known.kv.key.startswith(self._prefix)
 
     def forget(self, sandbox_id: str) -> None:
         self._known.pop(sandbox_id, None)
@@ -102,13 +111,23 @@ class RowView:
             return None
         return Row(known.kv.key, known.kv, decode(known.kv))
 
+    def _following(self) -> bool:
+        # Listed, and the watch's stream open: not while a broken one is opened again.
+        return self._in_step and self._watch is not None and self._watch.streaming
+
     def current(self, sandbox_id: str) -> Row | None:
-        """The live row as known here while the watch is in step (listed, and its stream
-        open: not while a broken one is opened again); None when not known."""
-        if not self._in_step or self._watch is None or not self._watch.streaming:
+        """The live row as known here while the watch is in step; None when not known."""
+        if not self._following():
             return None
         row = self.latest(sandbox_id)
         return row if row is not None and row.key.startswith(self._prefix) else None
+
+    def live_rows(self) -> list[dict[str, Any]] | None:
+        """Every live row's fields while the watch is in step and none was dropped for
+        room; None otherwise (list them from etcd)."""
+        if not (self._following() and self._complete):
+            return None
+        return [decode(k.kv) for k in self._known.values() if k.kv is not None and self._is_live(k)]
 
     # -- the watch -----------------------------------------------------------------------------
 
@@ -129,13 +148,13 @@ class RowView:
             watch = None
             try:
                 kvs, revision = await self._etcd.get_prefix(self._prefix)
+                self._complete = len(kvs) <= MAX_ROWS
                 listed = {self._id_of(kv.key) for kv in kvs}
                 for kv in kvs:
                     self.learn(self._id_of(kv.key), kv)
                 # Rows known live that the listing no longer has went before `revision`.
                 for sandbox_id, known in list(self._known.items()):
-                    live = known.kv is not None and known.kv.key.startswith(self._prefix)
-                    if live and sandbox_id not in listed:
+                    if self._is_live(known) and sandbox_id not in listed:
                         self.learn(sandbox_id, None, revision)
                 watch = self._watch = self._etcd.watch_prefix(self._prefix, revision + 1)
                 self._in_step = True

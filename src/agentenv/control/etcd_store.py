@@ -288,6 +288,13 @@ class EtcdStore(EtcdTenancy, EtcdKeys):
     async def _live_rows(self) -> list[dict[str, Any]]:
         return await self._scan(gone=False)
 
+    async def _live_rows_seen(self) -> list[dict[str, Any]]:
+        """The live rows as this replica knows them (`RowView.live_rows`) when it knows them
+        all, else from etcd: for the reaper's scans, which act only after reading the row
+        again. (A signed URL's lookup reads etcd: it may name a sandbox made a moment ago.)"""
+        rows = self.rows.live_rows()
+        return rows if rows is not None else await self._live_rows()
+
     async def envd_tokens(self) -> list[tuple[str, str]]:
         return [
             (str(r["id"]), str(r["envd_token"]))
@@ -298,14 +305,14 @@ class EtcdStore(EtcdTenancy, EtcdKeys):
     async def expired(self, now: float) -> list[SandboxRecord]:
         return [
             _record(r)
-            for r in await self._live_rows()
+            for r in await self._live_rows_seen()
             if r["state"] == SandboxState.RUNNING.value and float(r["end_at"]) <= now
         ]
 
     async def next_deadline(self) -> float | None:
         ends = [
             float(r["end_at"])
-            for r in await self._live_rows()
+            for r in await self._live_rows_seen()
             if r["state"] == SandboxState.RUNNING.value
         ]
         return min(ends) if ends else None
