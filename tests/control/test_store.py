@@ -252,6 +252,25 @@ async def test_logs_in_order_from_a_start_time(store: Store) -> None:
     assert await store.logs("other") == []
 
 
+async def test_a_note_is_written_with_the_row_it_goes_with(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A lifecycle line given with an insert or a transition is written by that same write
+    (on etcd: no write of its own), and by a transition only if the row moved."""
+    if isinstance(store, EtcdStore):
+
+        async def no_put(*args: object, **kwargs: object) -> None:
+            raise AssertionError("a note was written on its own")
+
+        monkeypatch.setattr(store.etcd, "put", no_put)
+    await store.insert(_record("inote"), note="made")
+    assert await store.transition("inote", R, P, note="paused", end_at=3.0)
+    assert not await store.transition("inote", R, P, note="not moved")
+    got = await store.get("inote")
+    assert got is not None and (got.state, got.end_at) == (P, 3.0)
+    assert [ln.message for ln in await store.logs("inote")] == ["made", "paused"]
+
+
 async def test_teams(store: Store) -> None:
     default = await store.team(DEFAULT_TEAM)
     assert default is not None and default.name == DEFAULT_TEAM

@@ -165,7 +165,7 @@ class EtcdStore(EtcdTenancy, EtcdKeys):
         rows.sort(key=lambda r: int(r["seq"]))
         return rows
 
-    async def insert(self, rec: SandboxRecord) -> None:
+    async def insert(self, rec: SandboxRecord, *, note: str | None = None) -> None:
         if not _part_ok(rec.id):
             raise ValueError(f"sandbox id {rec.id!r}: not a valid key part")
         row = {k: _row_value(v) for k, v in dataclasses.asdict(rec).items() if k != "seq"}
@@ -174,13 +174,15 @@ class EtcdStore(EtcdTenancy, EtcdKeys):
         live, gone = self._live(rec.id), self._gone(rec.id)
         result = await self.etcd.txn(
             [created_at(live, 0), created_at(gone, 0)],
-            [put_op(key, _dumps(row)), get_op(key)],
+            [put_op(key, _dumps(row)), *self._note_ops(rec.id, note), get_op(key)],
             [get_op(live), get_op(gone)],
         )
         found = self._remember(rec.id, self._row_of(result.ranges))
         if found is None or found.data.get("_w") != mark:
             raise DuplicateKey(f"sandbox {rec.id} exists already")
         rec.seq = int(found.data["seq"])
+        if note is not None:
+            await self._logged(rec.id)
 
     async def get(self, sandbox_id: str) -> SandboxRecord | None:
         row = await self._read(sandbox_id)
@@ -197,6 +199,7 @@ class EtcdStore(EtcdTenancy, EtcdKeys):
         new: SandboxState | None,
         changes: dict[str, Any],
         match: dict[str, Any] | None = None,
+        note: str | None = None,
     ) -> bool:
         """The compare-and-set loop under `transition` (`expected`, `new`), `update` and
         `claim` (`match`: fields the row must still hold, else nothing is written)."""
@@ -231,7 +234,7 @@ class EtcdStore(EtcdTenancy, EtcdKeys):
                 ops.insert(0, delete_op(row.key))
             result = await self.etcd.txn(
                 [modified_at(row.key, row.kv.mod_revision)],
-                [*ops, get_op(target)],
+                [*ops, *self._note_ops(sandbox_id, note), get_op(target)],
                 [get_op(self._live(sandbox_id)), get_op(self._gone(sandbox_id))],
             )
             row, fresh = self._remember(sandbox_id, self._row_of(result.ranges)), True
@@ -246,10 +249,15 @@ class EtcdStore(EtcdTenancy, EtcdKeys):
         sandbox_id: str,
         expected: SandboxState | Iterable[SandboxState],
         new: SandboxState,
+        *,
+        note: str | None = None,
         **changes: Any,
     ) -> bool:
         states = frozenset([expected] if isinstance(expected, SandboxState) else expected)
-        return await self._rewrite(sandbox_id, states, new, changes)
+        moved = await self._rewrite(sandbox_id, states, new, changes, note=note)
+        if moved and note is not None:
+            await self._logged(sandbox_id)
+        return moved
 
     async def update(self, sandbox_id: str, **changes: Any) -> None:
         await self._rewrite(sandbox_id, None, None, changes)
@@ -345,15 +353,28 @@ class EtcdStore(EtcdTenancy, EtcdKeys):
 
     # -- logs --------------------------------------------------------------------------------
 
-    async def log(self, sandbox_id: str, message: str, level: str = "info") -> None:
-        if not _part_ok(sandbox_id):
-            raise ValueError(f"sandbox id {sandbox_id!r}: not a valid key part")
+    def _line(self, sandbox_id: str, message: str, level: str) -> tuple[bytes, bytes]:
+        """A log line's key and value."""
         ns = time.time_ns()
         self._log_n += 1
         part = f"{ns:020d}-{self._writer}-{self._log_n:012d}"
         key = self.etcd.key("sandbox-logs", sandbox_id, part)
-        line = {"ts": ns / 1e9, "level": level, "message": message}
-        await self.etcd.put(key, _dumps(line))
+        return key, _dumps({"ts": ns / 1e9, "level": level, "message": message})
+
+    def _note_ops(self, sandbox_id: str, note: str | None) -> list[Any]:
+        # A note goes in the row's own transaction: one write (a raft round on every member)
+        # instead of two.
+        return [] if note is None else [put_op(*self._line(sandbox_id, note, "info"))]
+
+    async def log(self, sandbox_id: str, message: str, level: str = "info") -> None:
+        if not _part_ok(sandbox_id):
+            raise ValueError(f"sandbox id {sandbox_id!r}: not a valid key part")
+        await self.etcd.put(*self._line(sandbox_id, message, level))
+        await self._logged(sandbox_id)
+
+    async def _logged(self, sandbox_id: str) -> None:
+        """One more line of this sandbox's written: every `_TRIM_EVERY`, the oldest past
+        `MAX_LOG_LINES` go."""
         writes = self._log_writes[sandbox_id] = self._log_writes.get(sandbox_id, 0) + 1
         if len(self._log_writes) > 10_000:  # a counter per sandbox ever logged: keep it small
             self._log_writes.clear()

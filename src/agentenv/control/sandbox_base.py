@@ -276,7 +276,8 @@ class SandboxBase:
                     extra={"sandbox_id": sandbox_id},
                 )
                 await self.store.log(sandbox_id, f"delete failed: {exc!r}", "error")
-        await self.store.transition(sandbox_id, SandboxState.KILLING, SandboxState.GONE)
+        await self.store.transition(
+            sandbox_id, SandboxState.KILLING, SandboxState.GONE, note=reason
+        )
         await self._released(sandbox_id)
-        await self.store.log(sandbox_id, reason)
         log.info("sandbox %s gone (%s)", sandbox_id, reason, extra={"sandbox_id": sandbox_id})

@@ -38,6 +38,10 @@ from agentenv.control.store import BUILD_METADATA, DEFAULT_TEAM, SandboxRecord, 
 log = logging.getLogger("agentenv.sandboxes")
 
 
+def _creating(rec: SandboxRecord) -> str:
+    return f"creating from template {rec.template!r}"
+
+
 class SandboxCreation(SandboxBase):
     """Create, snapshot and fork of the sandbox manager."""
 
@@ -54,12 +58,13 @@ class SandboxCreation(SandboxBase):
         team = team_id or await self.team_of_key(api_key_id)
         rec, ref = await self._new_record(spec, team, api_key_id)
         async with self._locked(rec.id):
+            note = _creating(rec)
             if BUILD_METADATA in rec.metadata:
-                await self.store.insert(rec)
+                await self.store.insert(rec, note=note)
             else:
                 # The place is held from the check until the row that takes it is stored.
                 async with self.limits.reserve(team):
-                    await self.store.insert(rec)
+                    await self.store.insert(rec, note=note)
             await self._place(rec, ref, spec)
         self._wake.set()
         return await self.get(rec.id)
@@ -73,7 +78,7 @@ class SandboxCreation(SandboxBase):
         recs = [(await self._new_record(spec, team_id, api_key_id)) for _ in range(count)]
         async with self.limits.reserve(team_id, count):
             for rec, _ in recs:
-                await self.store.insert(rec)
+                await self.store.insert(rec, note=_creating(rec))
         async with contextlib.AsyncExitStack() as locks:
             for rec, _ in recs:
                 await locks.enter_async_context(self._locked(rec.id))
@@ -179,7 +184,6 @@ class SandboxCreation(SandboxBase):
         """Start the stored `creating` row's sandbox on the runtime (or take `given`, what a
         batch's start of it gave) and mark it running; a failure tears down what was made
         and raises what the API answers."""
-        await self.store.log(rec.id, f"creating from template {rec.template!r}")
         log.info(
             "sandbox %s creating template=%s",
             rec.id,
@@ -204,6 +208,7 @@ class SandboxCreation(SandboxBase):
                 envd_url=placement.envd_url,
                 started_at=ready_at,
                 end_at=ready_at + spec.timeout,
+                note="running",
             ):
                 raise CreateFailed(f"sandbox {rec.id} left 'creating' unexpectedly")
         except BaseException as exc:
@@ -221,7 +226,6 @@ class SandboxCreation(SandboxBase):
                 raise CreateFailed(f"sandbox creation failed: {exc}") from exc
             raise
         self.metrics.create_seconds.observe(time.monotonic() - started)
-        await self.store.log(rec.id, "running")
         log.info(
             "sandbox %s running address=%s",
             rec.id,
@@ -341,8 +345,7 @@ class SandboxCreation(SandboxBase):
                 keepalive_s=src.keepalive_s,
                 seen_at=now,
             )
-            await self.store.insert(rec)
-            await self.store.log(rec.id, f"forked from {sandbox_id}")
+            await self.store.insert(rec, note=f"forked from {sandbox_id}")
             recs.append(rec)
         return recs
 

@@ -170,11 +170,9 @@ class SandboxLifecycle(SandboxBase):
             envd_url=placement.envd_url,
             end_at=time.time() + (seconds if seconds is not None else DEFAULT_TIMEOUT_S),
             pause_mode=None,
+            note="resumed by a boot from its disk" if placement.booted else "resumed",
         )
         self.metrics.resume_seconds.observe(time.monotonic() - started)
-        await self.store.log(
-            rec.id, "resumed by a boot from its disk" if placement.booted else "resumed"
-        )
         self._wake.set()
 
     async def pause(
@@ -228,6 +226,6 @@ class SandboxLifecycle(SandboxBase):
                 address=None,
                 end_at=min(rec.end_at, time.time()),
                 pause_mode=_pause_mode(memory),
+                note="paused" if memory else "paused (filesystem only)",
             )
             await self._released(sandbox_id)
-            await self.store.log(sandbox_id, "paused" if memory else "paused (filesystem only)")

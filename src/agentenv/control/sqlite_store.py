@@ -10,10 +10,11 @@ read-then-write sequence of them is as atomic as it was when they were synchrono
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sqlite3
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -176,15 +177,30 @@ class SqliteStore:
         await self.checkpoints.close()
         self._db.close()
 
+    @contextlib.contextmanager
+    def _one_commit(self) -> Iterator[None]:
+        """The statements inside as one transaction: one commit (the connection otherwise
+        commits each statement on its own)."""
+        self._db.execute("BEGIN")
+        try:
+            yield
+        except BaseException:
+            self._db.execute("ROLLBACK")
+            raise
+        self._db.execute("COMMIT")
+
     # -- sandboxes -------------------------------------------------------------------------
 
-    async def insert(self, rec: SandboxRecord) -> None:
+    async def insert(self, rec: SandboxRecord, *, note: str | None = None) -> None:
         row = _to_row(rec)
         marks = ",".join("?" for _ in _COLUMNS)
-        cur = self._db.execute(
-            f"INSERT INTO sandboxes ({','.join(_COLUMNS)}) VALUES ({marks})",
-            [row[c] for c in _COLUMNS],
-        )
+        with self._one_commit():
+            cur = self._db.execute(
+                f"INSERT INTO sandboxes ({','.join(_COLUMNS)}) VALUES ({marks})",
+                [row[c] for c in _COLUMNS],
+            )
+            if note is not None:
+                self._log(rec.id, note, "info")
         rec.seq = int(cur.lastrowid or 0)
 
     async def get(self, sandbox_id: str) -> SandboxRecord | None:
@@ -200,6 +216,8 @@ class SqliteStore:
         sandbox_id: str,
         expected: SandboxState | Iterable[SandboxState],
         new: SandboxState,
+        *,
+        note: str | None = None,
         **changes: Any,
     ) -> bool:
         """Move a sandbox to ``new`` only if it is in ``expected``; returns whether it moved."""
@@ -210,11 +228,15 @@ class SqliteStore:
             sets.append(f"{key} = ?")
             args.append(_encode(key, value))
         marks = ",".join("?" for _ in states)
-        cur = self._db.execute(
-            f"UPDATE sandboxes SET {', '.join(sets)} WHERE id = ? AND state IN ({marks})",
-            [*args, sandbox_id, *(s.value for s in states)],
-        )
-        return cur.rowcount == 1
+        with self._one_commit():
+            cur = self._db.execute(
+                f"UPDATE sandboxes SET {', '.join(sets)} WHERE id = ? AND state IN ({marks})",
+                [*args, sandbox_id, *(s.value for s in states)],
+            )
+            moved = cur.rowcount == 1
+            if moved and note is not None:
+                self._log(sandbox_id, note, "info")
+        return moved
 
     async def claim(
         self, sandbox_id: str, state: SandboxState, was: str | None, replica_id: str
@@ -329,6 +351,9 @@ class SqliteStore:
     # -- logs ------------------------------------------------------------------------------
 
     async def log(self, sandbox_id: str, message: str, level: str = "info") -> None:
+        self._log(sandbox_id, message, level)
+
+    def _log(self, sandbox_id: str, message: str, level: str) -> None:
         self._db.execute(
             "INSERT INTO sandbox_logs (sandbox_id, ts, level, message) VALUES (?, ?, ?, ?)",
             (sandbox_id, time.time(), level, message),

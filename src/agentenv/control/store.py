@@ -156,7 +156,9 @@ class Store(Protocol):
     async def close(self) -> None: ...
 
     # Sandboxes. `insert` sets `rec.seq`: increasing in insertion order (the list order).
-    async def insert(self, rec: SandboxRecord) -> None: ...
+    # A `note` is a lifecycle log line (level info) written with the row, in the same write:
+    # by `insert` always, by `transition` only if the row moved.
+    async def insert(self, rec: SandboxRecord, *, note: str | None = None) -> None: ...
     async def get(self, sandbox_id: str) -> SandboxRecord | None: ...
     # The row as this process knows it without reading the store, None when it does not:
     # its own writes at once, other replicas' as they reach it (milliseconds). For the
@@ -167,6 +169,8 @@ class Store(Protocol):
         sandbox_id: str,
         expected: SandboxState | Iterable[SandboxState],
         new: SandboxState,
+        *,
+        note: str | None = None,
         **changes: Any,
     ) -> bool: ...
     async def update(self, sandbox_id: str, **changes: Any) -> None: ...
