@@ -134,9 +134,12 @@ class ClusterRouting:
             self._bound[sandbox_id] = node_id
         return node_id
 
-    async def _route(self, sandbox_id: str) -> tuple[str, RemoteRuntime]:
-        """The client of the live node the sandbox is bound to; `NodeDown` if it is not."""
-        node_id = await self._node_of(sandbox_id)
+    async def _route(
+        self, sandbox_id: str, bound_to: str | None = None
+    ) -> tuple[str, RemoteRuntime]:
+        """The client of the live node the sandbox is bound to (`bound_to` when the caller
+        has just read its binding); `NodeDown` if it is not."""
+        node_id = bound_to or await self._node_of(sandbox_id)
         if node_id is None:
             raise Unavailable(f"sandbox {sandbox_id} is bound to no node", NO_NODE_RETRY_S)
         client = self._clients.get(node_id)

@@ -95,7 +95,7 @@ class ClusterRuntime(ClusterPlacement, ClusterReconcile):
         if node_id is None:
             return
         try:
-            _, client = await self._route(sandbox_id)
+            _, client = await self._route(sandbox_id, node_id)
         except NodeDown:
             # Gone with its node; if the node comes back, it deletes what nobody is bound to.
             client = None
@@ -126,7 +126,7 @@ class ClusterRuntime(ClusterPlacement, ClusterReconcile):
         home = await self.membership.get_node(node_id)
         if home is not None and (home.ready or self.settings.object_store is None):
             # Without object storage its files can only resume where they are.
-            home_id, client = await self._route(rid)
+            home_id, client = await self._route(rid, node_id)
             return replace(await client.resume(spec, memory=memory), node_id=home_id)
         if self.settings.object_store is None:
             raise NodeDown(
