@@ -178,9 +178,12 @@ class SqliteStore:
         self._db.close()
 
     @contextlib.contextmanager
-    def _one_commit(self) -> Iterator[None]:
+    def _one_commit(self, needed: bool = True) -> Iterator[None]:
         """The statements inside as one transaction: one commit (the connection otherwise
-        commits each statement on its own)."""
+        commits each statement on its own). Not `needed` (one statement): as it is."""
+        if not needed:
+            yield
+            return
         self._db.execute("BEGIN")
         try:
             yield
@@ -194,7 +197,7 @@ class SqliteStore:
     async def insert(self, rec: SandboxRecord, *, note: str | None = None) -> None:
         row = _to_row(rec)
         marks = ",".join("?" for _ in _COLUMNS)
-        with self._one_commit():
+        with self._one_commit(note is not None):
             cur = self._db.execute(
                 f"INSERT INTO sandboxes ({','.join(_COLUMNS)}) VALUES ({marks})",
                 [row[c] for c in _COLUMNS],
@@ -228,7 +231,7 @@ class SqliteStore:
             sets.append(f"{key} = ?")
             args.append(_encode(key, value))
         marks = ",".join("?" for _ in states)
-        with self._one_commit():
+        with self._one_commit(note is not None):
             cur = self._db.execute(
                 f"UPDATE sandboxes SET {', '.join(sets)} WHERE id = ? AND state IN ({marks})",
                 [*args, sandbox_id, *(s.value for s in states)],
