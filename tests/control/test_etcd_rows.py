@@ -68,15 +68,22 @@ def test_out_of_step_nothing_is_current() -> None:
 
 def test_live_rows_only_while_every_live_row_is_known(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(etcd_rows, "MAX_ROWS", 3)
+    monkeypatch.setattr(etcd_rows, "MAX_PAST", 2)
     view = _view()
     view._complete = True  # as after a listing that fit
     view.learn("i1", _kv("i1", "running", 10))
     view.learn("i2", _kv("i2", "paused", 11))
-    view.learn("i3", _kv("i3", "gone", 12, b"/p/gone-sandboxes/"))
+    # Sandboxes that came and went, more than the room for them: the live rows stay known.
+    for n in range(5):
+        view.learn(f"g{n}", _kv(f"g{n}", "running", 12 + 2 * n))
+        view.learn(f"g{n}", None, 13 + 2 * n)
+    view.learn("i3", _kv("i3", "gone", 30, b"/p/gone-sandboxes/"))
     rows = view.live_rows()
     assert rows is not None and sorted(r["id"] for r in rows) == ["i1", "i2"]
-    view.learn("i4", _kv("i4", "running", 13))  # room: i1 goes, a live row
-    assert view.live_rows() is None
+    view.learn("i4", _kv("i4", "running", 31))
+    assert view.live_rows() is not None
+    view.learn("i5", _kv("i5", "running", 32))  # no room: i1 goes, a live row
+    assert view.live_rows() is None and view.current("i1") is None
     view._watch.streaming = False  # type: ignore[union-attr,misc]
     view._complete = True
     assert view.live_rows() is None

@@ -27,13 +27,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from agentenv.cluster.etcd import Etcd, KeyValue, PrefixWatch, WatchCompacted
+from agentenv.cluster.etcd import Etcd, KeyValue, PrefixWatch
 
 log = logging.getLogger(__name__)
 
-# Rows remembered (etcd's bytes, ~1 KB each); past this the least recently used go, and a
-# row not known here is read from etcd.
+# Live rows remembered (etcd's bytes, ~1 KB each); past this the least recently learned go,
+# and a row not known here is read from etcd.
 MAX_ROWS = 16384
+# Rows that went (deleted live keys, gone rows read): kept apart, so that a churn of short
+# sandboxes does not push long-lived rows out. They stop a read answered before a deletion
+# from bringing the deleted row back; seconds would do.
+MAX_PAST = 4096
 # After a broken watch (etcd unreachable past its deadline, a compacted revision): the pause
 # before listing the rows again.
 RESYNC_PAUSE_S = 1.0
@@ -73,7 +77,8 @@ class RowView:
         self._etcd = etcd
         self._prefix = prefix
         self._id_of = id_of
-        self._known: OrderedDict[str, _Known] = OrderedDict()
+        self._live: OrderedDict[str, _Known] = OrderedDict()
+        self._past: OrderedDict[str, _Known] = OrderedDict()
         self._in_step = False
         # Every live row is known (none dropped for room since the last listing).
         self._complete = False
@@ -86,27 +91,34 @@ class RowView:
         """A row read or written at `kv.mod_revision` (live or gone key); None with the
         revision its live key was deleted at. Older than what is known: ignored."""
         rev = kv.mod_revision if kv is not None else revision
-        known = self._known.get(sandbox_id)
+        known = self._known(sandbox_id)
         if known is not None and known.revision > rev:
             return
-        self._known[sandbox_id] = _Known(rev, kv)
-        self._known.move_to_end(sandbox_id)
-        if len(self._known) > MAX_ROWS:
-            _, dropped = self._known.popitem(last=False)
-            if self._is_live(dropped):
+        entry = _Known(rev, kv)
+        self.forget(sandbox_id)
+        live = self._is_live(entry)
+        table = self._live if live else self._past
+        table[sandbox_id] = entry
+        if len(table) > (MAX_ROWS if live else MAX_PAST):
+            table.popitem(last=False)
+            if live:
                 # A live row is no longer known here: the view holds only some of them
                 # until the next listing.
                 self._complete = False
+
+    def _known(self, sandbox_id: str) -> _Known | None:
+        return self._live.get(sandbox_id) or self._past.get(sandbox_id)
 
     def _is_live(self, known: _Known) -> bool:
         return known.kv is not None and known.kv.key.startswith(self._prefix)
 
     def forget(self, sandbox_id: str) -> None:
-        self._known.pop(sandbox_id, None)
+        self._live.pop(sandbox_id, None)
+        self._past.pop(sandbox_id, None)
 
     def latest(self, sandbox_id: str) -> Row | None:
         """The newest version of the row known here, whether or not the watch is in step."""
-        known = self._known.get(sandbox_id)
+        known = self._known(sandbox_id)
         if known is None or known.kv is None:
             return None
         return Row(known.kv.key, known.kv, decode(known.kv))
@@ -127,7 +139,7 @@ class RowView:
         room; None otherwise (list them from etcd)."""
         if not (self._following() and self._complete):
             return None
-        return [decode(k.kv) for k in self._known.values() if k.kv is not None and self._is_live(k)]
+        return [decode(k.kv) for k in self._live.values() if k.kv is not None]
 
     # -- the watch -----------------------------------------------------------------------------
 
@@ -153,9 +165,8 @@ class RowView:
                 for kv in kvs:
                     self.learn(self._id_of(kv.key), kv)
                 # Rows known live that the listing no longer has went before `revision`.
-                for sandbox_id, known in list(self._known.items()):
-                    if self._is_live(known) and sandbox_id not in listed:
-                        self.learn(sandbox_id, None, revision)
+                for sandbox_id in [i for i in self._live if i not in listed]:
+                    self.learn(sandbox_id, None, revision)
                 watch = self._watch = self._etcd.watch_prefix(self._prefix, revision + 1)
                 self._in_step = True
                 async for event in watch:
@@ -167,8 +178,7 @@ class RowView:
                 raise RuntimeError("the watch ended")
             except asyncio.CancelledError:
                 raise
-            except (Exception, WatchCompacted) as exc:
-                self._in_step = False
+            except Exception as exc:  # a lost etcd, a compacted revision (`WatchCompacted`)
                 log.info("sandbox rows: watch out of step (%s); listing them again", exc)
             finally:
                 self._in_step, self._watch = False, None
