@@ -191,6 +191,9 @@ class Settings:
     kernel: Path | None = None
     initramfs: Path | None = None
     accel: str | None = None
+    # TCG's translated-code cache per VM, MiB (vmm.accel): 128 measured ~17% less guest CPU than
+    # 64 on code that fills the smaller one, and the same host memory for an idle clone.
+    tcg_tb_size_mb: int = 128
     pvm_kernel: Path | None = None
     qemu_binary: str = "qemu-system-x86_64"
     network: NetworkPlan = field(default_factory=NetworkPlan)
@@ -314,6 +317,9 @@ class Settings:
         accel = os.environ.get("AGENTENV_ACCEL") or None
         if accel is not None and accel not in ("kvm", "pvm", "tcg"):
             raise ConfigError(f"AGENTENV_ACCEL={accel!r}: expected kvm, pvm or tcg")
+        tb_size = env_int("AGENTENV_TCG_TB_SIZE_MB", cls.tcg_tb_size_mb)
+        if not 32 <= tb_size <= 1024:
+            raise ConfigError(f"AGENTENV_TCG_TB_SIZE_MB={tb_size}: expected 32..1024")
         pressure = env_int("AGENTENV_MEMORY_PRESSURE_PCT", 80)
         if not 0 <= pressure <= 100:
             raise ConfigError(f"AGENTENV_MEMORY_PRESSURE_PCT={pressure}: expected 0..100")
@@ -412,6 +418,7 @@ class Settings:
             kernel=env_opt_path("AGENTENV_KERNEL"),
             initramfs=env_opt_path("AGENTENV_INITRAMFS"),
             accel=accel,
+            tcg_tb_size_mb=tb_size,
             pvm_kernel=env_opt_path("AGENTENV_PVM_KERNEL"),
             qemu_binary=os.environ.get("AGENTENV_QEMU", "qemu-system-x86_64"),
             network=net,

@@ -8,8 +8,12 @@ from pathlib import Path
 import pytest
 
 from agentenv.config import Settings
-from agentenv.vmm.accel import TCG_TB_SIZE_MB, AccelChoice, HostFacts, choose, detect
+from agentenv.config_env import ConfigError
+from agentenv.node.admission import Limits
+from agentenv.vmm.accel import AccelChoice, HostFacts, choose, detect
+from agentenv.vmm.base import MachineSpec
 from agentenv.vmm.errors import AccelUnavailable
+from agentenv.vmm.qemu import cgroup_limits
 
 KVM = HostFacts(kvm_device=True, kvm_error="", pvm_module=False, hw_virt=True)
 PVM = HostFacts(kvm_device=True, kvm_error="", pvm_module=True, hw_virt=False)
@@ -68,10 +72,27 @@ def test_forced_choices(settings: Settings) -> None:
 
 
 def test_tcg_translation_cache_is_capped_and_kvm_has_none(settings: Settings) -> None:
-    """The translation cache is most of a TCG clone's host memory (bench/memory.py): QEMU's
-    default is 1 GiB, ours `TCG_TB_SIZE_MB`; below 32 MiB a guest's commands cost it 2-3x the
-    CPU and 8 MiB did not bring envd up (docs/vmm.md). A TCG option: KVM gets no tb-size."""
-    tcg = choose(replace(settings, accel="tcg"), KVM).qemu_args
-    assert tcg[:2] == ["-accel", f"tcg,tb-size={TCG_TB_SIZE_MB}"]
-    assert 32 <= TCG_TB_SIZE_MB <= 256
-    assert not any("tb-size" in a for a in choose(replace(settings, accel=None), KVM).qemu_args)
+    """The translation cache is most of a busy TCG clone's host memory (bench/memory.py):
+    QEMU's default is 1 GiB, ours `Settings.tcg_tb_size_mb`; below 32 MiB a guest's commands
+    cost it 2-3x the CPU and 8 MiB did not bring envd up (docs/vmm.md). A TCG option: KVM gets
+    no tb-size. The VM's cgroup ceiling and admission's overhead grow with the cache."""
+    assert 32 <= settings.tcg_tb_size_mb <= 1024
+    tcg = choose(replace(settings, accel="tcg", tcg_tb_size_mb=256), KVM)
+    assert tcg.qemu_args[:2] == ["-accel", "tcg,tb-size=256"]
+    assert tcg.code_cache_mb == 256
+    kvm = choose(replace(settings, accel=None), KVM)
+    assert not any("tb-size" in a for a in kvm.qemu_args)
+    assert kvm.code_cache_mb == 0
+    spec = MachineSpec(vcpus=1, memory_mb=512)
+    assert cgroup_limits(spec, kvm).memory_bytes == (512 + 192) * 2**20
+    assert cgroup_limits(spec, tcg).memory_bytes == (512 + 192 + 192) * 2**20
+    assert Limits().for_accel(kvm.code_cache_mb).overhead_mb == 128
+    assert Limits().for_accel(64).overhead_mb == 128
+    assert Limits().for_accel(256).overhead_mb == 128 + 192
+
+
+@pytest.mark.parametrize("raw", ["16", "2048", "big"])
+def test_a_tb_size_out_of_range_is_refused(monkeypatch: pytest.MonkeyPatch, raw: str) -> None:
+    monkeypatch.setenv("AGENTENV_TCG_TB_SIZE_MB", raw)
+    with pytest.raises(ConfigError, match="AGENTENV_TCG_TB_SIZE_MB"):
+        Settings.from_env()

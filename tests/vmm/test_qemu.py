@@ -20,7 +20,7 @@ from agentenv.storage import create_upper_sync, info
 from agentenv.vmm.accel import detect
 from agentenv.vmm.base import BootSource, DiskLimits, Drive, MachineSpec, NetIface, VMStatus
 from agentenv.vmm.errors import VMStartError
-from agentenv.vmm.qemu import QemuVM
+from agentenv.vmm.qemu import QemuVM, memory_overhead_mb
 
 pytestmark = pytest.mark.vm
 
@@ -67,7 +67,7 @@ async def test_lifecycle_cgroup_and_serial(
         for d in vm.cgroup.dirs:
             if d.parent.parent.name == "memory":
                 limit = int((d / "memory.limit_in_bytes").read_text())
-                assert limit == (160 + 192) * MIB
+                assert limit == (160 + memory_overhead_mb(vm.accel)) * MIB
             if d.parent.parent.name == "cpu":
                 assert (d / "cpu.cfs_quota_us").read_text().strip() == "200000"
         await wait_for(lambda: "Linux version" in vm.serial_log.read_text(errors="replace"))

@@ -38,7 +38,7 @@ import math
 import os
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Protocol
 
@@ -49,11 +49,12 @@ log = logging.getLogger(__name__)
 
 MIB = 1024 * 1024
 # What a QEMU holds besides guest RAM, for accounting: measured ~47 MiB RssAnon for a fresh
-# TCG clone (QEMU heap, device state, the guest pages it wrote), plus the TCG code cache
-# growing to `vmm.accel.TCG_TB_SIZE_MB` (64). The cgroup ceiling (`vmm.qemu`,
-# guest + 192 MiB) is the hard limit; this is the expected worst case, so 32 sandboxes of
-# 512 MB (20 GiB) fit a 24 GiB host.
+# TCG clone (QEMU heap, device state, the guest pages it wrote), plus up to 64 MiB of TCG code
+# cache; a larger cache (`Settings.tcg_tb_size_mb`) adds the rest (`Limits.for_accel`). The
+# cgroup ceiling (`vmm.qemu.memory_overhead_mb`) is the hard limit; this is the expected worst
+# case, so 32 sandboxes of 512 MB (20 GiB) fit a 24 GiB host with the 64 MiB cache.
 OVERHEAD_MB = 128
+CODE_CACHE_IN_OVERHEAD_MB = 64
 # Retry hints (seconds): a sandbox must end before memory, slots or the count free up.
 RETRY_CAPACITY_S = 10
 RETRY_DISK_S = 60
@@ -106,6 +107,12 @@ class Limits:
             min_free_memory_mb=s.min_free_memory_mb,
             min_free_disk_mb=s.min_free_disk_mb,
         )
+
+    def for_accel(self, code_cache_mb: int) -> Limits:
+        """These limits with the overhead of a VM whose code cache may grow to
+        `code_cache_mb` (the chosen accelerator's; 0 on KVM)."""
+        extra = max(0, code_cache_mb - CODE_CACHE_IN_OVERHEAD_MB)
+        return replace(self, overhead_mb=OVERHEAD_MB + extra)
 
 
 def mem_available() -> int:

@@ -15,9 +15,10 @@ from pathlib import Path
 from agentenv.config import Settings
 from agentenv.vmm.errors import AccelUnavailable
 
-# TCG translates guest code into a cache that defaults to 1 GiB per VM; a smaller cache keeps a
-# sandbox's host memory close to its guest size at little cost for agent workloads.
-TCG_TB_SIZE_MB = 64
+# TCG translates guest code into a cache that defaults to 1 GiB per VM. Ours is
+# `Settings.tcg_tb_size_mb` (AGENTENV_TCG_TB_SIZE_MB): it grows only as a guest runs new code,
+# so an idle clone holds the same either way, and a guest that fills it pays for a flush and
+# a translation of everything again (docs/vmm.md has the measured trade).
 # Under TCG the kernel cannot calibrate its TSC against a real timer (see microvm-notes §1-2).
 TCG_TSC_KHZ = 2_100_000
 
@@ -28,6 +29,8 @@ class AccelChoice:
     reason: str
     warnings: list[str] = field(default_factory=list)
     qemu_args: list[str] = field(default_factory=list)
+    # Host memory a VM may fill with translated code (TCG only), on top of QEMU's own.
+    code_cache_mb: int = 0
     # Extra kernel command-line words this accelerator needs.
     cmdline: list[str] = field(default_factory=list)
     # One line per prerequisite that would enable a faster accelerator.
@@ -79,7 +82,7 @@ def _pvm(kernel: Path) -> AccelChoice:
     )
 
 
-def _tcg(reason: str, fixes: list[str]) -> AccelChoice:
+def _tcg(reason: str, fixes: list[str], tb_size_mb: int) -> AccelChoice:
     return AccelChoice(
         "tcg",
         reason,
@@ -87,7 +90,8 @@ def _tcg(reason: str, fixes: list[str]) -> AccelChoice:
             "guests run under TCG software emulation: several times slower than KVM, and "
             "emulation is a weaker isolation boundary than hardware virtualisation"
         ],
-        qemu_args=["-accel", f"tcg,tb-size={TCG_TB_SIZE_MB}", "-cpu", "max"],
+        qemu_args=["-accel", f"tcg,tb-size={tb_size_mb}", "-cpu", "max"],
+        code_cache_mb=tb_size_mb,
         cmdline=[f"tsc_early_khz={TCG_TSC_KHZ}"],
         fixes=fixes,
     )
@@ -125,7 +129,7 @@ def choose(settings: Settings, facts: HostFacts) -> AccelChoice:
         assert pvm_kernel is not None
         return _pvm(pvm_kernel)
     if forced == "tcg":
-        return _tcg("forced by AGENTENV_ACCEL=tcg", [])
+        return _tcg("forced by AGENTENV_ACCEL=tcg", [], settings.tcg_tb_size_mb)
     if forced is not None:
         raise AccelUnavailable(f"unknown accelerator {forced!r}: expected kvm, pvm or tcg")
 
@@ -134,7 +138,7 @@ def choose(settings: Settings, facts: HostFacts) -> AccelChoice:
     if pvm_ok and pvm_kernel_ok:
         assert pvm_kernel is not None
         return _pvm(pvm_kernel)
-    return _tcg(f"{why}; falling back to software emulation", fixes)
+    return _tcg(f"{why}; falling back to software emulation", fixes, settings.tcg_tb_size_mb)
 
 
 def detect(settings: Settings) -> AccelChoice:

@@ -41,8 +41,10 @@ KILL_TIMEOUT_S = 30.0
 EXIT_UNKNOWN = -1
 # The launcher reports a status as soon as it reaps the child, milliseconds after its end.
 EXIT_STATUS_TIMEOUT_S = 2.0
-# QEMU itself (TCG code cache, device state, page tables) on top of the guest's RAM.
+# QEMU itself (device state, heap, page tables, and up to 64 MiB of TCG code cache) on top of
+# the guest's RAM; a larger code cache (`AccelChoice.code_cache_mb`) raises it by the rest.
 MEMORY_OVERHEAD_MB = 192
+CODE_CACHE_IN_OVERHEAD_MB = 64
 PIDS_LIMIT = 256
 
 
@@ -73,9 +75,13 @@ _STATUS = {
 }
 
 
-def cgroup_limits(machine: MachineSpec) -> Limits:
+def memory_overhead_mb(accel: AccelChoice) -> int:
+    return MEMORY_OVERHEAD_MB + max(0, accel.code_cache_mb - CODE_CACHE_IN_OVERHEAD_MB)
+
+
+def cgroup_limits(machine: MachineSpec, accel: AccelChoice) -> Limits:
     return Limits(
-        memory_bytes=(machine.memory_mb + MEMORY_OVERHEAD_MB) * 1024 * 1024,
+        memory_bytes=(machine.memory_mb + memory_overhead_mb(accel)) * 1024 * 1024,
         cpus=float(machine.vcpus),
         pids=PIDS_LIMIT,
     )
@@ -240,7 +246,7 @@ class QemuVM(QemuArgv, QemuDisks, QemuMigration):
             spec = self.spec()
             self._write_record(spec)
             if self.cgroup is not None:
-                self.cgroup.create(cgroup_limits(self.machine))
+                self.cgroup.create(cgroup_limits(self.machine, self.accel))
             jail = None
             if self.confine:
                 await asyncio.to_thread(self._prepare_files)
