@@ -326,7 +326,10 @@ async def test_a_sandbox_still_between_states_after_the_wait_is_a_503(setup: Set
     """Past the wait a request gets a 503 saying which transition is under way, with
     Retry-After (the sandbox is there; the client may try again), a WebSocket the same."""
     rec = setup.records[SANDBOX_ID]
-    setup.records[SANDBOX_ID] = dataclasses.replace(rec, state=SandboxState.PAUSING)
+    # A pause waits only where traffic would resume the sandbox after it (auto-resume).
+    setup.records[SANDBOX_ID] = dataclasses.replace(
+        rec, state=SandboxState.PAUSING, auto_resume=True
+    )
     setup.proxy._settle_wait_s = 0.2
     url = setup.url.replace("http://", "ws://") + "/"
     async with asyncio.timeout(STEP_S), httpx.AsyncClient(base_url=setup.url) as client:
@@ -341,6 +344,24 @@ async def test_a_sandbox_still_between_states_after_the_wait_is_a_503(setup: Set
         "(a reset, pause or resume under way); retry",
     }
     assert refused.value.response.status_code == 503
+
+
+async def test_a_request_during_a_pause_without_auto_resume_is_refused_at_once(
+    setup: Setup,
+) -> None:
+    """Waiting would end in the same 502 "was not found". An SDK's health probe after a
+    stream the pause cut gives up after 5 s: a wait past that made the SDK raise "could not
+    be reached" (seen under load in test_mixed_load) instead of its "not running" error."""
+    rec = setup.records[SANDBOX_ID]
+    setup.records[SANDBOX_ID] = dataclasses.replace(rec, state=SandboxState.PAUSING)
+    assert not rec.auto_resume
+    async with asyncio.timeout(STEP_S), httpx.AsyncClient(base_url=setup.url) as client:
+        t0 = time.monotonic()
+        health = await client.get("/health", headers=CONNECT_HEADERS)
+        took = time.monotonic() - t0
+    assert health.status_code == 502, health.text
+    assert "was not found" in health.json()["message"]
+    assert took < 1.0, "it waited for the pause"
 
 
 async def test_a_stream_cut_mid_frame_is_dropped(setup: Setup) -> None:

@@ -28,6 +28,7 @@ from agentenv.proxy.upstream import (
     forwardable,
     refusal,
     unsettled,
+    waits_out,
 )
 from agentenv.proxy.wire import Send, send_json
 
@@ -178,7 +179,7 @@ class ProxyConnections:
         """The sandbox's record once it is in no transition (`SETTLING`); False with it when
         it still was after the wait."""
         rec = await self._resolve(sandbox_id)
-        if rec is None or rec.state not in SETTLING:
+        if rec is None or rec.state not in SETTLING or not waits_out(rec, time.time()):
             return rec, True
         deadline = time.monotonic() + self._settle_wait_s
         pause = SETTLE_POLL_S

@@ -109,6 +109,16 @@ SETTLING = frozenset({SandboxState.RESUMING, SandboxState.PAUSING})
 SETTLE_WAIT_S = 30.0
 
 
+def waits_out(rec: SandboxRecord, now: float) -> bool:
+    """Whether a request waits out `rec`'s transition. Not a pause that traffic will not
+    undo (no auto-resume, no grace after a timeout): the wait would end in the same 502 "was
+    not found", and an SDK's health probe (5 s) after a stream the pause cut would give up
+    first and raise "could not be reached" instead of the sandbox's end."""
+    if rec.state is not SandboxState.PAUSING:
+        return True
+    return rec.auto_resume or rec.grace_left(now) > 0
+
+
 def not_found_body(sandbox_id: str, *, paused: bool = False) -> dict[str, Any]:
     # The SDK keys "sandbox not running" off the substring "was not found" in a 502.
     message = f"The sandbox {sandbox_id} was not found"
