@@ -86,9 +86,11 @@ def test_tcg_translation_cache_is_capped_and_kvm_has_none(settings: Settings) ->
     spec = MachineSpec(vcpus=1, memory_mb=512)
     assert cgroup_limits(spec, kvm).memory_bytes == (512 + 192) * 2**20
     assert cgroup_limits(spec, tcg).memory_bytes == (512 + 192 + 192) * 2**20
-    assert Limits().for_accel(kvm.code_cache_mb).overhead_mb == 128
-    assert Limits().for_accel(64).overhead_mb == 128
-    assert Limits().for_accel(256).overhead_mb == 128 + 192
+    tcg64 = choose(replace(settings, accel="tcg", tcg_tb_size_mb=64), KVM)
+    assert cgroup_limits(spec, tcg64).memory_bytes == (512 + 192) * 2**20
+    assert Limits().for_accel(kvm).overhead_mb == 128
+    assert Limits().for_accel(tcg64).overhead_mb == 128
+    assert Limits().for_accel(tcg).overhead_mb == 128 + 192
 
 
 @pytest.mark.parametrize("raw", ["16", "2048", "big"])

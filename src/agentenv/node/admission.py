@@ -44,6 +44,7 @@ from typing import Protocol
 
 from agentenv.config import Settings
 from agentenv.node.errors import NoCapacity
+from agentenv.vmm.accel import AccelChoice
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +55,6 @@ MIB = 1024 * 1024
 # cgroup ceiling (`vmm.qemu.memory_overhead_mb`) is the hard limit; this is the expected worst
 # case, so 32 sandboxes of 512 MB (20 GiB) fit a 24 GiB host with the 64 MiB cache.
 OVERHEAD_MB = 128
-CODE_CACHE_IN_OVERHEAD_MB = 64
 # Retry hints (seconds): a sandbox must end before memory, slots or the count free up.
 RETRY_CAPACITY_S = 10
 RETRY_DISK_S = 60
@@ -108,11 +108,10 @@ class Limits:
             min_free_disk_mb=s.min_free_disk_mb,
         )
 
-    def for_accel(self, code_cache_mb: int) -> Limits:
-        """These limits with the overhead of a VM whose code cache may grow to
-        `code_cache_mb` (the chosen accelerator's; 0 on KVM)."""
-        extra = max(0, code_cache_mb - CODE_CACHE_IN_OVERHEAD_MB)
-        return replace(self, overhead_mb=OVERHEAD_MB + extra)
+    def for_accel(self, accel: AccelChoice) -> Limits:
+        """These limits with the overhead of a VM of the chosen accelerator (its code cache
+        beyond the 64 MiB `OVERHEAD_MB` counts; none on KVM)."""
+        return replace(self, overhead_mb=OVERHEAD_MB + accel.code_cache_extra_mb)
 
 
 def mem_available() -> int:

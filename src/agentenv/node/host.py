@@ -74,7 +74,7 @@ class Node(NodeReset):
         from agentenv.vmm.ramshim import ensure_ram_shim
 
         self._accel = detect(self.settings)
-        self.admission.limits = self.admission.limits.for_accel(self._accel.code_cache_mb)
+        self.admission.limits = self.admission.limits.for_accel(self._accel)
         for warning in self._accel.warnings:
             log.warning("%s", warning)
         arts = await asyncio.to_thread(artifacts.ensure_all, self.settings, None)

@@ -19,6 +19,9 @@ from agentenv.vmm.errors import AccelUnavailable
 # `Settings.tcg_tb_size_mb` (AGENTENV_TCG_TB_SIZE_MB): it grows only as a guest runs new code,
 # so an idle clone holds the same either way, and a guest that fills it pays for a flush and
 # a translation of everything again (docs/vmm.md has the measured trade).
+# What the VM's memory ceiling (`vmm.qemu`) and admission's overhead (`node.admission`)
+# already count for the code cache; a larger cache adds `AccelChoice.code_cache_extra_mb`.
+CODE_CACHE_COUNTED_MB = 64
 # Under TCG the kernel cannot calibrate its TSC against a real timer (see microvm-notes §1-2).
 TCG_TSC_KHZ = 2_100_000
 
@@ -35,6 +38,11 @@ class AccelChoice:
     cmdline: list[str] = field(default_factory=list)
     # One line per prerequisite that would enable a faster accelerator.
     fixes: list[str] = field(default_factory=list)
+
+    @property
+    def code_cache_extra_mb(self) -> int:
+        """The code cache beyond what memory ceilings and estimates already count."""
+        return max(0, self.code_cache_mb - CODE_CACHE_COUNTED_MB)
 
 
 @dataclass(frozen=True)

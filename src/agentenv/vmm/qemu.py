@@ -42,9 +42,8 @@ EXIT_UNKNOWN = -1
 # The launcher reports a status as soon as it reaps the child, milliseconds after its end.
 EXIT_STATUS_TIMEOUT_S = 2.0
 # QEMU itself (device state, heap, page tables, and up to 64 MiB of TCG code cache) on top of
-# the guest's RAM; a larger code cache (`AccelChoice.code_cache_mb`) raises it by the rest.
+# the guest's RAM; a larger code cache raises it by the rest (`AccelChoice.code_cache_extra_mb`).
 MEMORY_OVERHEAD_MB = 192
-CODE_CACHE_IN_OVERHEAD_MB = 64
 PIDS_LIMIT = 256
 
 
@@ -76,7 +75,7 @@ _STATUS = {
 
 
 def memory_overhead_mb(accel: AccelChoice) -> int:
-    return MEMORY_OVERHEAD_MB + max(0, accel.code_cache_mb - CODE_CACHE_IN_OVERHEAD_MB)
+    return MEMORY_OVERHEAD_MB + accel.code_cache_extra_mb
 
 
 def cgroup_limits(machine: MachineSpec, accel: AccelChoice) -> Limits:
