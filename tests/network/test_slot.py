@@ -23,6 +23,7 @@ from agentenv.network import (
     conntrack,
     create_slot,
     destroy_slot,
+    netns_socket,
     slot_for,
 )
 from agentenv.network.egress import Egress
@@ -293,11 +294,42 @@ async def test_cleanup_stale_keeps_slots_with_live_processes() -> None:
     finally:
         proc.kill()
         await proc.wait()
-    try:
-        assert slot.index in await cleanup_stale(plan, only=[slot.index])
-    finally:
+    # Removed here, or by the destroy if the cleanup failed: not both, or the destroy would
+    # remove whoever took the freed index in between (another worker's slot, once).
+    removed = await cleanup_stale(plan, only=[slot.index])
+    if slot.index not in removed:
         await destroy_slot(slot)
+    assert slot.index in removed
     await assert_released(slot, host_ifindex)
+
+
+async def test_a_second_teardown_leaves_the_next_holder_of_the_index_alone() -> None:
+    """A slot is torn down, another slot takes its index (the lowest free one: at once, when
+    other servers share the host), then the first slot object is torn down again. The second
+    slot keeps its namespace and host veth. Before slots carried their namespace's cookie, the
+    second teardown removed both (the suite saw another worker's guest lose its slot)."""
+    plan = NetworkPlan()
+    for _ in range(5):
+        first = await create_slot(plan)
+        await destroy_slot(first)
+        try:
+            second = await create_slot(plan, index=first.index)
+        except NetworkError:
+            continue  # another process on the host took the index first: try again
+        break
+    else:
+        pytest.fail("five freed indexes in a row were taken by other processes")
+    try:
+        assert second.netns == first.netns
+        cookie = await netns_socket.netns_cookie(second.netns)
+        host_ifindex = host_links()[second.host_veth]
+        await destroy_slot(first)
+        assert made_here(second.netns)
+        assert host_links().get(second.host_veth) == host_ifindex
+        assert await netns_socket.netns_cookie(second.netns) == cookie
+    finally:
+        await destroy_slot(second)
+    await assert_released(second, host_ifindex)
 
 
 async def test_pool_watermarks() -> None:

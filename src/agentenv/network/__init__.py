@@ -5,6 +5,7 @@ from agentenv.network.errors import NetworkError, NoFreeSlot
 from agentenv.network.pool import SlotPool
 from agentenv.network.slot import (
     Slot,
+    adopted_slot,
     cleanup_stale,
     create_slot,
     destroy_slot,
@@ -21,6 +22,7 @@ __all__ = [
     "NoFreeSlot",
     "Slot",
     "SlotPool",
+    "adopted_slot",
     "cleanup_stale",
     "create_slot",
     "destroy_slot",

@@ -34,6 +34,10 @@ MS_REC = 16384
 MS_SHARED = 1 << 20
 MNT_DETACH = 2
 NETNS_RUN_DIR = Path("/run/netns")
+# getsockopt(SOL_SOCKET, SO_NETNS_COOKIE) (Linux 5.14): the 64-bit cookie of the socket's
+# network namespace. Unlike the namespace's inode number, the kernel never hands a cookie out
+# twice, so it tells a namespace from a later one under the same name.
+SO_NETNS_COOKIE = 71
 _libc = ctypes.CDLL(None, use_errno=True)
 _executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="netns-socket")
 T = TypeVar("T")
@@ -79,24 +83,50 @@ def _with_own_ns_back(work: Callable[[], T]) -> T:
         os.close(own)
 
 
-def _add_netns(name: str) -> None:
+def _cookie_here() -> int:
+    """The cookie of the namespace this thread is in."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        cookie: int = struct.unpack("Q", sock.getsockopt(socket.SOL_SOCKET, SO_NETNS_COOKIE, 8))[0]
+    return cookie
+
+
+def _add_netns(name: str) -> int:
     path = NETNS_RUN_DIR / name
     _share_run_dir()
     # O_EXCL: the claim of the name is atomic against other processes.
     os.close(os.open(path, os.O_RDONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0))
 
-    def make() -> None:
+    def make() -> int:
         _libc_check(_libc.unshare(CLONE_NEWNET), "unshare")
         _libc_check(
             _libc.mount(b"/proc/thread-self/ns/net", str(path).encode(), b"none", MS_BIND, None),
             f"bind {path}",
         )
+        return _cookie_here()
 
     try:
-        _with_own_ns_back(make)
+        return _with_own_ns_back(make)
     except BaseException:
         path.unlink(missing_ok=True)
         raise
+
+
+def _netns_cookie(name: str) -> int | None:
+    def enter_and_read() -> int | None:
+        try:
+            target = os.open(NETNS_RUN_DIR / name, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return None
+        try:
+            _setns(target)
+        except OSError:
+            # Not (yet) a namespace: another process's claim before its bind mount.
+            return None
+        finally:
+            os.close(target)
+        return _cookie_here()
+
+    return _with_own_ns_back(enter_and_read)
 
 
 def _remove_netns(name: str) -> None:
@@ -105,11 +135,16 @@ def _remove_netns(name: str) -> None:
     path.unlink(missing_ok=True)
 
 
-async def add_netns(name: str) -> None:
+async def add_netns(name: str) -> int:
     """Create the named network namespace (`ip netns add`); `FileExistsError` if taken.
-    The loop awaits the thread: `unshare` takes milliseconds, and the thread may be busy
-    with another slot's work."""
-    await asyncio.get_running_loop().run_in_executor(_executor, _add_netns, name)
+    Its cookie (`netns_cookie`). The loop awaits the thread: `unshare` takes milliseconds,
+    and the thread may be busy with another slot's work."""
+    return await asyncio.get_running_loop().run_in_executor(_executor, _add_netns, name)
+
+
+async def netns_cookie(name: str) -> int | None:
+    """The cookie of the namespace now bound at `/run/netns/<name>`; None if there is none."""
+    return await asyncio.get_running_loop().run_in_executor(_executor, _netns_cookie, name)
 
 
 async def remove_netns(name: str) -> None:

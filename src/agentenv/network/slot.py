@@ -23,7 +23,7 @@ import os
 import socket
 import struct
 from collections.abc import AsyncIterator, Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from pyroute2 import AsyncIPRoute, IPRoute, netns
@@ -80,6 +80,12 @@ class Slot:
     # Each way, Mbit/s, and concurrent guest connections (`NetworkPlan`); 0 = no limit.
     rate_mbit: int = 0
     max_connections: int = 0
+    # The cookie of the namespace this process built the slot in (`netns_socket.netns_cookie`);
+    # None for a slot known only by its index (a marker, a record read after a restart).
+    # Another process takes the lowest free index as soon as a slot is gone, so a second
+    # teardown of a slot object would remove that process's namespace and veth: `_teardown`
+    # of a slot with a cookie leaves a namespace with another cookie alone.
+    cookie: int | None = field(default=None, compare=False)
 
     @property
     def netns_path(self) -> Path:
@@ -105,6 +111,13 @@ def slot_for(plan: NetworkPlan, index: int) -> Slot:
         rate_mbit=plan.rate_mbit,
         max_connections=plan.max_connections,
     )
+
+
+async def adopted_slot(plan: NetworkPlan, index: int) -> Slot:
+    """The slot a running VM of an earlier server holds (a restarted server adopting it),
+    with the cookie of the namespace the VM runs in, as if this process had built it."""
+    slot = slot_for(plan, index)
+    return replace(slot, cookie=await netns_socket.netns_cookie(slot.netns))
 
 
 @contextlib.asynccontextmanager
@@ -134,11 +147,11 @@ async def _claim_netns(plan: NetworkPlan, start: int) -> Slot:
             continue
         slot = slot_for(plan, index)
         try:
-            await add_netns(slot.netns)
+            cookie = await add_netns(slot.netns)
         except FileExistsError:
             continue
         _remember(slot.netns)
-        return slot
+        return replace(slot, cookie=cookie)
     raise NoFreeSlot(f"no free slot left in {plan.slot_cidr}")
 
 
@@ -209,7 +222,7 @@ async def create_slot(
         else:
             slot = slot_for(plan, index)
             try:
-                await add_netns(slot.netns)
+                slot = replace(slot, cookie=await add_netns(slot.netns))
             except FileExistsError as exc:
                 raise NetworkError(f"slot {index} is already in use") from exc
             _remember(slot.netns)
@@ -429,6 +442,11 @@ def _delete_host_veth(name: str) -> None:
 
 
 async def _teardown(slot: Slot) -> None:
+    if slot.cookie is not None and await netns_socket.netns_cookie(slot.netns) != slot.cookie:
+        # Gone already (its first teardown forgot the name), and the name and the veth's may
+        # be another slot's by now, this process's or another's.
+        log.warning("slot %d: already removed; its name is left to whoever holds it", slot.index)
+        return
     # Deleting the host end removes its peer; the namespace takes the tap with it.
     try:
         await thread_whole(_delete_host_veth, slot.host_veth)

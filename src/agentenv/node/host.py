@@ -27,7 +27,7 @@ from pathlib import Path
 
 from agentenv import snapshot as snaps
 from agentenv.cleanup import Cleanup
-from agentenv.network import Egress, Slot, destroy_slot, recover_slots, slot_for
+from agentenv.network import Egress, Slot, adopted_slot, destroy_slot, recover_slots
 from agentenv.network.slot import NETNS_PREFIX
 from agentenv.node.cleanup import (
     RESET_HOLDER,
@@ -219,7 +219,7 @@ class Node(NodeReset):
                 await vm.resume()
             if vm.netns is None or not vm.netns.startswith(NETNS_PREFIX):
                 raise SandboxError(f"its VM runs in no slot namespace ({vm.netns})")
-            slot = slot_for(self.settings.network, int(vm.netns[len(NETNS_PREFIX) :]))
+            slot = await adopted_slot(self.settings.network, int(vm.netns[len(NETNS_PREFIX) :]))
             mem = vm.machine.mem_file
             private = mem is not None and not vm.machine.mem_shared
             # A clone maps a committed snapshot's memory (not a capture's staging dir).
