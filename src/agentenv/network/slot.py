@@ -52,11 +52,12 @@ HOST_LOCK_TIMEOUT_S = 60.0
 # Namespaces this process created and has not removed. Other servers on the host reuse the
 # same names (and the kernel reuses namespace inode numbers), so this is how tests and
 # diagnostics tell this process's slots apart.
-live_here: set[str] = set()
+# Each name maps to the cookie of the namespace made under it (None: made before cookies).
+live_here: dict[str, int | None] = {}
 
 
-def _remember(name: str) -> None:
-    live_here.add(name)
+def _remember(name: str, cookie: int | None) -> None:
+    live_here[name] = cookie
 
 
 def made_here(name: str) -> bool:
@@ -150,7 +151,7 @@ async def _claim_netns(plan: NetworkPlan, start: int) -> Slot:
             cookie = await add_netns(slot.netns)
         except FileExistsError:
             continue
-        _remember(slot.netns)
+        _remember(slot.netns, cookie)
         return replace(slot, cookie=cookie)
     raise NoFreeSlot(f"no free slot left in {plan.slot_cidr}")
 
@@ -225,7 +226,7 @@ async def create_slot(
                 slot = replace(slot, cookie=await add_netns(slot.netns))
             except FileExistsError as exc:
                 raise NetworkError(f"slot {index} is already in use") from exc
-            _remember(slot.netns)
+            _remember(slot.netns, slot.cookie)
         try:
             _mark(owner, slot, True)
             await _build(plan, slot)
@@ -443,8 +444,10 @@ def _delete_host_veth(name: str) -> None:
 
 async def _teardown(slot: Slot) -> None:
     if slot.cookie is not None and await netns_socket.netns_cookie(slot.netns) != slot.cookie:
-        # Gone already (its first teardown forgot the name), and the name and the veth's may
-        # be another slot's by now, this process's or another's.
+        # Gone already, and the name and the veth's may be another slot's by now. This
+        # process forgets the name unless the slot under it now is one it made itself.
+        if slot.netns in live_here and live_here[slot.netns] == slot.cookie:
+            del live_here[slot.netns]
         log.warning("slot %d: already removed; its name is left to whoever holds it", slot.index)
         return
     # Deleting the host end removes its peer; the namespace takes the tap with it.
@@ -459,7 +462,7 @@ async def _teardown(slot: Slot) -> None:
         log.warning("slot %d: deleting %s: %r", slot.index, slot.host_veth, exc)
     if slot.netns_path.exists():
         await whole(remove_netns(slot.netns))
-    live_here.discard(slot.netns)
+    live_here.pop(slot.netns, None)
     if not [v for v in _host_veths() if v != slot.host_veth]:  # ours goes with the namespace
         await nft.remove_host_rules()
 
