@@ -52,11 +52,11 @@ HOST_LOCK_TIMEOUT_S = 60.0
 # Namespaces this process created and has not removed. Other servers on the host reuse the
 # same names (and the kernel reuses namespace inode numbers), so this is how tests and
 # diagnostics tell this process's slots apart.
-# Each name maps to the cookie of the namespace made under it (None: made before cookies).
-live_here: dict[str, int | None] = {}
+# Each name maps to the cookie of the namespace this process made under it.
+live_here: dict[str, int] = {}
 
 
-def _remember(name: str, cookie: int | None) -> None:
+def _remember(name: str, cookie: int) -> None:
     live_here[name] = cookie
 
 
@@ -223,10 +223,11 @@ async def create_slot(
         else:
             slot = slot_for(plan, index)
             try:
-                slot = replace(slot, cookie=await add_netns(slot.netns))
+                cookie = await add_netns(slot.netns)
             except FileExistsError as exc:
                 raise NetworkError(f"slot {index} is already in use") from exc
-            _remember(slot.netns, slot.cookie)
+            _remember(slot.netns, cookie)
+            slot = replace(slot, cookie=cookie)
         try:
             _mark(owner, slot, True)
             await _build(plan, slot)
@@ -446,7 +447,7 @@ async def _teardown(slot: Slot) -> None:
     if slot.cookie is not None and await netns_socket.netns_cookie(slot.netns) != slot.cookie:
         # Gone already, and the name and the veth's may be another slot's by now. This
         # process forgets the name unless the slot under it now is one it made itself.
-        if slot.netns in live_here and live_here[slot.netns] == slot.cookie:
+        if live_here.get(slot.netns) == slot.cookie:
             del live_here[slot.netns]
         log.warning("slot %d: already removed; its name is left to whoever holds it", slot.index)
         return
