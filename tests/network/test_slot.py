@@ -23,9 +23,12 @@ from agentenv.network import (
     conntrack,
     create_slot,
     destroy_slot,
+    marked_slot,
     netns_socket,
+    recover_slots,
     slot_for,
 )
+from agentenv.network import slot as slot_module
 from agentenv.network.egress import Egress
 from agentenv.network.slot import Slot, conntrack_entries, host_lock, is_pooled, made_here
 from agentenv.vmm.confine import vm_ids
@@ -327,6 +330,40 @@ async def test_a_second_teardown_leaves_the_next_holder_of_the_index_alone() -> 
         assert made_here(second.netns)
         assert host_links().get(second.host_veth) == host_ifindex
         assert await netns_socket.netns_cookie(second.netns) == cookie
+    finally:
+        await destroy_slot(second)
+    await assert_released(second, host_ifindex)
+
+
+async def test_a_marker_that_outlived_its_slot_removes_nothing_of_the_next_holder(
+    tmp_path: Path,
+) -> None:
+    """A server killed between a slot's teardown and its marker's removal leaves the marker;
+    another process takes the index; the next server of the data dir recovers its slots. The
+    other process's slot survives: the marker holds the cookie of the namespace it meant.
+    Before markers held it, recovery removed the slot by name (another worker's guest lost
+    its tap between two QEMUs in three-worker suite runs)."""
+    plan = NetworkPlan()
+    for _ in range(5):
+        first = await create_slot(plan, owner=tmp_path)
+        async with host_lock():
+            await slot_module._teardown(first)  # the marker stays: the server died here
+        try:
+            second = await create_slot(plan, index=first.index)
+        except NetworkError:
+            continue  # another process on the host took the index first: try again
+        break
+    else:
+        pytest.fail("five freed indexes in a row were taken by other processes")
+    try:
+        marked = marked_slot(plan, tmp_path, first.index)
+        assert marked is not None and marked.cookie == first.cookie != second.cookie
+        host_ifindex = host_links()[second.host_veth]
+        assert await recover_slots(plan, tmp_path, keep=()) == [first.index]
+        assert marked_slot(plan, tmp_path, first.index) is None
+        assert made_here(second.netns)
+        assert host_links().get(second.host_veth) == host_ifindex
+        assert await netns_socket.netns_cookie(second.netns) == second.cookie
     finally:
         await destroy_slot(second)
     await assert_released(second, host_ifindex)

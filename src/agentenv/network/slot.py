@@ -82,7 +82,7 @@ class Slot:
     rate_mbit: int = 0
     max_connections: int = 0
     # The cookie of the namespace this process built the slot in (`netns_socket.netns_cookie`);
-    # None for a slot known only by its index (a marker, a record read after a restart).
+    # None for a slot known only by its index (`cleanup_stale`, a marker of an older server).
     # Another process takes the lowest free index as soon as a slot is gone, so a second
     # teardown of a slot object would remove that process's namespace and veth: `_teardown`
     # of a slot with a cookie leaves a namespace with another cookie alone.
@@ -174,6 +174,16 @@ async def _link_indexes(slot: Slot, *names: str) -> list[int]:
         raise NetworkError(f"slot {slot.index}: link {names}: {exc.strerror or exc}") from exc
 
 
+def _marker(slot: Slot, pooled: bool = False) -> bytes:
+    """A slot's marker: the cookie of its namespace, then whether it waits in the pool.
+
+    The cookie is what lets the next server of the data dir remove only what the marker
+    meant: a server killed between a slot's teardown and its marker's removal leaves the
+    marker, and another process may hold the name by then (`_teardown` compares cookies)."""
+    cookie = b"" if slot.cookie is None else f"{slot.cookie}\n".encode()
+    return cookie + (POOLED if pooled else b"")
+
+
 def _mark(owner: Path | None, slot: Slot, held: bool) -> None:
     """Marker files name the slots a data dir holds, so its next server can remove the
     ones a crash left (`recover_slots`) without touching other servers' slots."""
@@ -182,13 +192,13 @@ def _mark(owner: Path | None, slot: Slot, held: bool) -> None:
     marker = owner / slot.netns
     if held:
         owner.mkdir(mode=0o700, parents=True, exist_ok=True)
-        marker.touch()
+        marker.write_bytes(_marker(slot))
     else:
         marker.unlink(missing_ok=True)
 
 
-# What a slot's marker holds while the slot waits in its server's pool, reset for reuse (empty
-# while a guest holds it or it is being built).
+# What a slot's marker ends with while the slot waits in its server's pool, reset for reuse
+# (not while a guest holds it or it is being built).
 POOLED = b"pooled\n"
 
 
@@ -199,7 +209,9 @@ def mark_pooled(owner: Path | None, slot: Slot, pooled: bool) -> None:
     if owner is None:
         return
     try:
-        (owner / slot.netns).write_bytes(POOLED if pooled else b"")
+        # Rewritten whole: a crash mid-write leaves a marker without its cookie, which is
+        # safe while the slot exists (nobody else can hold a name that is taken).
+        (owner / slot.netns).write_bytes(_marker(slot, pooled))
     except OSError as exc:
         # Only what the marker tells from outside is wrong then; the slot itself is fine.
         log.warning("slot %d: marking it %s: %r", slot.index, "pooled" if pooled else "held", exc)
@@ -207,7 +219,7 @@ def mark_pooled(owner: Path | None, slot: Slot, pooled: bool) -> None:
 
 def is_pooled(owner: Path, netns: str) -> bool:
     try:
-        return (owner / netns).read_bytes() == POOLED
+        return (owner / netns).read_bytes().endswith(POOLED)
     except OSError:
         return False
 
@@ -493,6 +505,18 @@ async def destroy_slot(slot: Slot, *, owner: Path | None = None) -> None:
     _mark(owner, slot, False)
 
 
+def marked_slot(plan: NetworkPlan, owner: Path, index: int) -> Slot | None:
+    """The slot `owner`'s marker names at `index`, with the cookie it recorded; None without
+    a marker (its server removed the slot, or never had it)."""
+    try:
+        text = (owner / f"{NETNS_PREFIX}{index}").read_bytes()
+    except FileNotFoundError:
+        return None
+    first = text.split(b"\n", 1)[0]
+    # No cookie: a marker of an older server, or one cut short while its slot existed.
+    return replace(slot_for(plan, index), cookie=int(first) if first.isdigit() else None)
+
+
 def marked_slots(plan: NetworkPlan, owner: Path) -> list[Slot]:
     """The slots `owner` holds by its markers."""
     if not owner.is_dir():
@@ -502,7 +526,9 @@ def marked_slots(plan: NetworkPlan, owner: Path) -> list[Slot]:
         index = marker.name[len(NETNS_PREFIX) :]
         if marker.name.startswith(NETNS_PREFIX) and index.isdigit():
             if int(index) < plan.max_slots:
-                out.append(slot_for(plan, int(index)))
+                slot = marked_slot(plan, owner, int(index))
+                if slot is not None:
+                    out.append(slot)
             else:
                 marker.unlink(missing_ok=True)
     return out

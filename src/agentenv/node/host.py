@@ -27,7 +27,14 @@ from pathlib import Path
 
 from agentenv import snapshot as snaps
 from agentenv.cleanup import Cleanup
-from agentenv.network import Egress, Slot, adopted_slot, destroy_slot, recover_slots
+from agentenv.network import (
+    Egress,
+    Slot,
+    adopted_slot,
+    destroy_slot,
+    marked_slot,
+    recover_slots,
+)
 from agentenv.network.slot import NETNS_PREFIX
 from agentenv.node.cleanup import (
     RESET_HOLDER,
@@ -190,7 +197,12 @@ class Node(NodeReset):
         """Its slot and QEMU; not a slot an adopted sandbox runs in (`keep`)."""
 
         async def drop_slot(slot: Slot) -> None:
-            await destroy_slot(slot, owner=self.settings.slots_dir)
+            # As the marker recorded it (its namespace's cookie): without a marker its server
+            # had removed the slot already, and the name may be another process's by now.
+            owner = self.settings.slots_dir
+            marked = await asyncio.to_thread(marked_slot, self.settings.network, owner, slot.index)
+            if marked is not None:
+                await destroy_slot(marked, owner=owner)
 
         slot = record_slot(self.settings.network, rec)
         if slot is not None and slot.index in keep:
