@@ -26,6 +26,7 @@ from agentenv.control.ownership import Replicas
 from agentenv.control.sandboxes import SandboxManager
 from agentenv.control.store import SandboxState, Store
 from agentenv.gateway.client import GatewayDialer
+from agentenv.guest import quiet_server
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
@@ -235,4 +236,4 @@ def serve(
         access_log=False,
         lifespan="on",
     )
-    uvicorn.Server(config).run()
+    quiet_server.Server(config).run()

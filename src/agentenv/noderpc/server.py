@@ -23,6 +23,7 @@ from typing import Any
 import uvicorn
 
 from agentenv.contract.runtime import Runtime
+from agentenv.guest import quiet_server
 from agentenv.noderpc.service import HEARTBEAT_S, NodeService
 
 from .gen.node_connect import NodeServiceASGIApplication
@@ -184,7 +185,7 @@ class NodeServer:
             ssl_certfile=None if tls_cert is None else str(tls_cert),
             ssl_keyfile=None if tls_key is None else str(tls_key),
         )
-        self._server = uvicorn.Server(config)
+        self._server = quiet_server.Server(config)
         self._task: asyncio.Task[None] | None = None
 
     @property
@@ -219,7 +220,7 @@ class NodeServer:
         # Open WatchLost streams end first: uvicorn's graceful shutdown then has nothing to
         # wait out (and nothing to cancel, which logged a traceback per stream).
         self._app.service.close_streams()
-        self._server.should_exit = True
+        self._server.request_exit()
         try:
             async with asyncio.timeout(10):
                 await self._task
