@@ -61,6 +61,31 @@ async def test_commits_do_not_checkpoint_and_the_checkpointer_does_on_its_thread
     await store.close()  # a second close is a no-op
 
 
+async def test_a_round_without_writes_makes_no_checkpoint(tmp_path: Path) -> None:
+    """An idle server's rounds stay on the loop: no hop to the checkpoint thread until the
+    store changes a row again."""
+    store = SqliteStore(tmp_path / "agentenv.db")
+    store.checkpoints.interval_s = 0.02
+    try:
+        await store.insert(rec(1))
+        await store.open()
+
+        async def rounds_settle() -> int:
+            for _ in range(250):
+                seen = store.checkpoints.rounds
+                await asyncio.sleep(0.1)  # five intervals
+                if seen and store.checkpoints.rounds == seen:
+                    return seen
+            pytest.fail("the checkpoint rounds never settled")
+
+        first = await rounds_settle()
+        assert first == 1  # the write before open, once
+        await store.log("sbx1", "one more line")
+        assert await rounds_settle() == first + 1
+    finally:
+        await store.close()
+
+
 async def test_a_store_closed_unopened_still_checkpoints_what_it_wrote(tmp_path: Path) -> None:
     path = tmp_path / "agentenv.db"
     store = SqliteStore(path)

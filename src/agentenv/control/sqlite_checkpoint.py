@@ -7,7 +7,9 @@ byte) waited through it. An fsync waits for whatever else the filesystem has to 
 and a pause writes a RAM stream of hundreds of MB. So the store turns automatic checkpoints
 off and `WalCheckpointer` makes them from a connection of its own, on a thread of its own,
 every `INTERVAL_S`. PASSIVE mode never blocks the store's writers: it copies what no reader
-still needs and leaves the rest for the next one.
+still needs and leaves the rest for the next one. A round in which the store changed no row
+skips the checkpoint (`changes`, read on the loop): its hop to the thread and back was a
+third of an idle server's wakeups.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import asyncio
 import contextlib
 import logging
 import sqlite3
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -32,10 +35,19 @@ CLOSE_TIMEOUT_S = 10.0
 class WalCheckpointer:
     """Checkpoints the WAL of the database at `path` while `start()`ed, until `close()`."""
 
-    def __init__(self, path: Path, interval_s: float = INTERVAL_S) -> None:
+    def __init__(
+        self,
+        path: Path,
+        interval_s: float = INTERVAL_S,
+        changes: Callable[[], int] | None = None,
+    ) -> None:
         self.path = path
         self.interval_s = interval_s
         self.rounds = 0
+        # Rows the store's connection has changed so far (`sqlite3.Connection.total_changes`);
+        # None: checkpoint every round.
+        self._changes = changes
+        self._checkpointed_at: int | None = None
         # One thread: a checkpoint stuck in fsync holds it, never a thread of the loop's
         # default executor that requests need.
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="sqlite-checkpoint")
@@ -64,6 +76,12 @@ class WalCheckpointer:
     async def _rounds(self) -> None:
         while True:
             await asyncio.sleep(self.interval_s)
+            if self._changes is not None:
+                # Read before the checkpoint: a write during it is caught by the next round.
+                changes = self._changes()
+                if changes == self._checkpointed_at:
+                    continue
+                self._checkpointed_at = changes
             try:
                 await self.checkpoint()
             except sqlite3.Error as exc:

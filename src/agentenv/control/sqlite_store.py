@@ -137,7 +137,7 @@ class SqliteStore:
         self._db.execute("PRAGMA busy_timeout=5000")
         # Checkpoints fsync: `checkpoints` makes them on a thread of its own, not a commit.
         self._db.execute("PRAGMA wal_autocheckpoint=0")
-        self.checkpoints = WalCheckpointer(path)
+        self.checkpoints = WalCheckpointer(path, changes=lambda: self._db.total_changes)
         self._db.executescript(_SCHEMA)
         self._migrate()
 
