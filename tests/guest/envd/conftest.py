@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import fcntl
 import os
 import pwd
 import signal
@@ -22,19 +23,48 @@ from connectrpc.codec import proto_json_codec
 from agentenv.guest.envd.gen.filesystem.filesystem_connect import FilesystemClient
 from agentenv.guest.envd.gen.process.process_connect import ProcessClient
 
+# Host-wide, across the workers of a run (and other runs): the user is made by the first
+# worker that needs it and removed by the last one done with it, never under another's tests.
+# Each worker holds a shared lock on USERS_LOCK while it uses the account; whoever can take it
+# exclusively (under USER_MUTEX) is the last one. CREATED says a test run made the account.
+USER_MUTEX = Path("/run/agentenv-test-user.lock")
+USERS_LOCK = Path("/run/agentenv-test-user.users")
+USER_CREATED = Path("/run/agentenv-test-user.created")
+
+
+@contextlib.contextmanager
+def _locked(path: Path, how: int) -> Iterator[int]:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, how)
+        yield fd
+    finally:
+        os.close(fd)
+
 
 @pytest.fixture(scope="session")
 def sandbox_user() -> Iterator[str]:
-    """The E2B default user; created for the session if this host lacks it."""
-    created = False
+    """The E2B default user; created for the run if this host lacks it."""
+    users = os.open(USERS_LOCK, os.O_RDWR | os.O_CREAT, 0o600)
     try:
-        pwd.getpwnam("user")
-    except KeyError:
-        subprocess.run(["useradd", "-m", "-s", "/bin/bash", "user"], check=True)
-        created = True
-    yield "user"
-    if created:
-        subprocess.run(["userdel", "-r", "user"], check=False, capture_output=True)
+        fcntl.flock(users, fcntl.LOCK_SH)  # waits out a last user's removal of the account
+        with _locked(USER_MUTEX, fcntl.LOCK_EX):
+            try:
+                pwd.getpwnam("user")
+            except KeyError:
+                subprocess.run(["useradd", "-m", "-s", "/bin/bash", "user"], check=True)
+                USER_CREATED.touch()
+        yield "user"
+    finally:
+        os.close(users)  # our shared lock goes with it
+    with _locked(USER_MUTEX, fcntl.LOCK_EX):
+        try:
+            with _locked(USERS_LOCK, fcntl.LOCK_EX | fcntl.LOCK_NB):
+                if USER_CREATED.exists():
+                    subprocess.run(["userdel", "-r", "user"], check=False, capture_output=True)
+                    USER_CREATED.unlink()
+        except BlockingIOError:
+            pass  # another worker still uses it: the last one removes it
 
 
 def free_port() -> int:
