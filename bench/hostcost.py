@@ -18,6 +18,10 @@ port. Passes:
    program name and process creations (fork, vfork, clone/clone3 without CLONE_THREAD), per
    lifecycle and per VM start (a VM start is one exec of QEMU). strace slows what it traces,
    so CPU comes from pass 1 only. strace comes from Debian's `strace`.
+   Before pass 1 the server's idle rate is read over 10 s (`server_idle_ms_per_s`, from
+   schedstat); each operation's row is also given less that rate over its wall time
+   (`..._less_idle_ms`): the housekeeping an idle server does meanwhile is not the
+   operation's, and under TCG a command's wall time is mostly the guest's.
 3. Floor: a bare QEMU restore of the same template snapshot by a few lines of script (a
    process of its own in a network namespace of its own, QEMU as its child with the argv
    and environment a sandbox's QEMU was started with, its own qcow2 upper over the same
@@ -60,6 +64,27 @@ def stat_fields(pid: int) -> list[str]:
 def own_ms(pid: int) -> float:
     f = stat_fields(pid)
     return (int(f[11]) + int(f[12])) * TICK_MS  # utime, stime
+
+
+def sched_ms(pid: int) -> float:
+    """CPU of the process's live threads in ns precision (schedstat), in ms: for a rate over
+    a quiet window, where 10 ms ticks would be most of the reading."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            total += int((task / "schedstat").read_text().split()[0])
+        except OSError:
+            continue  # a thread that ended meanwhile
+    return total / 1e6
+
+
+def idle_rate(pid: int, seconds: float) -> float:
+    """The server's CPU per second while it serves nothing (ms/s): its housekeeping (the
+    reaper's, the memory manager's and the HTTP server's ticks). It runs during every
+    operation too, so `server_<op>_less_idle_ms` takes rate x the operation's wall off."""
+    t0, w0 = sched_ms(pid), time.monotonic()
+    time.sleep(seconds)
+    return (sched_ms(pid) - t0) / (time.monotonic() - w0)
 
 
 def children_ms(pid: int) -> float:
@@ -205,6 +230,7 @@ def helper_cost(pid: int, work: Any) -> dict[str, float]:
 
 def cpu_pass(opts: dict[str, Any], n: int, runs: int, pauses: int, pid: int) -> dict[str, float]:
     rows: dict[str, list[float]] = collections.defaultdict(list)
+    idle = idle_rate(pid, 10.0)
 
     def plain() -> None:
         for _ in range(n):
@@ -217,6 +243,12 @@ def cpu_pass(opts: dict[str, Any], n: int, runs: int, pauses: int, pid: int) -> 
     cost = helper_cost(pid, plain)
     with_pause = helper_cost(pid, paused) if pauses else None
     out = {f"server_{k}_ms": round(statistics.mean(v), 2) for k, v in rows.items()}
+    out["server_idle_ms_per_s"] = round(idle, 2)
+    for k, v in list(rows.items()):
+        if not k.endswith("_wall"):
+            walls = rows[f"{k}_wall"]
+            less = statistics.mean(v) - idle * statistics.mean(walls) / 1000
+            out[f"server_{k}_less_idle_ms"] = round(less, 2)
     out["helpers_per_lifecycle_ms"] = round(cost["helpers"] / n, 2)
     out["qemu_exit_unsampled_ms"] = round(cost["qemu_exit_unsampled_ms"], 2)
     if with_pause is not None:
@@ -413,6 +445,9 @@ def measure(warm: bool, args: argparse.Namespace, tmp: Path) -> dict[str, object
                 ours = sum(cpu[k] for k in parts)
                 floor["ours_create_kill_ms"] = round(ours, 2)
                 floor["ratio"] = round(ours / max(floor["floor_create_kill_ms"], 0.01), 2)
+                parts = ("server_create_less_idle_ms", "server_kill_less_idle_ms")
+                ours = sum(cpu[k] for k in parts) + cpu["helpers_per_lifecycle_ms"]
+                floor["ratio_less_idle"] = round(ours / max(floor["floor_create_kill_ms"], 0.01), 2)
             out["floor"] = floor
     return out
 
