@@ -9,6 +9,7 @@ import json
 import subprocess
 import sys
 import threading
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
@@ -306,22 +307,28 @@ async def test_cleanup_stale_keeps_slots_with_live_processes() -> None:
     await assert_released(slot, host_ifindex)
 
 
+async def freed_and_taken_again(
+    plan: NetworkPlan, owner: Path | None, free: Callable[[Slot], Awaitable[None]]
+) -> tuple[Slot, Slot]:
+    """A slot made (marked by `owner`) and freed by `free`, then a second one made at its
+    index, as another process on the host would take it."""
+    for _ in range(5):
+        first = await create_slot(plan, owner=owner)
+        await free(first)
+        try:
+            return first, await create_slot(plan, index=first.index)
+        except NetworkError:
+            continue  # another process on the host took the index first: try again
+    pytest.fail("five freed indexes in a row were taken by other processes")
+
+
 async def test_a_second_teardown_leaves_the_next_holder_of_the_index_alone() -> None:
     """A slot is torn down, another slot takes its index (the lowest free one: at once, when
     other servers share the host), then the first slot object is torn down again. The second
     slot keeps its namespace and host veth. Before slots carried their namespace's cookie, the
     second teardown removed both (the suite saw another worker's guest lose its slot)."""
     plan = NetworkPlan()
-    for _ in range(5):
-        first = await create_slot(plan)
-        await destroy_slot(first)
-        try:
-            second = await create_slot(plan, index=first.index)
-        except NetworkError:
-            continue  # another process on the host took the index first: try again
-        break
-    else:
-        pytest.fail("five freed indexes in a row were taken by other processes")
+    first, second = await freed_and_taken_again(plan, None, destroy_slot)
     try:
         assert second.netns == first.netns
         cookie = await netns_socket.netns_cookie(second.netns)
@@ -344,17 +351,12 @@ async def test_a_marker_that_outlived_its_slot_removes_nothing_of_the_next_holde
     Before markers held it, recovery removed the slot by name (another worker's guest lost
     its tap between two QEMUs in three-worker suite runs)."""
     plan = NetworkPlan()
-    for _ in range(5):
-        first = await create_slot(plan, owner=tmp_path)
+
+    async def server_dies_in_its_destroy(slot: Slot) -> None:
         async with host_lock():
-            await slot_module._teardown(first)  # the marker stays: the server died here
-        try:
-            second = await create_slot(plan, index=first.index)
-        except NetworkError:
-            continue  # another process on the host took the index first: try again
-        break
-    else:
-        pytest.fail("five freed indexes in a row were taken by other processes")
+            await slot_module._teardown(slot)  # the marker stays: the server died here
+
+    first, second = await freed_and_taken_again(plan, tmp_path, server_dies_in_its_destroy)
     try:
         marked = marked_slot(plan, tmp_path, first.index)
         assert marked is not None and marked.cookie == first.cookie != second.cookie
