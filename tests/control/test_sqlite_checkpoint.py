@@ -4,6 +4,7 @@ never by a commit on the event loop (docs/control-plane.md)."""
 from __future__ import annotations
 
 import asyncio
+import sqlite3
 import threading
 import time
 from pathlib import Path
@@ -83,6 +84,48 @@ async def test_a_round_without_writes_makes_no_checkpoint(tmp_path: Path) -> Non
         await store.log("sbx1", "one more line")
         assert await rounds_settle() == first + 1
     finally:
+        await store.close()
+
+
+async def test_a_checkpoint_a_reader_held_back_is_made_again_without_a_write(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """PASSIVE leaves the frames a reader still needs: the rounds go on until the WAL is
+    copied whole, with no write in between, and then stop."""
+    path = tmp_path / "agentenv.db"
+    store = SqliteStore(path)
+    store.checkpoints.interval_s = 0.02
+    results: list[tuple[int, int, int]] = []
+    checkpoint = WalCheckpointer._checkpoint
+
+    def recorded(self: WalCheckpointer) -> tuple[int, int, int]:
+        results.append(checkpoint(self))
+        return results[-1]
+
+    monkeypatch.setattr(WalCheckpointer, "_checkpoint", recorded)
+    reader = sqlite3.connect(path, isolation_level=None)
+    try:
+        reader.execute("BEGIN")
+        reader.execute("SELECT count(*) FROM sandboxes").fetchone()  # its snapshot: before
+        await store.insert(rec(1))
+        await store.open()
+        for _ in range(250):
+            if len(results) >= 2:
+                break
+            await asyncio.sleep(0.02)
+        assert len(results) >= 2 and all(done < frames for _, frames, done in results)
+        reader.execute("COMMIT")
+        for _ in range(250):
+            seen = len(results)
+            await asyncio.sleep(0.2)  # ten intervals
+            if len(results) == seen:
+                break
+        else:
+            pytest.fail("the checkpoint rounds never settled")
+        _, frames, done = results[-1]
+        assert frames > 0 and done == frames
+    finally:
+        reader.close()
         await store.close()
 
 

@@ -76,14 +76,16 @@ class WalCheckpointer:
     async def _rounds(self) -> None:
         while True:
             await asyncio.sleep(self.interval_s)
-            if self._changes is not None:
-                # Read before the checkpoint: a write during it is caught by the next round.
-                changes = self._changes()
-                if changes == self._checkpointed_at:
-                    continue
-                self._checkpointed_at = changes
+            # Read before the checkpoint: a write during it is caught by the next round.
+            changes = None if self._changes is None else self._changes()
+            if changes is not None and changes == self._checkpointed_at:
+                continue
             try:
-                await self.checkpoint()
+                busy, frames, done = await self.checkpoint()
+                # Only a checkpoint that copied the whole WAL ends the rounds until the next
+                # write: PASSIVE leaves what a reader still needs for a later round.
+                if busy == 0 and done == frames:
+                    self._checkpointed_at = changes
             except sqlite3.Error as exc:
                 log.warning(
                     "checkpoint of %s failed (next in %.0fs): %s", self.path, self.interval_s, exc
