@@ -161,3 +161,13 @@ def test_object_store_settings(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("AGENTENV_S3_ENDPOINT", "127.0.0.1:8333")
     with pytest.raises(ConfigError, match="http"):
         Settings.from_env()
+
+
+def test_boot_timeout_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AGENTENV_BOOT_TIMEOUT", "0")
+    assert Settings.from_env().boot_timeout_s is None
+    monkeypatch.setenv("AGENTENV_BOOT_TIMEOUT", "45")
+    assert Settings.from_env().boot_timeout_s == 45.0
+    monkeypatch.setenv("AGENTENV_BOOT_TIMEOUT", "-1")
+    with pytest.raises(ConfigError, match="AGENTENV_BOOT_TIMEOUT=-1"):
+        Settings.from_env()

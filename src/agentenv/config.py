@@ -17,6 +17,7 @@ from pathlib import Path
 
 from agentenv.config_env import (
     ConfigError,
+    boot_timeout_from_env,
     default_cache,
     default_max_starts,
     dns_servers_from_env,
@@ -219,7 +220,9 @@ class Settings:
     # Entries of all shapes together (templates and named snapshots): each waits as a QEMU
     # and holds a network slot, and named snapshots can be many.
     warm_max: int = 8
-    boot_timeout_s: float = 120.0
+    # Seconds a cold boot may take until envd answers; None: the accelerator's own (120 on
+    # KVM and PVM, 360 under TCG: `vmm.accel.boot_deadline`).
+    boot_timeout_s: float | None = None
     # Upstream resolvers (`ip` or `ip:port`) the slot gateways' DNS forwarder asks; guests'
     # resolv.conf names only their gateway.
     dns: tuple[str, ...] = ()
@@ -427,7 +430,7 @@ class Settings:
             warm_low=warm_low,
             warm_high=warm_high,
             warm_max=warm_max,
-            boot_timeout_s=float(env_int("AGENTENV_BOOT_TIMEOUT", 120)),
+            boot_timeout_s=boot_timeout_from_env(),
             snapshots=env_int("AGENTENV_SNAPSHOTS", 1) != 0,
             paused_retention_s=float(env_int("AGENTENV_PAUSED_RETENTION", 7 * 24 * 3600)),
             timeout_grace_s=limits["AGENTENV_TIMEOUT_GRACE_S"],

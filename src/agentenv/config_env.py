@@ -42,6 +42,14 @@ def env_bounded(name: str, default: int, most: int) -> int:
     return value
 
 
+def boot_timeout_from_env() -> float | None:
+    """AGENTENV_BOOT_TIMEOUT seconds; unset or 0: the accelerator's own deadline."""
+    value = env_int("AGENTENV_BOOT_TIMEOUT", 0)
+    if value < 0:
+        raise ConfigError(f"AGENTENV_BOOT_TIMEOUT={value}: expected seconds (0: by accelerator)")
+    return float(value) if value else None
+
+
 def env_bool(name: str, default: bool) -> bool:
     raw = os.environ.get(name)
     if raw is None or raw == "":

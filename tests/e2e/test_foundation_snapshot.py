@@ -15,7 +15,7 @@ from agentenv.guest.envd.client import EnvdClient
 from agentenv.network import create_slot, destroy_slot
 from agentenv.storage import LayerStore, create_upper
 from agentenv.template import artifacts
-from agentenv.vmm.accel import detect
+from agentenv.vmm.accel import boot_deadline, detect
 from agentenv.vmm.base import BootSource, Drive, MachineSpec, NetIface, VMStatus
 from agentenv.vmm.errors import VMMError
 from agentenv.vmm.qemu import QemuVM
@@ -47,8 +47,9 @@ async def test_snapshot_and_restore_a_running_guest(
     await create_upper(store.path(base_template.layers[-1]), upper, None)
     mem = tmp_path / "memory"
     state = tmp_path / "state"
+    deadline = boot_deadline(settings, accel)
     cmdline = artifacts.kernel_cmdline(
-        guest_artifacts, accel.name, artifacts.guest_args(settings, hostname="snap")
+        guest_artifacts, accel.name, artifacts.guest_args(settings, deadline, hostname="snap")
     )
     slot = await create_slot(settings.network)
     try:
@@ -74,7 +75,7 @@ async def test_snapshot_and_restore_a_running_guest(
         first = vm("snap-a", shared=True, incoming=False)
         await first.start()
         try:
-            await wait_health(url, first, settings.boot_timeout_s)
+            await wait_health(url, first, deadline)
             async with EnvdClient(url) as envd:
                 assert (await envd.run("echo before > /root/mark", user="root"))[0] == 0
             t0 = time.monotonic()

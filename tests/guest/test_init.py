@@ -19,7 +19,14 @@ import pytest
 
 from agentenv.config import Settings
 from agentenv.guest import init as guest_init
-from agentenv.guest.init import Supervisor, ext4_size, parse_cmdline, run_start_hooks
+from agentenv.guest.init import (
+    START_BUDGET_S,
+    Supervisor,
+    ext4_size,
+    parse_cmdline,
+    run_start_hooks,
+    start_budget,
+)
 from agentenv.template import tools
 
 UNIFIED = Path("/sys/fs/cgroup/unified")
@@ -31,6 +38,18 @@ def test_parse_cmdline_takes_only_agentenv_keys() -> None:
         "agentenv.hostname=sb-1 agentenv.broken\n"
     )
     assert opts == {"ip": "169.254.0.2/30", "gw": "169.254.0.1", "hostname": "sb-1"}
+
+
+def test_the_start_budget_comes_from_the_command_line_and_falls_back_on_bad_values() -> None:
+    assert start_budget(parse_cmdline("agentenv.start_budget=270")) == 270.0
+    for bad in (
+        "",
+        "agentenv.start_budget=soon",
+        "agentenv.start_budget=-5",
+        "agentenv.start_budget=nan",
+        "agentenv.start_budget=inf",
+    ):
+        assert start_budget(parse_cmdline(bad)) == START_BUDGET_S, bad
 
 
 def test_ext4_size_reads_the_superblock(tmp_path: Path) -> None:

@@ -15,6 +15,7 @@ from agentenv.template.artifacts import (
     ensure_all,
     guest_args,
     kernel_cmdline,
+    start_budget,
 )
 from agentenv.template.errors import BuildError
 
@@ -33,16 +34,23 @@ def test_cmdline_depends_on_accel_and_boot_path(tmp_path: Path) -> None:
 
 
 def test_guest_args_follow_the_address_plan(settings: Settings) -> None:
-    assert guest_args(replace(settings, dns=()), hostname="sb1") == [
+    assert guest_args(replace(settings, dns=()), 120.0, hostname="sb1") == [
         "agentenv.ip=169.254.0.2/30",
         "agentenv.gw=169.254.0.1",
         "agentenv.hostname=sb1",
         "agentenv.dns=169.254.0.1",
+        "agentenv.start_budget=90",
     ]
     # The guest's resolver is its gateway whatever the node's upstreams are: a snapshot's
     # command line (and so its template key) does not depend on the host's resolv.conf.
     with_dns = replace(settings, dns=("198.51.100.53", "127.0.0.1:5353"))
-    assert guest_args(with_dns) == guest_args(replace(settings, dns=()))
+    assert guest_args(with_dns, 120.0) == guest_args(replace(settings, dns=()), 120.0)
+
+
+def test_the_start_hooks_get_three_quarters_of_the_boot_deadline(settings: Settings) -> None:
+    # envd starts after the hooks: the host must still be waiting for it.
+    assert [start_budget(s) for s in (120.0, 360.0, 50.0, 1.0)] == [90, 270, 37, 1]
+    assert guest_args(settings, 360.0)[-1] == "agentenv.start_budget=270"
 
 
 def test_user_kernel_overrides_and_is_checked(settings: Settings, tmp_path: Path) -> None:

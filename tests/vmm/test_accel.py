@@ -10,7 +10,7 @@ import pytest
 from agentenv.config import Settings
 from agentenv.config_env import ConfigError
 from agentenv.node.admission import Limits
-from agentenv.vmm.accel import AccelChoice, HostFacts, choose, detect
+from agentenv.vmm.accel import AccelChoice, HostFacts, boot_deadline, choose, detect
 from agentenv.vmm.base import MachineSpec
 from agentenv.vmm.errors import AccelUnavailable
 from agentenv.vmm.qemu import cgroup_limits
@@ -98,3 +98,12 @@ def test_a_tb_size_out_of_range_is_refused(monkeypatch: pytest.MonkeyPatch, raw:
     monkeypatch.setenv("AGENTENV_TCG_TB_SIZE_MB", raw)
     with pytest.raises(ConfigError, match="AGENTENV_TCG_TB_SIZE_MB"):
         Settings.from_env()
+
+
+def test_a_cold_boot_may_take_three_times_as_long_under_tcg(settings: Settings) -> None:
+    auto = replace(settings, accel=None, pvm_kernel=None, boot_timeout_s=None)
+    kvm, tcg = choose(auto, KVM), choose(auto, NONE)
+    assert (kvm.name, tcg.name) == ("kvm", "tcg")
+    assert (boot_deadline(auto, kvm), boot_deadline(auto, tcg)) == (120.0, 360.0)
+    # AGENTENV_BOOT_TIMEOUT, when set, is the deadline whatever the accelerator.
+    assert boot_deadline(replace(auto, boot_timeout_s=50.0), tcg) == 50.0

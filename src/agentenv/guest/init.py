@@ -3,7 +3,8 @@
 Started by the tools layer's /init after it pivoted into the sandbox rootfs, with the tools
 layer at /.agentenv. Standard library only: it runs on the tools layer's Python, whatever the
 rootfs holds. Settings come from the kernel command line (``agentenv.ip=169.254.0.2/30
-agentenv.gw=169.254.0.1 agentenv.hostname=NAME agentenv.dns=ADDR[,ADDR]``).
+agentenv.gw=169.254.0.1 agentenv.hostname=NAME agentenv.dns=ADDR[,ADDR]
+agentenv.start_budget=SECONDS``).
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ MARKER = "agentenv: envd started"
 # A template's own services (the `docker` template's dockerd): executables run in name order
 # before envd starts, so envd answering means they are up and a template snapshot holds them
 # running. One budget for all of them; a hook past it is left running and envd starts anyway.
+# The host sets the budget from its boot deadline (`agentenv.start_budget`, longer under
+# TCG); this one is for a command line without it.
 START_DIR = Path("/etc/agentenv/start.d")
 START_BUDGET_S = 90.0
 # One line per hook that did not end well ("name: outcome"), absent when all did: a template's
@@ -75,6 +78,25 @@ def parse_cmdline(text: str) -> dict[str, str]:
             key, value = token[len("agentenv.") :].split("=", 1)
             out[key] = value
     return out
+
+
+def start_budget(opts: Mapping[str, str]) -> float:
+    """``agentenv.start_budget`` seconds, else `START_BUDGET_S` (also for a value that is
+    not a positive number: PID 1 logs it and boots on)."""
+    raw = opts.get("start_budget")
+    if raw is None:
+        return START_BUDGET_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = 0.0
+    if not 0 < value < float("inf"):
+        log(
+            f"agentenv.start_budget={raw!r} is not a positive number of seconds: using "
+            f"{START_BUDGET_S:.0f}"
+        )
+        return START_BUDGET_S
+    return value
 
 
 def mount(source: str, target: str, fstype: str, flags: int = 0, data: str = "") -> None:
@@ -438,7 +460,7 @@ def main() -> None:
     set_hostname(opts)
     setup_network(opts)
     write_resolv_conf(opts)
-    run_start_hooks()
+    run_start_hooks(budget_s=start_budget(opts))
     argv = [
         PYTHON,
         "-m",

@@ -63,7 +63,7 @@ from agentenv.snapshot import GuestImage, Machine, MemoryMode, SnapshotError
 from agentenv.snapshot.machine import disk_limits, wait_envd
 from agentenv.snapshot.pause import STATE, STREAM, tidy
 from agentenv.vmm import registry as vm_registry
-from agentenv.vmm.accel import detect
+from agentenv.vmm.accel import boot_deadline, detect
 from agentenv.vmm.base import VMStatus
 from agentenv.vmm.qemu import QemuVM
 
@@ -87,9 +87,12 @@ class Node(NodeReset):
         arts = await asyncio.to_thread(artifacts.ensure_all, self.settings, None)
         shim = await asyncio.to_thread(ensure_ram_shim, self.settings.cache)
         accel_name = self._accel.name
+        deadline = boot_deadline(self.settings, self._accel)
 
         def cmdline(sandbox_id: str) -> str:
-            extra = artifacts.guest_args(self.settings, hostname=sandbox_id)
+            extra = artifacts.guest_args(
+                self.settings, hostname=sandbox_id, boot_timeout_s=deadline
+            )
             return artifacts.kernel_cmdline(arts, accel_name, extra)
 
         self._boot = Boot(arts.kernel, arts.initramfs, arts.tools_image, cmdline)
@@ -101,6 +104,7 @@ class Node(NodeReset):
             self.settings.qemu_binary,
             cmdline,
             shim,
+            deadline,
             self.settings.vms_dir,
             self._vm_exited,
             confine=self.settings.confine,

@@ -272,7 +272,7 @@ class NodeBase:
         async with EnvdClient(sb.envd_url, timeout=HEALTH_REQUEST_TIMEOUT_S) as envd:
             try:
                 await envd.wait_healthy(
-                    self.settings.boot_timeout_s,
+                    self.image.boot_timeout_s,
                     HEALTH_POLL_S,
                     probe_s=HEALTH_REQUEST_TIMEOUT_S,
                     gone=exited,

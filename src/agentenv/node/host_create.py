@@ -457,7 +457,6 @@ class NodeCreate(NodeWarm):
                 memory_mb=snap.memory_mb,
                 upper=upper,
                 slot=slot,
-                timeout_s=self.settings.boot_timeout_s,
             )
             push_vm(stack, lambda: machine.vm)
             handle = await asyncio.to_thread(self._handle, machine, ref, top)

@@ -155,7 +155,6 @@ class NodePause(NodeCreate):
                 self.image,
                 slot,
                 memory=memory,
-                boot_timeout_s=self.settings.boot_timeout_s,
             )
         except BaseException as exc:
             with contextlib.suppress(CleanupFailed):

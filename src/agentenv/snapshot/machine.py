@@ -25,7 +25,7 @@ from agentenv.guest.envd.client import EnvdClient, EnvdError
 from agentenv.network import Slot
 from agentenv.ports import ENVD_PORT
 from agentenv.snapshot.errors import RestoreFailed
-from agentenv.vmm.accel import AccelChoice, detect
+from agentenv.vmm.accel import AccelChoice, boot_deadline, detect
 from agentenv.vmm.base import BootSource, DiskLimits, Drive, MachineSpec, NetIface
 from agentenv.vmm.confine import disown
 from agentenv.vmm.qemu import QemuVM
@@ -54,6 +54,8 @@ class GuestImage:
     cmdline: Callable[[str], str]
     # Preloaded into QEMUs whose RAM is a private mapping of a snapshot (`vmm.ramshim`).
     ram_shim: Path
+    # Seconds a cold boot may take until envd answers (`vmm.accel.boot_deadline`).
+    boot_timeout_s: float
     # Where every QEMU keeps its record while it runs (`vmm.registry`), and who hears of one
     # that ended on its own.
     vm_registry: Path | None = None
@@ -69,9 +71,10 @@ class GuestImage:
 
         arts = artifacts.ensure_all(settings, None)
         accel = detect(settings)
+        deadline = boot_deadline(settings, accel)
 
         def cmdline(hostname: str) -> str:
-            extra = artifacts.guest_args(settings, hostname=hostname)
+            extra = artifacts.guest_args(settings, hostname=hostname, boot_timeout_s=deadline)
             return artifacts.kernel_cmdline(arts, accel.name, extra)
 
         shim = ensure_ram_shim(settings.cache)
@@ -83,6 +86,7 @@ class GuestImage:
             settings.qemu_binary,
             cmdline,
             shim,
+            deadline,
             settings.vms_dir,
             confine=settings.confine,
             disk_limits=disk_limits(settings),
@@ -198,7 +202,6 @@ async def boot(
     memory_mb: int,
     upper: Path,
     slot: Slot,
-    timeout_s: float,
     on_spawn: Callable[[], None] | None = None,
     hostname: str = "",
 ) -> Machine:
@@ -206,7 +209,8 @@ async def boot(
     filesystem-only snapshot, a template build): a fresh kernel with `hostname` (else
     `name`), RAM in a new shared `<workdir>/memory` (`MemoryMode.OWN`, so a later pause
     writes device state only), the current tools layer. Returns once envd answers; on
-    failure its QEMU is gone. `on_spawn` runs once QEMU runs, before the guest is up."""
+    failure its QEMU is gone; past the image's boot deadline it is `BootTimeout`. `on_spawn`
+    runs once QEMU runs, before the guest is up."""
     mem = SandboxFiles(workdir).memory
     # Whatever RAM image was there belongs to a guest that no longer exists.
     await asyncio.to_thread(mem.unlink, True)
@@ -238,7 +242,7 @@ async def boot(
     try:
         if on_spawn is not None:
             on_spawn()
-        await wait_envd(machine.envd_url, vm, timeout_s, poll_s=0.1)
+        await wait_envd(machine.envd_url, vm, image.boot_timeout_s, poll_s=0.1)
     except BaseException:
         await vm.kill()
         raise

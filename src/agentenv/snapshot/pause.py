@@ -300,7 +300,6 @@ async def resume(
     *,
     memory: bool = True,
     health_timeout_s: float = RESTORE_HEALTH_TIMEOUT_S,
-    boot_timeout_s: float = 120.0,
 ) -> Machine:
     """Bring back the sandbox paused in `workdir`, on `slot` (any slot: the guest side of
     every slot is identical). Returns once envd answers; on failure it stays paused.
@@ -312,7 +311,7 @@ async def resume(
     if record.kind != DISK and not memory:
         record = await asyncio.to_thread(_without_memory, workdir, record)
     if record.kind == DISK:
-        return await _boot(workdir, image, slot, record, boot_timeout_s)
+        return await _boot(workdir, image, slot, record)
     check_paused(record, image)
     ram = SandboxFiles(workdir).memory
     source = workdir / (STATE if record.kind == "state" else STREAM)
@@ -375,9 +374,7 @@ async def resume(
     return machine
 
 
-async def _boot(
-    workdir: Path, image: GuestImage, slot: Slot, record: PausedState, timeout_s: float
-) -> Machine:
+async def _boot(workdir: Path, image: GuestImage, slot: Slot, record: PausedState) -> Machine:
     """The resume of a disk pause: a cold boot over the kept upper, the record removed only
     once envd answers (see the module doc)."""
     try:
@@ -389,7 +386,6 @@ async def _boot(
             memory_mb=record.memory_mb,
             upper=workdir / record.upper,
             slot=slot,
-            timeout_s=timeout_s,
             on_spawn=lambda: crash_point("coldboot:booting"),
         )
     except VMMError as exc:

@@ -108,7 +108,7 @@ async def ensure_template_snapshot(
     async with file_lock(
         root / f".build-{alias}.lock",
         name=f"the template build lock of {alias}",
-        timeout_s=settings.boot_timeout_s * BUILD_LOCK_BOOTS,
+        timeout_s=image.boot_timeout_s * BUILD_LOCK_BOOTS,
         waiter=f"snapshot of template {name!r}",
     ):
         # Someone else may have built it while we waited.
@@ -150,7 +150,6 @@ async def _build(
             memory_mb=memory_mb,
             upper=upper,
             slot=slot,
-            timeout_s=settings.boot_timeout_s,
             hostname=template,
         )
         vm = machine.vm

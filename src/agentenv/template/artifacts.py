@@ -86,10 +86,18 @@ def kernel_cmdline(artifacts: GuestArtifacts, accel: str, extra: list[str] | Non
     return " ".join(args)
 
 
-def guest_args(settings: Settings, hostname: str | None = None) -> list[str]:
-    """``agentenv.*`` kernel arguments that configure the guest's network and hostname. The
-    guest's resolver is its gateway (`network.dns`), the same in every slot and on every
-    host, so what a snapshot captured keeps working wherever it is restored."""
+def start_budget(boot_timeout_s: float) -> int:
+    """Seconds the guest init gives a template's start hooks together: three quarters of the
+    host's boot deadline, so envd, which starts after them, is still awaited (90 of KVM's
+    120 s, 270 of TCG's 360)."""
+    return max(1, int(boot_timeout_s * 3 / 4))
+
+
+def guest_args(settings: Settings, boot_timeout_s: float, hostname: str | None = None) -> list[str]:
+    """``agentenv.*`` kernel arguments that configure the guest's network, hostname and start
+    hooks' budget (`start_budget` of the host's boot deadline). The guest's resolver is its
+    gateway (`network.dns`), the same in every slot and on every host, so what a snapshot
+    captured keeps working wherever it is restored."""
     net = settings.network
     args = [
         f"agentenv.ip={net.guest_ip}/{net.guest_cidr.prefixlen}",
@@ -98,4 +106,5 @@ def guest_args(settings: Settings, hostname: str | None = None) -> list[str]:
     if hostname:
         args.append(f"agentenv.hostname={hostname}")
     args.append(f"agentenv.dns={net.gateway_ip}")
+    args.append(f"agentenv.start_budget={start_budget(boot_timeout_s)}")
     return args

@@ -24,6 +24,13 @@ from agentenv.vmm.errors import AccelUnavailable
 CODE_CACHE_COUNTED_MB = 64
 # Under TCG the kernel cannot calibrate its TSC against a real timer (see microvm-notes §1-2).
 TCG_TSC_KHZ = 2_100_000
+# How long a cold boot may take until envd answers (`Settings.boot_timeout_s` overrides it).
+# A template's start hooks run inside it (a code-interpreter build's warmed python kernel),
+# and under TCG every step of the guest takes several times longer, more on a loaded host: with
+# KVM's 120 s a first-use code-interpreter build under three concurrent test workers overran
+# in 2 of 6 runs. So TCG gets three times as long.
+BOOT_TIMEOUT_S = 120.0
+TCG_BOOT_TIMEOUT_S = 3 * BOOT_TIMEOUT_S
 
 
 @dataclass(frozen=True)
@@ -38,6 +45,8 @@ class AccelChoice:
     cmdline: list[str] = field(default_factory=list)
     # One line per prerequisite that would enable a faster accelerator.
     fixes: list[str] = field(default_factory=list)
+    # A cold boot's deadline unless the settings name one (`boot_deadline`).
+    boot_timeout_s: float = BOOT_TIMEOUT_S
 
     @property
     def code_cache_extra_mb(self) -> int:
@@ -102,6 +111,7 @@ def _tcg(reason: str, fixes: list[str], tb_size_mb: int) -> AccelChoice:
         code_cache_mb=tb_size_mb,
         cmdline=[f"tsc_early_khz={TCG_TSC_KHZ}"],
         fixes=fixes,
+        boot_timeout_s=TCG_BOOT_TIMEOUT_S,
     )
 
 
@@ -147,6 +157,14 @@ def choose(settings: Settings, facts: HostFacts) -> AccelChoice:
         assert pvm_kernel is not None
         return _pvm(pvm_kernel)
     return _tcg(f"{why}; falling back to software emulation", fixes, settings.tcg_tb_size_mb)
+
+
+def boot_deadline(settings: Settings, accel: AccelChoice) -> float:
+    """Seconds a cold boot may take until envd answers: AGENTENV_BOOT_TIMEOUT if set, else the
+    accelerator's own."""
+    if settings.boot_timeout_s is not None:
+        return settings.boot_timeout_s
+    return accel.boot_timeout_s
 
 
 def detect(settings: Settings) -> AccelChoice:
