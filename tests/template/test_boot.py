@@ -23,6 +23,7 @@ from agentenv.ports import ENVD_PORT
 from agentenv.storage.layers import LayerStore
 from agentenv.template.artifacts import GuestArtifacts, guest_args, kernel_cmdline
 from agentenv.template.rootfs import ensure_base
+from agentenv.vmm.accel import TCG_BOOT_TIMEOUT_S
 from agentenv.vmm.version import microvm_machine, qemu_version
 
 pytestmark = pytest.mark.vm
@@ -62,7 +63,9 @@ def booted(
     port = _free_port()
     net = settings.network
     serial = tmp_path / "serial.log"
-    cmdline = kernel_cmdline(guest_artifacts, "tcg", guest_args(settings, hostname="boot-test"))
+    cmdline = kernel_cmdline(
+        guest_artifacts, "tcg", guest_args(settings, TCG_BOOT_TIMEOUT_S, hostname="boot-test")
+    )
     argv = [
         settings.qemu_binary,
         "-M", microvm_machine(qemu_version(settings.qemu_binary)),
