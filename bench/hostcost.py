@@ -8,8 +8,11 @@ For each warm-pool setting a server is started as a child on its own home and a 
 port. Passes:
 
 1. CPU: N sandboxes (create, `--runs` x `commands.run("true")`, kill), and `--pauses` more
-   that are paused and resumed before the kill. The server's utime+stime from
-   /proc/<pid>/stat around each operation; helpers' CPU is everything else the server's
+   that are paused and resumed before their kill (`kill_resumed`: it also removes the
+   paused memory file the guest's RAM was mapped from, a few ms of the kernel's freeing its
+   pages). The server's CPU around each operation, summed over its threads' schedstat (ns;
+   the 10 ms ticks of /proc/<pid>/stat were ±1.25 ms on a row of 8 kills; a thread that
+   ended in between would be missed, and the server's pools keep theirs); helpers' CPU is everything else the server's
    process tree spent over the pass (reaped children's cutime+cstime, and the live helpers'
    own and reaped time: the VM launcher), less the CPU of the QEMU processes (sampled every
    20 ms while they live, converters included): QEMU is the guest, not a helper. Work a
@@ -145,9 +148,9 @@ def lifecycle(
     from e2b import Sandbox
 
     def timed(name: str, fn: Any) -> Any:
-        t0, w0 = own_ms(pid), time.monotonic()
+        t0, w0 = sched_ms(pid), time.monotonic()
         out = fn()
-        rows[name].append(own_ms(pid) - t0)
+        rows[name].append(sched_ms(pid) - t0)
         rows[f"{name}_wall"].append((time.monotonic() - w0) * 1000)
         return out
 
@@ -160,7 +163,7 @@ def lifecycle(
     if pause:
         assert timed("pause", sbx.pause) is True
         sbx = timed("resume", lambda: Sandbox.connect(sbx.sandbox_id, timeout=300, **opts))
-    timed("kill", sbx.kill)
+    timed("kill_resumed" if pause else "kill", sbx.kill)
 
 
 class QemuSampler:
