@@ -8,12 +8,12 @@ For each warm-pool setting a server is started as a child on its own home and a 
 port. Passes:
 
 1. CPU: N sandboxes (create, `--runs` x `commands.run("true")`, kill), and `--pauses` more
-   that are paused and resumed before their kill (`kill_resumed`: it also removes the
-   paused memory file the guest's RAM was mapped from, a few ms of the kernel's freeing its
-   pages). The server's CPU around each operation, summed over its threads' schedstat (ns;
-   the 10 ms ticks of /proc/<pid>/stat were ±1.25 ms on a row of 8 kills; a thread that
-   ended in between would be missed, and the server's pools keep theirs); helpers' CPU is everything else the server's
-   process tree spent over the pass (reaped children's cutime+cstime, and the live helpers'
+   that are paused and resumed before their kill (`kill_resumed`: a resumed guest's RAM is
+   a file in its workdir, and removing it frees those pages in the server's thread, where a
+   plain sandbox's go with its QEMU's exit). The server's CPU around each operation, summed
+   over its threads' schedstat (ns; the 10 ms ticks of /proc/<pid>/stat were ±1.25 ms on a
+   row of 8 kills; a thread that ended in between would be missed, and the server's pools
+   keep theirs); helpers' CPU is everything else the server's process tree spent over the pass (reaped children's cutime+cstime, and the live helpers'
    own and reaped time: the VM launcher), less the CPU of the QEMU processes (sampled every
    20 ms while they live, converters included): QEMU is the guest, not a helper. Work a
    process does between its fork and its exec of QEMU counts as QEMU's (before and after).
