@@ -13,8 +13,9 @@ port. Passes:
    plain sandbox's go with its QEMU's exit). The server's CPU around each operation, summed
    over its threads' schedstat (ns; the 10 ms ticks of /proc/<pid>/stat were ±1.25 ms on a
    row of 8 kills; a thread that ended in between would be missed, and the server's pools
-   keep theirs); helpers' CPU is everything else the server's process tree spent over the pass (reaped children's cutime+cstime, and the live helpers'
-   own and reaped time: the VM launcher), less the CPU of the QEMU processes (sampled every
+   keep theirs); helpers' CPU is everything else the server's process tree spent over the
+   pass (reaped children's cutime+cstime, and the live helpers' own and reaped time: the VM
+   launcher), less the CPU of the QEMU processes (sampled every
    20 ms while they live, converters included): QEMU is the guest, not a helper. Work a
    process does between its fork and its exec of QEMU counts as QEMU's (before and after).
 2. Spawns: `strace -f` attached to the server and its live helpers; successful execve's by
