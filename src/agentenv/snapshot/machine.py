@@ -209,8 +209,8 @@ async def boot(
     filesystem-only snapshot, a template build): a fresh kernel with `hostname` (else
     `name`), RAM in a new shared `<workdir>/memory` (`MemoryMode.OWN`, so a later pause
     writes device state only), the current tools layer. Returns once envd answers; on
-    failure its QEMU is gone; past the image's boot deadline it is `BootTimeout`. `on_spawn`
-    runs once QEMU runs, before the guest is up."""
+    failure (`RestoreFailed` once the image's `boot_timeout_s` passed without an answer) its
+    QEMU is gone. `on_spawn` runs once QEMU runs, before the guest is up."""
     mem = SandboxFiles(workdir).memory
     # Whatever RAM image was there belongs to a guest that no longer exists.
     await asyncio.to_thread(mem.unlink, True)
