@@ -7,9 +7,11 @@ A lifecycle: the official SDK's `Sandbox.create` of `base`, `--runs` x `commands
 own data dir, slot range and id; the replica spreads the creates), then through two replicas
 (a second one on the same etcd; the lifecycles are dealt to them in turn). Around each phase, from
 /proc: the CPU of the replica, of each agent (its own and its live helpers', the VM launcher;
-QEMU is the guest, not counted), and of etcd's members. Each process's idle rate, read over
-`--idle` seconds before the phase (leases, heartbeats), is taken off, so the rows are per
-lifecycle.
+QEMU is the guest, not counted), and of etcd's members; and from etcd's own metrics, the
+requests its members answered, by method (`grpc_server_handled_total`: what every process
+asked of etcd, counted where it was served). Each process's idle rate, and etcd's idle
+request rate, read over `--idle` seconds before the phase (leases, heartbeats), is taken off,
+so the rows are per lifecycle.
 
 What it shows: the work per lifecycle of each role (replica, agent, etcd), whether it stays
 the same when a role gets a second process (its work then divides between them; etcd's is
@@ -40,12 +42,15 @@ import sys
 import tempfile
 import time
 import traceback
+import urllib.request
 import uuid
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
 from clusterlib import bench_cluster  # first: it puts tests/ on the import path
 from e2b import Sandbox
+from prometheus_client.parser import text_string_to_metric_families
 
 # isort: split
 from cluster.etcd_cluster import EtcdCluster
@@ -77,6 +82,25 @@ def sample(pids: dict[str, list[int]]) -> dict[int, float]:
     return {pid: tree_ms(pid) for group in pids.values() for pid in group}
 
 
+def etcd_requests(etcd: Any) -> Counter[str]:
+    """Unary requests etcd's members have answered so far, by method (summed over members;
+    a watch or a lease keepalive is a stream, not counted)."""
+    total: Counter[str] = Counter()
+    for member in etcd.members:
+        if member.process is None:
+            continue
+        with urllib.request.urlopen(f"{member.client_url}/metrics", timeout=10) as answer:
+            text = answer.read().decode()
+        for family in text_string_to_metric_families(text):
+            if family.name != "grpc_server_handled":
+                continue
+            for sample in family.samples:
+                labels = sample.labels
+                if sample.name.endswith("_total") and labels.get("grpc_type") == "unary":
+                    total[labels["grpc_method"]] += int(sample.value)
+    return total
+
+
 def lifecycle(opts: dict[str, Any], runs: int) -> None:
     sbx = Sandbox.create(template="base", timeout=300, request_timeout=RT, **opts)
     for _ in range(runs):
@@ -90,10 +114,11 @@ def phase(
     """`n` lifecycles, as many at a time as there are agents, dealt over `replicas` in turn;
     CPU per lifecycle of each role, idle rates taken off."""
     pids = roles(cluster, etcd, replicas)
-    a, t0 = sample(pids), time.monotonic()
+    a, ra, t0 = sample(pids), etcd_requests(etcd), time.monotonic()
     time.sleep(idle_s)
-    b, t1 = sample(pids), time.monotonic()
+    b, rb, t1 = sample(pids), etcd_requests(etcd), time.monotonic()
     idle_rate = {pid: (b[pid] - a[pid]) / (t1 - t0) for pid in a}
+    idle_requests = {m: (rb[m] - ra[m]) / (t1 - t0) for m in rb}
     # One key ring in etcd for every replica: the first one's key (only it wrote the file).
     key = replicas[0].api_key
     opts = [{"api_key": key, "api_url": r.url, "sandbox_url": r.url} for r in replicas]
@@ -105,11 +130,16 @@ def phase(
     # The phase's first lifecycles: each agent's first use of the template (a new agent's
     # conversion of it) is not what the rows are for.
     _all_done(bench_cluster.bounded_pool(one, list(range(max(workers, len(opts)))), workers))
-    c, t2 = sample(pids), time.monotonic()
+    c, rc, t2 = sample(pids), etcd_requests(etcd), time.monotonic()
     _all_done(bench_cluster.bounded_pool(one, list(range(n)), workers))
-    d, t3 = sample(pids), time.monotonic()
+    d, rd, t3 = sample(pids), etcd_requests(etcd), time.monotonic()
     wall = t3 - t2
     per_pid = {pid: max(0.0, (d[pid] - c[pid]) - idle_rate[pid] * wall) / n for pid in c}
+    requests = {
+        m: round(max(0.0, rd[m] - rc[m] - idle_requests.get(m, 0.0) * wall) / n, 1)
+        for m in sorted(rd)
+        if rd[m] > rc[m]
+    }
     row: dict[str, Any] = {
         "replicas": len(replicas),
         "agents": len(pids["agents"]),
@@ -121,6 +151,8 @@ def phase(
         row[f"{role}_idle_ms_per_s"] = round(sum(idle_rate[p] for p in group), 2)
         row[f"{role}_each_ms"] = [round(per_pid[p], 2) for p in group]
     row["total_ms"] = round(row["replicas_ms"] + row["agents_ms"] + row["etcd_ms"], 2)
+    row["etcd_requests"] = requests
+    row["etcd_requests_total"] = round(sum(requests.values()), 1)
     return row
 
 
@@ -158,6 +190,13 @@ def table(report: dict[str, Any]) -> str:
             f"  {row['replicas']:8d} {row['agents']:6d} {row['replicas_ms']:9.2f} "
             f"{row['agents_ms']:8.2f} {row['etcd_ms']:7.2f} {row['total_ms']:7.2f}  "
             f"{row['replicas_each_ms']} / {row['agents_each_ms']}"
+        )
+    lines += ["", "etcd requests per lifecycle (unary, by method; idle rate taken off)"]
+    for row in report["phases"]:
+        by_method = ", ".join(f"{m} {v:g}" for m, v in row["etcd_requests"].items())
+        lines.append(
+            f"  {row['replicas']} replica(s), {row['agents']} agent(s): "
+            f"{row['etcd_requests_total']:g} ({by_method})"
         )
     c = report["ceiling"]
     last = report["phases"][-1]

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 from cluster.etcd_cluster import EtcdCluster
+from cluster.helpers import wait_until
 
 from agentenv.cluster.etcd import Etcd
 from agentenv.control import etcd_store
@@ -336,6 +337,48 @@ async def test_a_second_store_on_the_same_state_sees_every_write(open_store: Ope
     got = await a.get("ia")
     assert got is not None and got.state is P
     assert await b.revoke_key("k1") and not await a.revoke_key("k1")
+
+
+async def test_a_revoked_key_fails_at_every_replica_and_a_new_one_works_at_once(
+    open_store: OpenStore,
+) -> None:
+    """Two replicas (or SQLite connections), each opened: on etcd the key check answers
+    from a watched copy of the hashes (`EtcdKeys.key_hashes`)."""
+    a, b = open_store(), open_store()
+    await a.open()
+    await b.open()
+    await a.add_key("k1", "n", "p", "h1")
+    await a.add_key("k2", "n", "p", "h2")
+    got = await b.key_by_hash("h1")  # made at a: works at b at once, in step or not
+    assert got is not None and got.revoked_at is None
+    if isinstance(b, EtcdStore):
+        at = b._hash_key("h1")
+
+        async def b_has_it() -> bool:
+            return b.key_hashes.get(at)[1] is not None
+
+        await wait_until(b_has_it, 10.0, interval_s=0.02)
+        # Whether the watch or the write's answer comes first is etcd's timing: what makes
+        # the next check read etcd is that the revocation marks its copy not known.
+        forgotten: list[bytes] = []
+        forget = b.key_hashes.forget
+        b.key_hashes.forget = lambda key: (forgotten.append(key), forget(key))[1]  # type: ignore[method-assign]
+    # Revoked here: fails here on the very next check.
+    assert await b.revoke_key("k1")
+    if isinstance(b, EtcdStore):
+        assert forgotten == [b._hash_key("h1")]
+    revoked = await b.key_by_hash("h1")
+    assert revoked is not None and revoked.revoked_at is not None
+
+    # Revoked at a: fails at b once its copy hears of it.
+    assert await a.revoke_key("k2")
+
+    async def revoked_at_b() -> bool:
+        key = await b.key_by_hash("h2")
+        return key is not None and key.revoked_at is not None
+
+    await wait_until(revoked_at_b, 10.0, interval_s=0.02)
+    assert await b.key_by_hash("nope") is None
 
 
 async def test_concurrent_transitions_of_one_sandbox_exactly_one_wins(

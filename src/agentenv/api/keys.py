@@ -7,8 +7,10 @@ keep working: a key is looked up by the hash of the whole string, whatever its p
 
 Every key belongs to a team (E2B's teamID); what a key creates is its team's, and it sees
 only its team's (`api.tenancy`). The first key, and every key from before teams, is the
-`default` team's. `verify` reads the store on every request (no cache), so a revoked key
-fails on its next call, also when `aenv keys revoke` ran in another process.
+`default` team's. `verify` asks the store on every request. SQLite is read each time, so a
+revoked key fails on its next call, also when `aenv keys revoke` ran in another process;
+etcd answers from a watched copy of the hashes (`control.etcd_keys`), where a revocation
+made elsewhere holds within milliseconds.
 """
 
 from __future__ import annotations

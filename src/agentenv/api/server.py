@@ -52,7 +52,6 @@ def build_runtime(settings: Settings) -> tuple[Runtime, TemplateSource]:
     catalog = CatalogTemplates(settings)
     if settings.etcd_endpoints:
         from agentenv.build.shared_state import EtcdBuildState
-        from agentenv.cluster.catalog import SharedCatalog
         from agentenv.cluster.etcd import Etcd
         from agentenv.cluster.runtime import ClusterRuntime
         from agentenv.cluster.templates import ClusterTemplates
@@ -67,7 +66,8 @@ def build_runtime(settings: Settings) -> tuple[Runtime, TemplateSource]:
             etcd, ObjectStore.from_settings(settings), builds_dir(settings.home)
         )
         cluster = ClusterRuntime(settings)
-        source = ClusterTemplates(catalog, SharedCatalog(etcd), cluster.delete_snapshot)
+        # The runtime's catalog: mirrored, so resolving a template per create reads no etcd.
+        source = ClusterTemplates(catalog, cluster.catalog, cluster.delete_snapshot)
         return cluster, BuiltTemplates(source, shared, catalog, shared=True)
     # Built templates (`name:tag`) first, then the catalog and snapshots.
     state = BuildState(builds_dir(settings.home), snapshot_lookup=catalog.snapshot_id)

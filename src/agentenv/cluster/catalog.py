@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from agentenv.cluster.etcd import Etcd, KeyValue
 from agentenv.cluster.membership import NodeRegistration
+from agentenv.cluster.mirror import PrefixMirror
 from agentenv.contract.runtime import TemplateInfo
 
 CATALOG = "catalog"
@@ -25,10 +26,22 @@ def decode(raw: bytes) -> TemplateInfo:
 
 
 class SharedCatalog:
-    """Reads for a control plane; `publish` for a node agent (with its registration)."""
+    """Reads for a control plane; `publish` for a node agent (with its registration). A
+    control-plane replica passes `mirrored=True` and starts `mirror`: the reads, which
+    placement and template resolution make per create, then answer from it while it is in
+    step."""
 
-    def __init__(self, etcd: Etcd) -> None:
+    def __init__(self, etcd: Etcd, *, mirrored: bool = False) -> None:
         self._etcd = etcd
+        self.mirror = PrefixMirror(etcd, etcd.dir(CATALOG), CATALOG) if mirrored else None
+
+    async def _under(self, prefix: bytes) -> list[KeyValue]:
+        kvs = self.mirror.under(prefix) if self.mirror is not None else None
+        if not kvs:
+            # Not known, or none known: an entry a node published a moment ago may not have
+            # reached the mirror, and a catalog template is placed only where a node has it.
+            kvs, _ = await self._etcd.get_prefix(prefix)
+        return kvs
 
     def _newest(self, kvs: list[KeyValue]) -> dict[str, TemplateInfo]:
         """One entry per name: the newest copy (nodes that imported it at different times)."""
@@ -44,16 +57,16 @@ class SharedCatalog:
         return best
 
     async def get(self, name: str) -> TemplateInfo | None:
-        kvs, _ = await self._etcd.get_prefix(self._etcd.dir(CATALOG, name))
+        kvs = await self._under(self._etcd.dir(CATALOG, name))
         return self._newest(kvs).get(name)
 
     async def holders(self, name: str) -> list[str]:
         prefix = self._etcd.dir(CATALOG, name)
-        kvs, _ = await self._etcd.get_prefix(prefix)
+        kvs = await self._under(prefix)
         return sorted(kv.key[len(prefix) :].decode() for kv in kvs)
 
     async def list(self) -> list[TemplateInfo]:
-        kvs, _ = await self._etcd.get_prefix(self._etcd.dir(CATALOG))
+        kvs = await self._under(self._etcd.dir(CATALOG))
         return sorted(self._newest(kvs).values(), key=lambda t: t.name)
 
     async def publish(

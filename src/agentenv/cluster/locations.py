@@ -13,6 +13,7 @@ import time
 
 from agentenv.cluster.etcd import Etcd
 from agentenv.cluster.membership import NodeRegistration
+from agentenv.cluster.mirror import PrefixMirror
 
 LOCATIONS = "locations"
 # What a node may hold a copy of.
@@ -25,11 +26,20 @@ def _check_kind(kind: str) -> None:
 
 
 class Locations:
-    """Reads for anyone; `add`/`remove` for the node agent, which passes its registration."""
+    """Reads for anyone; `add`/`remove` for the node agent, which passes its registration.
+    A control-plane replica passes `mirrored=True` and starts `mirror`: `holders`, which
+    placement calls twice per create, then answers from it while it is in step."""
 
-    def __init__(self, etcd: Etcd, registration: NodeRegistration | None = None) -> None:
+    def __init__(
+        self,
+        etcd: Etcd,
+        registration: NodeRegistration | None = None,
+        *,
+        mirrored: bool = False,
+    ) -> None:
         self._etcd = etcd
         self._registration = registration
+        self.mirror = PrefixMirror(etcd, etcd.dir(LOCATIONS), LOCATIONS) if mirrored else None
 
     def _own(self) -> NodeRegistration:
         if self._registration is None:
@@ -52,9 +62,14 @@ class Locations:
             self._etcd.key(LOCATIONS, kind, item_id, registration.info.node_id)
         )
 
-    async def holders(self, kind: str, item_id: str) -> list[str]:
-        """Ids of the live nodes that hold a copy, sorted."""
+    async def holders(self, kind: str, item_id: str, *, preference: bool = False) -> list[str]:
+        """Ids of the live nodes that hold a copy, sorted. `preference`: the answer only
+        orders the nodes, so the mirror's "none" is taken as it is; otherwise "none" is read
+        again from etcd (a copy taken a moment ago may not have reached the mirror, and a
+        create without object storage goes only where a copy is)."""
         _check_kind(kind)
         prefix = self._etcd.dir(LOCATIONS, kind, item_id)
-        kvs, _ = await self._etcd.get_prefix(prefix)
+        kvs = self.mirror.under(prefix) if self.mirror is not None else None
+        if kvs is None or not (kvs or preference):
+            kvs, _ = await self._etcd.get_prefix(prefix)
         return sorted(kv.key[len(prefix) :].decode() for kv in kvs)

@@ -23,6 +23,7 @@ from typing import Literal
 
 from agentenv.cluster.etcd import Etcd, KeyValue, PrefixWatch, WatchCompacted, get_op
 from agentenv.cluster.leases import DEFAULT_TTL_S, LeasedRecord
+from agentenv.cluster.mirror import PrefixMirror
 
 log = logging.getLogger(__name__)
 
@@ -118,22 +119,37 @@ def _id_from_key(etcd: Etcd, kind: str, key: bytes) -> str:
 
 
 class Membership:
-    """Reads of the member list, cordons, and the join/leave watch."""
+    """Reads of the member list, cordons, and the join/leave watch.
 
-    def __init__(self, etcd: Etcd) -> None:
+    A control-plane replica passes `mirrored=True` and starts `mirrors` (`cluster.mirror`):
+    `list_nodes`, which placement calls per create, then answers from them while they are in
+    step."""
+
+    def __init__(self, etcd: Etcd, *, mirrored: bool = False) -> None:
         self._etcd = etcd
+        self.mirrors: tuple[PrefixMirror, PrefixMirror] | None = None
+        if mirrored:
+            self.mirrors = (
+                PrefixMirror(etcd, etcd.dir(NODES), NODES),
+                PrefixMirror(etcd, etcd.dir(CORDONS), CORDONS),
+            )
 
     async def list_nodes(self) -> list[NodeInfo]:
         """Every node whose lease is alive, with `cordoned` set, sorted by id."""
-        # Records and cordons in one transaction, so both are read at the same revision.
-        result = await self._etcd.txn(
-            [],
-            [
-                get_op(self._etcd.dir(NODES), prefix=True),
-                get_op(self._etcd.dir(CORDONS), prefix=True),
-            ],
-        )
-        records, cordons = result.ranges
+        records = cordons = None
+        if self.mirrors is not None:
+            records = self.mirrors[0].under(self._etcd.dir(NODES))
+            cordons = self.mirrors[1].under(self._etcd.dir(CORDONS))
+        if not records or cordons is None:
+            # Records and cordons in one transaction, so both are read at the same revision.
+            result = await self._etcd.txn(
+                [],
+                [
+                    get_op(self._etcd.dir(NODES), prefix=True),
+                    get_op(self._etcd.dir(CORDONS), prefix=True),
+                ],
+            )
+            records, cordons = result.ranges
         cordoned = {_id_from_key(self._etcd, CORDONS, kv.key) for kv in cordons}
         nodes = []
         for kv in records:
@@ -166,11 +182,21 @@ class Membership:
     async def cordon(self, node_id: str, reason: str = "") -> None:
         """No new sandboxes go to the node; persistent, whether or not the node is alive."""
         record = asdict(Cordon(node_id, reason, time.time()))
-        await self._etcd.put(self._etcd.key(CORDONS, node_id), json.dumps(record).encode())
+        key = self._etcd.key(CORDONS, node_id)
+        self._written(key)
+        await self._etcd.put(key, json.dumps(record).encode())
 
     async def uncordon(self, node_id: str) -> bool:
         """False when the node was not cordoned."""
-        return await self._etcd.delete(self._etcd.key(CORDONS, node_id))
+        key = self._etcd.key(CORDONS, node_id)
+        self._written(key)
+        return await self._etcd.delete(key)
+
+    def _written(self, cordon: bytes) -> None:
+        # This replica reads its own cordon at once (a create right after it must not go
+        # there): the mirror does not answer for it until the watch brings the change.
+        if self.mirrors is not None:
+            self.mirrors[1].forget(cordon)
 
     async def cordons(self) -> list[Cordon]:
         """Every cordon, also those of nodes that are not alive now."""

@@ -49,11 +49,16 @@ class ClusterPlacement(ClusterRouting):
             raise Unavailable("no node can take a sandbox: no ready node", NO_NODE_RETRY_S)
         # Nodes with the template's snapshot (or the snapshot itself) on disk: a restore from
         # their page cache, no fetch from object storage.
-        snapshot_holders = set(await self.locations.holders("snapshot", template))
-        warm = set(await self.locations.holders("template", template)) | snapshot_holders
+        # With object storage a snapshot's copies only order the nodes (any node fetches it).
+        fetchable = self.settings.object_store is not None
+        snapshot_holders = set(
+            await self.locations.holders("snapshot", template, preference=fetchable)
+        )
+        warm = set(await self.locations.holders("template", template, preference=True))
+        warm |= snapshot_holders
         need = spec.memory_mb + VMM_OVERHEAD_MB
         cands = [_Candidate(n, n.node_id in warm, self._pending_mb(n)) for n in nodes]
-        if snapshot_holders and self.settings.object_store is None:
+        if snapshot_holders and not fetchable:
             # Without object storage a snapshot can only be created from where it was taken.
             cands = [c for c in cands if c.info.node_id in snapshot_holders]
         catalog_holders = set(await self.catalog.holders(template)) if template else set()

@@ -18,6 +18,7 @@ from agentenv.cluster.catalog import SharedCatalog
 from agentenv.cluster.etcd import Etcd
 from agentenv.cluster.locations import Locations
 from agentenv.cluster.membership import Membership, NodeInfo
+from agentenv.cluster.mirror import PrefixMirror
 from agentenv.cluster.tombstones import SnapshotTombstones
 from agentenv.config import Settings
 from agentenv.contract.errors import Unavailable
@@ -62,10 +63,11 @@ class ClusterRouting:
         self.settings = settings
         self.token = settings.node_token
         self.etcd = etcd or Etcd.from_settings(settings)
-        self.membership = Membership(self.etcd)
+        # Mirrored (`cluster.mirror`): placement reads these directories per create.
+        self.membership = Membership(self.etcd, mirrored=True)
         self.bindings = Bindings(self.etcd)
-        self.locations = Locations(self.etcd)
-        self.catalog = SharedCatalog(self.etcd)
+        self.locations = Locations(self.etcd, mirrored=True)
+        self.catalog = SharedCatalog(self.etcd, mirrored=True)
         self.tombstones = SnapshotTombstones(self.etcd)
         self.sample_k = max(1, sample_k)
         self._rng = rng or random.Random()
@@ -96,6 +98,13 @@ class ClusterRouting:
         # reported). Reported once per binding: a receiver that keeps it (a row that is not
         # running) is not told again at every check.
         self._missing: dict[str, tuple[str, int, float, bool]] = {}
+
+    @property
+    def mirrors(self) -> list[PrefixMirror]:
+        """The copies of etcd directories this replica keeps (started with the runtime)."""
+        found = list(self.membership.mirrors or ())
+        found += [m for m in (self.locations.mirror, self.catalog.mirror) if m is not None]
+        return found
 
     async def _client_for(self, info: NodeInfo) -> RemoteRuntime:
         client = self._clients.get(info.node_id)

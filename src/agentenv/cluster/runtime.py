@@ -63,6 +63,8 @@ class ClusterRuntime(ClusterPlacement, ClusterReconcile):
     """`Runtime` and `NodeDirectory` of a control-plane replica."""
 
     async def start(self) -> None:
+        for mirror in self.mirrors:
+            mirror.start()
         for info in await self.membership.list_nodes():
             await self._client_for(info)
             self._live.add(info.node_id)
@@ -77,6 +79,8 @@ class ClusterRuntime(ClusterPlacement, ClusterReconcile):
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
         self._watch_task = self._reconcile_task = None
+        for mirror in self.mirrors:
+            await mirror.stop()
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)

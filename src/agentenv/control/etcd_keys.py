@@ -1,5 +1,11 @@
 """API keys (by id and by hash, written in one transaction) and idempotency keys in etcd: a
-part of `etcd_store.EtcdStore`."""
+part of `etcd_store.EtcdStore`.
+
+The key check (`key_by_hash`, every REST request) answers from a mirror of the hashes
+(`cluster.mirror`, started with the store) while it is in step: a revocation made through
+another replica or the CLI holds here once the watch delivers it (milliseconds), one made
+here at once. A hash the mirror does not have (a key made a moment ago elsewhere, a wrong
+key) is read from etcd, so a new key works at every replica at once."""
 
 from __future__ import annotations
 
@@ -9,6 +15,7 @@ import secrets
 import time
 
 from agentenv.cluster.etcd import (
+    Etcd,
     KeyValue,
     Op,
     created_at,
@@ -18,6 +25,7 @@ from agentenv.cluster.etcd import (
     put_op,
     value_is,
 )
+from agentenv.cluster.mirror import PrefixMirror
 from agentenv.control.etcd_kv import DuplicateKey, EtcdKv, _b64, _dumps, _part_ok
 from agentenv.control.store import (
     DEFAULT_TEAM,
@@ -26,6 +34,10 @@ from agentenv.control.store import (
 
 
 class EtcdKeys(EtcdKv):
+    def __init__(self, etcd: Etcd) -> None:
+        super().__init__(etcd)
+        self.key_hashes = PrefixMirror(etcd, etcd.dir("api-key-hashes"), "api-key-hashes")
+
     # -- API keys ----------------------------------------------------------------------------
 
     def _key_key(self, key_id: str) -> bytes:
@@ -76,7 +88,10 @@ class EtcdKeys(EtcdKv):
         return key if result.succeeded else None
 
     async def key_by_hash(self, key_hash: str) -> ApiKey | None:
-        kv = await self.etcd.get(self._hash_key(key_hash))
+        at = self._hash_key(key_hash)
+        known, kv = self.key_hashes.get(at)
+        if not known or kv is None:
+            kv = await self.etcd.get(at)
         return None if kv is None else self._api_key_of(kv)
 
     async def key(self, key_id: str) -> ApiKey | None:
@@ -103,8 +118,12 @@ class EtcdKeys(EtcdKv):
             return _dumps(data)
 
         def by_hash(value: bytes) -> list[Op]:
-            # The copy the key check reads, written in the same transaction.
-            return [put_op(self._hash_key(json.loads(value)["hash"]), value)]
+            # The copy the key check reads, written in the same transaction; not answered
+            # from the mirror until the watch brings the revocation (before it is sent: no
+            # request here sees the key valid once the revocation has landed).
+            at = self._hash_key(json.loads(value)["hash"])
+            self.key_hashes.forget(at)
+            return [put_op(at, value)]
 
         return await self._cas(self._key_key(key_id), revoked, f"API key {key_id}", also=by_hash)
 

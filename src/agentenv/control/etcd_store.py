@@ -140,12 +140,14 @@ class EtcdStore(EtcdTenancy, EtcdKeys):
         return row
 
     async def open(self) -> None:
-        """Starts following the live rows (`recent`)."""
+        """Starts following the live rows (`recent`) and the API keys' hashes."""
         await super().open()
         self.rows.start()
+        self.key_hashes.start()
 
     async def close(self) -> None:
         await self.rows.stop()
+        await self.key_hashes.stop()
         await super().close()
 
     async def _read(self, sandbox_id: str) -> Row | None:
