@@ -47,21 +47,22 @@ class ClusterPlacement(ClusterRouting):
         nodes = [n for n in await self.membership.list_nodes() if n.ready]
         if not nodes:
             raise Unavailable("no node can take a sandbox: no ready node", NO_NODE_RETRY_S)
+        catalog_holders = set(await self.catalog.holders(template)) if template else set()
         # Nodes with the template's snapshot (or the snapshot itself) on disk: a restore from
-        # their page cache, no fetch from object storage.
-        # With object storage a snapshot's copies only order the nodes (any node fetches it).
-        fetchable = self.settings.object_store is not None
+        # their page cache, no fetch from object storage. Where they only order the nodes (any
+        # node fetches a snapshot from object storage; a catalog template is no snapshot),
+        # the mirror's "none" stands and no etcd read is made.
+        orders_only = self.settings.object_store is not None or bool(catalog_holders)
         snapshot_holders = set(
-            await self.locations.holders("snapshot", template, preference=fetchable)
+            await self.locations.holders("snapshot", template, preference=orders_only)
         )
         warm = set(await self.locations.holders("template", template, preference=True))
         warm |= snapshot_holders
         need = spec.memory_mb + VMM_OVERHEAD_MB
         cands = [_Candidate(n, n.node_id in warm, self._pending_mb(n)) for n in nodes]
-        if snapshot_holders and not fetchable:
+        if snapshot_holders and self.settings.object_store is None:
             # Without object storage a snapshot can only be created from where it was taken.
             cands = [c for c in cands if c.info.node_id in snapshot_holders]
-        catalog_holders = set(await self.catalog.holders(template)) if template else set()
         if catalog_holders:
             # A catalog template (its layers) is only where a node has it: the bucket holds
             # snapshots, not catalogs (an image imported on one node, `docker` built on some).
