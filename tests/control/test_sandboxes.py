@@ -119,7 +119,18 @@ async def test_create_inits_envd_and_kill_releases_it(mgr: SandboxManager) -> No
         assert envs.status_code == 401
         envs = await http.get(f"{rec.envd_url}/envs", headers={"X-Access-Token": rec.envd_token})
         assert envs.json()["FOO"] == "bar"
+    reads: list[str] = []
+    get = mgr.store.get
+
+    async def counted(sandbox_id: str) -> SandboxRecord | None:
+        reads.append(sandbox_id)
+        return await get(sandbox_id)
+
+    mgr.store.get = counted  # type: ignore[method-assign]
     await mgr.kill(rec.id)
+    mgr.store.get = get  # type: ignore[method-assign]
+    # One read of the row, under its lock; the lock goes with the sandbox without another.
+    assert reads == [rec.id] and rec.id not in mgr._locks and not mgr._ended
     assert _released(mgr, pid)
     assert (await mgr.store.get(rec.id)).state is SandboxState.GONE  # type: ignore[union-attr]
     with pytest.raises(SandboxNotFound):
@@ -150,6 +161,7 @@ async def test_concurrent_kills_are_serialised_and_only_one_wins(mgr: SandboxMan
     results = await asyncio.gather(*(mgr.kill(rec.id) for _ in range(5)), return_exceptions=True)
     assert sum(r is None for r in results) == 1
     assert all(isinstance(r, SandboxNotFound) for r in results if r is not None)
+    assert rec.id not in mgr._locks and not mgr._ended
     assert _released(mgr, pid)
 
 

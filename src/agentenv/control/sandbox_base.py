@@ -181,6 +181,9 @@ class SandboxBase:
         self.limits = TeamLimits(store, lease=(lambda: own.lease_id) if own is not None else None)
         self._retention_checked = 0.0
         self._locks: dict[str, asyncio.Lock] = {}
+        # Sandboxes whose kill, under their lock, wrote the row gone: the lock's release
+        # drops the lock without reading the row (`_locked`).
+        self._ended: set[str] = set()
         self._reaper: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
         # Called with a sandbox id once it stops being reachable (killed or paused), e.g. so
@@ -206,10 +209,15 @@ class SandboxBase:
         async with lock:
             yield
         if not lock.locked() and sandbox_id in self._locks:
-            rec = await self.store.get(sandbox_id)
+            if sandbox_id in self._ended:
+                # Its kill under this lock wrote the row gone: no read to learn that (#23).
+                self._ended.discard(sandbox_id)
+                gone = True
+            else:
+                rec = await self.store.get(sandbox_id)
+                gone = rec is None or rec.state is SandboxState.GONE
             # Looked at again after the read: another request may have taken the lock while
             # it was under way, and dropping a held lock would let a third one run beside it.
-            gone = rec is None or rec.state is SandboxState.GONE
             if gone and not lock.locked() and self._locks.get(sandbox_id) is lock:
                 self._locks.pop(sandbox_id, None)
 
@@ -279,5 +287,6 @@ class SandboxBase:
         await self.store.transition(
             sandbox_id, SandboxState.KILLING, SandboxState.GONE, note=reason
         )
+        self._ended.add(sandbox_id)
         await self._released(sandbox_id)
         log.info("sandbox %s gone (%s)", sandbox_id, reason, extra={"sandbox_id": sandbox_id})
