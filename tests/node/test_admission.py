@@ -4,13 +4,14 @@ limit wait in arrival order in a bounded queue, and every exit releases what it 
 from __future__ import annotations
 
 import asyncio
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from agentenv.node.admission import MIB, Admission, Limits
+from agentenv.node.admission import HELD_FRESH_S, MIB, Admission, Limits, private_bytes
 from agentenv.node.errors import NoCapacity
 
 GIB = 1024 * MIB
@@ -425,3 +426,51 @@ async def test_a_cancelled_head_lets_the_next_waiter_in() -> None:
     # No notify: the head's poll finds the freed place by itself.
     await asyncio.wait_for(second, 5)
     assert (adm.waiting_for_capacity, adm.reserved) == (0, 0)
+
+
+def test_private_bytes_reads_anonymous_and_shared_memory_of_a_process() -> None:
+    fields = {}
+    with open(f"/proc/{os.getpid()}/status") as fh:
+        for line in fh:
+            name, _, value = line.partition(":")
+            fields[name] = value
+    expected = sum(int(fields[f].split()[0]) * 1024 for f in ("RssAnon", "RssShmem"))
+    # This process may touch a few pages in between.
+    assert abs(private_bytes(os.getpid()) - expected) < 4 * MIB
+    assert private_bytes(2**22 + 7) == 0  # above pid_max: no such process
+
+
+async def test_a_sandboxs_held_memory_is_read_once_per_window_and_anew_for_a_new_one() -> None:
+    """Each check (a create, a published load) counts every running sandbox's held memory:
+    read at most once per HELD_FRESH_S, not per check (#23)."""
+    reads: list[int] = []
+    now = [0.0]
+    running = [Sb(pid=1), Sb(pid=2)]
+
+    def held(pid: int) -> int:
+        reads.append(pid)
+        return 100 * MIB
+
+    adm = Admission(
+        Limits(max_starts=100),
+        lambda: running,
+        Path("/data"),
+        available=lambda: 64 * GIB,
+        held=held,
+        free_disk=lambda _path: 100 * GIB,
+        clock=lambda: now[0],
+    )
+    for _ in range(3):
+        async with adm.start("a create", 512):
+            pass
+    free_mb, _slots = adm.headroom()
+    assert sorted(reads) == [1, 2]
+    # 64 GiB - 2 x (512 + 128 - 100) MiB - 256 kept free.
+    assert free_mb == 64 * 1024 - 2 * 540 - 256
+    now[0] += HELD_FRESH_S
+    adm.headroom()
+    assert sorted(reads) == [1, 1, 2, 2]
+    # Pid 1 now another sandbox's (the first ended): read at once, not taken from before.
+    running[0] = Sb(pid=1)
+    adm.headroom()
+    assert reads[4:] == [1]

@@ -66,6 +66,13 @@ FIRST_START_S = 2.0
 CAPACITY_POLL_S = 0.5
 # What a sandbox ending frees; a full disk is refused at once.
 WAITABLE = frozenset({"sandboxes", "network slots", "memory"})
+# How old a running sandbox's held memory (`private_bytes`) may be when a check counts it:
+# reading it is ~40 µs per running VM, on the event loop, in every check (each create, each
+# published load), so a burst of creates on a node of hundreds of sandboxes read them all for
+# each one (#23). Within this window a VM that grew is counted as still able to grow (the fresh
+# MemAvailable already shows what it took: a check errs on the safe side); one whose memory a
+# balloon took back is counted as holding it, at most this long.
+HELD_FRESH_S = 0.5
 # Starts that may wait for capacity at once: a waiter is one coroutine and its request, so
 # this is far above the start queue (which holds starts about to spend CPU).
 CAPACITY_QUEUE = 1024
@@ -126,14 +133,17 @@ def mem_available() -> int:
 def private_bytes(pid: int) -> int:
     """What process `pid` holds that no other process shares (RssAnon + RssShmem), 0 if
     it is gone."""
-    total = 0
     try:
-        with open(f"/proc/{pid}/status") as fh:
-            for line in fh:
-                if line.startswith(("RssAnon:", "RssShmem:")):
-                    total += int(line.split()[1]) * 1024
+        with open(f"/proc/{pid}/status", "rb") as fh:
+            status = fh.read()
     except OSError:
         return 0
+    total = 0
+    for field in (b"\nRssAnon:", b"\nRssShmem:"):
+        at = status.find(field)
+        if at >= 0:
+            start = at + len(field)
+            total += int(status[start : status.index(b"kB", start)]) * 1024
     return total
 
 
@@ -158,6 +168,7 @@ class Admission:
         available: Callable[[], int] = mem_available,
         held: Callable[[int], int] = private_bytes,
         free_disk: Callable[[Path], int] = disk_free,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.limits = limits
         self._running = running
@@ -165,6 +176,10 @@ class Admission:
         self._available = available
         self._held = held
         self._free_disk = free_disk
+        self._clock = clock
+        # pid -> (the sandbox, when read, bytes held): `_growth`'s reads, each reused for
+        # HELD_FRESH_S while that pid is still that sandbox's.
+        self._held_seen: dict[int, tuple[Running, float, int]] = {}
         self._reserved: list[_Reservation] = []
         self._active = 0
         self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
@@ -358,13 +373,7 @@ class Admission:
             available = self._available()
         except OSError:
             return 0, slots
-        growth = 0
-        for sb in running:
-            may_use = (sb.memory_mb + lim.overhead_mb) * MIB
-            held = self._held(sb.pid) if sb.pid is not None else 0
-            growth += max(0, may_use - held)
-        growth += sum(r.count * (r.memory_mb + lim.overhead_mb) * MIB for r in self._reserved)
-        left = available - growth - lim.min_free_memory_mb * MIB
+        left = available - self._growth(running) - lim.min_free_memory_mb * MIB
         return max(0, left) // MIB, slots
 
     def _check(self, what: str, memory_mb: int, count: int) -> None:
@@ -394,12 +403,7 @@ class Admission:
             available = self._available()
         except OSError:
             return
-        growth = 0
-        for sb in running:
-            may_use = (sb.memory_mb + lim.overhead_mb) * MIB
-            held = self._held(sb.pid) if sb.pid is not None else 0
-            growth += max(0, may_use - held)
-        growth += sum(r.count * (r.memory_mb + lim.overhead_mb) * MIB for r in self._reserved)
+        growth = self._growth(running)
         need = count * (memory_mb + lim.overhead_mb) * MIB
         left = available - growth - lim.min_free_memory_mb * MIB
         if need > left:
@@ -414,6 +418,26 @@ class Admission:
                 resource="memory",
                 retry_after_s=RETRY_CAPACITY_S,
             )
+
+    def _growth(self, running: list[Running]) -> int:
+        """What the running sandboxes may still grow into (each up to its memory and the
+        overhead, less what it holds now), and what admitted starts will take in full."""
+        lim = self.limits
+        now = self._clock()
+        seen: dict[int, tuple[Running, float, int]] = {}
+        growth = 0
+        for sb in running:
+            held = 0
+            if sb.pid is not None:
+                was, at, held = self._held_seen.get(sb.pid, (sb, -math.inf, 0))
+                # An ended VM's pid may come back as another's: only the same sandbox's.
+                if was is not sb or now - at >= HELD_FRESH_S:
+                    at, held = now, self._held(sb.pid)
+                seen[sb.pid] = (sb, at, held)
+            growth += max(0, (sb.memory_mb + lim.overhead_mb) * MIB - held)
+        self._held_seen = seen
+        growth += sum(r.count * (r.memory_mb + lim.overhead_mb) * MIB for r in self._reserved)
+        return growth
 
     def _check_disk(self, what: str) -> None:
         lim = self.limits
