@@ -26,7 +26,7 @@ import asyncio
 import contextlib
 import logging
 
-from agentenv.cluster.etcd import Etcd, KeyValue, PrefixWatch
+from agentenv.cluster.etcd import Etcd, KeyValue, PrefixWatch, WatchEvent
 
 log = logging.getLogger(__name__)
 
@@ -35,24 +35,75 @@ log = logging.getLogger(__name__)
 RESYNC_PAUSE_S = 1.0
 
 
-class PrefixMirror:
-    """Every key under `prefix` (a directory: it ends with "/"), as the watch last told."""
+class PrefixFollower:
+    """The loop every watched copy of a directory runs: list `prefix` at revision R, watch it
+    from R+1, and after a broken watch (etcd unreachable past its deadline, a compacted
+    revision) list it again after `RESYNC_PAUSE_S`. What the listing and the events mean is
+    the subclass's (`_listed`, `_changed`): a `PrefixMirror` here, the sandbox rows'
+    `control.etcd_rows.RowView`."""
 
     def __init__(self, etcd: Etcd, prefix: bytes, name: str) -> None:
         self._etcd = etcd
         self.prefix = prefix
         self.name = name
-        self._kvs: dict[bytes, KeyValue] = {}
         self._in_step = False
         self._watch: PrefixWatch | None = None
         self._task: asyncio.Task[None] | None = None
-        # Keys this replica wrote whose new value the watch has not delivered yet (`forget`).
-        self._stale: set[bytes] = set()
 
     @property
     def in_step(self) -> bool:
         # Listed, and the watch's stream open: not while a broken one is opened again.
         return self._in_step and self._watch is not None and self._watch.streaming
+
+    def _listed(self, kvs: list[KeyValue], revision: int) -> None:
+        raise NotImplementedError
+
+    def _changed(self, event: WatchEvent) -> None:
+        raise NotImplementedError
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._follow(), name=f"etcd {self.name}")
+
+    async def stop(self) -> None:
+        task, self._task = self._task, None
+        self._in_step = False
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    async def _follow(self) -> None:
+        while True:
+            watch = None
+            try:
+                kvs, revision = await self._etcd.get_prefix(self.prefix)
+                self._listed(kvs, revision)
+                watch = self._watch = self._etcd.watch_prefix(self.prefix, revision + 1)
+                self._in_step = True
+                async for event in watch:
+                    self._changed(event)
+                raise RuntimeError("the watch ended")
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # a lost etcd, a compacted revision (`WatchCompacted`)
+                log.info("%s: watch out of step (%s); listing again", self.name, exc)
+            finally:
+                self._in_step, self._watch = False, None
+                if watch is not None:
+                    with contextlib.suppress(Exception):
+                        await watch.stop()
+            await asyncio.sleep(RESYNC_PAUSE_S)
+
+
+class PrefixMirror(PrefixFollower):
+    """Every key under `prefix` (a directory: it ends with "/"), as the watch last told."""
+
+    def __init__(self, etcd: Etcd, prefix: bytes, name: str) -> None:
+        super().__init__(etcd, prefix, f"mirror of {name}")
+        self._kvs: dict[bytes, KeyValue] = {}
+        # Keys this replica wrote whose new value the watch has not delivered yet (`forget`).
+        self._stale: set[bytes] = set()
 
     def under(self, prefix: bytes) -> list[KeyValue] | None:
         """The keys under `prefix` (within this mirror's directory), sorted by key; None
@@ -75,46 +126,16 @@ class PrefixMirror:
         replica just made must not be answered from the copy from before it."""
         self._stale.add(key)
 
-    # -- the watch -----------------------------------------------------------------------------
+    def _listed(self, kvs: list[KeyValue], revision: int) -> None:
+        # `_stale` stays: a listing may have been read before this replica's write.
+        self._kvs = {kv.key: kv for kv in kvs}
 
-    def start(self) -> None:
-        if self._task is None:
-            self._task = asyncio.create_task(self._follow(), name=f"etcd mirror {self.name}")
-
-    async def stop(self) -> None:
-        task, self._task = self._task, None
-        self._in_step = False
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-
-    async def _follow(self) -> None:
-        while True:
-            watch = None
-            try:
-                kvs, revision = await self._etcd.get_prefix(self.prefix)
-                # `_stale` stays: a listing may have been read before this replica's write.
-                self._kvs = {kv.key: kv for kv in kvs}
-                watch = self._watch = self._etcd.watch_prefix(self.prefix, revision + 1)
-                self._in_step = True
-                async for event in watch:
-                    self._stale.discard(event.kv.key)
-                    if event.kind == "put":
-                        self._kvs[event.kv.key] = event.kv
-                    else:
-                        self._kvs.pop(event.kv.key, None)
-                raise RuntimeError("the watch ended")
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # a lost etcd, a compacted revision (`WatchCompacted`)
-                log.info("mirror of %s: watch out of step (%s); listing it again", self.name, exc)
-            finally:
-                self._in_step, self._watch = False, None
-                if watch is not None:
-                    with contextlib.suppress(Exception):
-                        await watch.stop()
-            await asyncio.sleep(RESYNC_PAUSE_S)
+    def _changed(self, event: WatchEvent) -> None:
+        self._stale.discard(event.kv.key)
+        if event.kind == "put":
+            self._kvs[event.kv.key] = event.kv
+        else:
+            self._kvs.pop(event.kv.key, None)
 
 
 def _key(kv: KeyValue) -> bytes:

@@ -18,18 +18,14 @@ Values are kept as etcd's bytes and decoded on use: a replica may know thousands
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import json
-import logging
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from agentenv.cluster.etcd import Etcd, KeyValue, PrefixWatch
-
-log = logging.getLogger(__name__)
+from agentenv.cluster.etcd import Etcd, KeyValue, WatchEvent
+from agentenv.cluster.mirror import PrefixFollower
 
 # Live rows remembered (etcd's bytes, ~1 KB each); past this the least recently learned go,
 # and a row not known here is read from etcd.
@@ -38,9 +34,6 @@ MAX_ROWS = 16384
 # sandboxes does not push long-lived rows out. They stop a read answered before a deletion
 # from bringing the deleted row back; seconds would do.
 MAX_PAST = 4096
-# After a broken watch (etcd unreachable past its deadline, a compacted revision): the pause
-# before listing the rows again.
-RESYNC_PAUSE_S = 1.0
 
 
 @dataclass
@@ -69,21 +62,19 @@ class _Known:
     kv: KeyValue | None
 
 
-class RowView:
+class RowView(PrefixFollower):
     """Live sandbox rows under `prefix` (the store's `sandboxes/` directory), kept by a watch
-    (`start`) and by the store's own reads and writes (`learn`)."""
+    (`start`, `cluster.mirror.PrefixFollower`) and by the store's own reads and writes
+    (`learn`)."""
 
     def __init__(self, etcd: Etcd, prefix: bytes, id_of: Callable[[bytes], str]) -> None:
-        self._etcd = etcd
+        super().__init__(etcd, prefix, "sandbox rows")
         self._prefix = prefix
         self._id_of = id_of
         self._live: OrderedDict[str, _Known] = OrderedDict()
         self._past: OrderedDict[str, _Known] = OrderedDict()
-        self._in_step = False
         # Every live row is known (none dropped for room since the last listing).
         self._complete = False
-        self._watch: PrefixWatch | None = None
-        self._task: asyncio.Task[None] | None = None
 
     # -- what the store learns itself ----------------------------------------------------------
 
@@ -123,13 +114,9 @@ class RowView:
             return None
         return Row(known.kv.key, known.kv, decode(known.kv))
 
-    def _following(self) -> bool:
-        # Listed, and the watch's stream open: not while a broken one is opened again.
-        return self._in_step and self._watch is not None and self._watch.streaming
-
     def current(self, sandbox_id: str) -> Row | None:
         """The live row as known here while the watch is in step; None when not known."""
-        if not self._following():
+        if not self.in_step:
             return None
         row = self.latest(sandbox_id)
         return row if row is not None and row.key.startswith(self._prefix) else None
@@ -137,52 +124,24 @@ class RowView:
     def live_rows(self) -> list[dict[str, Any]] | None:
         """Every live row's fields while the watch is in step and none was dropped for
         room; None otherwise (list them from etcd)."""
-        if not (self._following() and self._complete):
+        if not (self.in_step and self._complete):
             return None
         return [decode(k.kv) for k in self._live.values() if k.kv is not None]
 
-    # -- the watch -----------------------------------------------------------------------------
+    # -- the watch (`PrefixFollower`) ----------------------------------------------------------
 
-    def start(self) -> None:
-        if self._task is None:
-            self._task = asyncio.create_task(self._follow(), name="etcd sandbox rows")
+    def _listed(self, kvs: list[KeyValue], revision: int) -> None:
+        self._complete = len(kvs) <= MAX_ROWS
+        listed = {self._id_of(kv.key) for kv in kvs}
+        for kv in kvs:
+            self.learn(self._id_of(kv.key), kv)
+        # Rows known live that the listing no longer has went before `revision`.
+        for sandbox_id in [i for i in self._live if i not in listed]:
+            self.learn(sandbox_id, None, revision)
 
-    async def stop(self) -> None:
-        task, self._task = self._task, None
-        self._in_step = False
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-
-    async def _follow(self) -> None:
-        while True:
-            watch = None
-            try:
-                kvs, revision = await self._etcd.get_prefix(self._prefix)
-                self._complete = len(kvs) <= MAX_ROWS
-                listed = {self._id_of(kv.key) for kv in kvs}
-                for kv in kvs:
-                    self.learn(self._id_of(kv.key), kv)
-                # Rows known live that the listing no longer has went before `revision`.
-                for sandbox_id in [i for i in self._live if i not in listed]:
-                    self.learn(sandbox_id, None, revision)
-                watch = self._watch = self._etcd.watch_prefix(self._prefix, revision + 1)
-                self._in_step = True
-                async for event in watch:
-                    sandbox_id = self._id_of(event.kv.key)
-                    if event.kind == "put":
-                        self.learn(sandbox_id, event.kv)
-                    else:
-                        self.learn(sandbox_id, None, event.kv.mod_revision)
-                raise RuntimeError("the watch ended")
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # a lost etcd, a compacted revision (`WatchCompacted`)
-                log.info("sandbox rows: watch out of step (%s); listing them again", exc)
-            finally:
-                self._in_step, self._watch = False, None
-                if watch is not None:
-                    with contextlib.suppress(Exception):
-                        await watch.stop()
-            await asyncio.sleep(RESYNC_PAUSE_S)
+    def _changed(self, event: WatchEvent) -> None:
+        sandbox_id = self._id_of(event.kv.key)
+        if event.kind == "put":
+            self.learn(sandbox_id, event.kv)
+        else:
+            self.learn(sandbox_id, None, event.kv.mod_revision)
